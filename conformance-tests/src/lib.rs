@@ -1,0 +1,4 @@
+//! The conformance suite (under construction).
+
+#[cfg(feature = "containers")]
+pub mod containers;

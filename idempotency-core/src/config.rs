@@ -1,0 +1,298 @@
+//! Configuration of the manager, with the defaults of `SPEC.md` §4.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::Error;
+
+/// What happens to the record when the handler fails (a per-call
+/// [`FailureKind`](crate::FailureKind) overrides it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailurePolicy {
+    /// Delete the record so a redelivery runs the handler again (default).
+    #[default]
+    Release,
+    /// Store `Failed`: duplicates get the stored error until the TTL.
+    Store,
+    /// Store `Failed`, and let the next delivery take it over and run again.
+    StoreAndRetry,
+}
+
+/// What a duplicate gets while another attempt holds a live lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "mode")]
+pub enum InProgressPolicy {
+    /// Return [`Error::InProgress`] at once (default): the broker redelivers later,
+    /// HTTP answers 409.
+    #[default]
+    FailFast,
+    /// Poll the store until the holder finishes or `timeout` passes, then answer
+    /// as a duplicate (or run, if the holder released the key or its lease ran out).
+    Wait {
+        /// How long to wait at most.
+        #[serde(with = "duration")]
+        timeout: Duration,
+        /// How often to look.
+        #[serde(with = "duration")]
+        poll_interval: Duration,
+    },
+}
+
+/// What happens when the store is unreachable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OutagePolicy {
+    /// Return the store's error; the handler does not run (default).
+    #[default]
+    FailClosed,
+    /// Run the handler without protection; counted in
+    /// `idempotency_fail_open_total` and logged.
+    FailOpen,
+}
+
+/// Manager configuration. Every field has the default of `SPEC.md` §4, so a config
+/// file only names what it changes.
+///
+/// Durations deserialize from integers (seconds) or strings with a unit
+/// (`"250ms"`, `"30s"`, `"5m"`, `"1h"`).
+///
+/// ```
+/// use idempotency_core::{Config, FailurePolicy};
+/// use std::time::Duration;
+///
+/// let config: Config = serde_json::from_str(r#"{
+///     "key_prefix": "payments",
+///     "ttl": "2h",
+///     "processing_timeout": 60,
+///     "failure_policy": "store"
+/// }"#)?;
+/// assert_eq!(config.ttl, Duration::from_secs(7200));
+/// assert_eq!(config.processing_timeout, Duration::from_secs(60));
+/// assert_eq!(config.failure_policy, FailurePolicy::Store);
+/// assert!(config.cache_results); // a default
+/// config.validate()?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct Config {
+    /// The namespace prefix of every key (default `idempotency`).
+    pub key_prefix: String,
+    /// How long a finished record is kept, i.e. the de-duplication window
+    /// (default 3600 s).
+    #[serde(with = "duration")]
+    pub ttl: Duration,
+    /// The lease of a `Processing` record: after it (plus `clock_skew`) another
+    /// consumer may take over (default 300 s).
+    #[serde(with = "duration")]
+    pub processing_timeout: Duration,
+    /// Whether handler results are stored and replayed to duplicates (default on).
+    pub cache_results: bool,
+    /// The largest serialized result cached (default 1 MiB); larger results
+    /// complete the record without a cached result.
+    pub max_result_size_bytes: usize,
+    /// Whether payloads are fingerprinted to detect key reuse (default on).
+    pub validate_payload: bool,
+    /// What a handler error does to the record.
+    pub failure_policy: FailurePolicy,
+    /// What a duplicate gets while another attempt runs.
+    pub in_progress: InProgressPolicy,
+    /// What happens when the store is unreachable.
+    pub on_store_outage: OutagePolicy,
+    /// Tolerated clock drift between consumers; delays takeovers (default 0).
+    #[serde(with = "duration")]
+    pub clock_skew: Duration,
+    /// When set, the lease is extended by `processing_timeout` at this interval
+    /// while the handler runs, so long handlers are not taken over (default off).
+    #[serde(with = "option_duration")]
+    pub lease_extension_interval: Option<Duration>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            key_prefix: "idempotency".to_owned(),
+            ttl: Duration::from_secs(3600),
+            processing_timeout: Duration::from_secs(300),
+            cache_results: true,
+            max_result_size_bytes: 1024 * 1024,
+            validate_payload: true,
+            failure_policy: FailurePolicy::Release,
+            in_progress: InProgressPolicy::FailFast,
+            on_store_outage: OutagePolicy::FailClosed,
+            clock_skew: Duration::ZERO,
+            lease_extension_interval: None,
+        }
+    }
+}
+
+impl Config {
+    /// Checks the values against each other.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when the TTL or processing timeout is zero, the TTL is
+    /// shorter than the processing timeout, or the lease extension interval is
+    /// not shorter than the processing timeout.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.ttl.is_zero() || self.processing_timeout.is_zero() {
+            return Err(Error::config("ttl and processing_timeout must be positive"));
+        }
+        if self.ttl < self.processing_timeout {
+            return Err(Error::config(format!(
+                "ttl ({:?}) must not be shorter than processing_timeout ({:?}): the record \
+                 would expire while its handler runs",
+                self.ttl, self.processing_timeout
+            )));
+        }
+        if let Some(i) = self.lease_extension_interval {
+            if i.is_zero() || i >= self.processing_timeout {
+                return Err(Error::config(
+                    "lease_extension_interval must be positive and shorter than processing_timeout",
+                ));
+            }
+        }
+        if let InProgressPolicy::Wait { poll_interval, .. } = self.in_progress {
+            if poll_interval.is_zero() {
+                return Err(Error::config("in_progress.poll_interval must be positive"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses `"250ms"`, `"30s"`, `"5m"`, `"1h"`, `"2d"` or a bare number of seconds.
+///
+/// ```
+/// use idempotency_core::parse_duration;
+/// use std::time::Duration;
+/// assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+/// assert_eq!(parse_duration("5m"), Some(Duration::from_secs(300)));
+/// assert_eq!(parse_duration("12"), Some(Duration::from_secs(12)));
+/// assert_eq!(parse_duration("soon"), None);
+/// ```
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits.parse().ok()?;
+    let ms = match unit.trim() {
+        "ms" => n,
+        "" | "s" => n.checked_mul(1_000)?,
+        "m" => n.checked_mul(60_000)?,
+        "h" => n.checked_mul(3_600_000)?,
+        "d" => n.checked_mul(86_400_000)?,
+        _ => return None,
+    };
+    Some(Duration::from_millis(ms))
+}
+
+fn format_duration(d: &Duration) -> String {
+    let ms = d.as_millis();
+    if ms % 1000 == 0 {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum DurationRepr {
+    Secs(u64),
+    Text(String),
+}
+
+impl DurationRepr {
+    fn into_duration<E: serde::de::Error>(self) -> Result<Duration, E> {
+        match self {
+            DurationRepr::Secs(s) => Ok(Duration::from_secs(s)),
+            DurationRepr::Text(t) => parse_duration(&t)
+                .ok_or_else(|| E::custom(format!("invalid duration {t:?}: use e.g. 250ms, 30s, 5m, 1h"))),
+        }
+    }
+}
+
+mod duration {
+    use super::*;
+    pub(super) fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format_duration(d))
+    }
+    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        DurationRepr::deserialize(d)?.into_duration()
+    }
+}
+
+mod option_duration {
+    use super::*;
+    pub(super) fn serialize<S: serde::Serializer>(
+        d: &Option<Duration>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&format_duration(d)),
+            None => s.serialize_none(),
+        }
+    }
+    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Option<Duration>, D::Error> {
+        Option::<DurationRepr>::deserialize(d)?
+            .map(DurationRepr::into_duration)
+            .transpose()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_match_the_spec() {
+        let c = Config::default();
+        assert_eq!(c.key_prefix, "idempotency");
+        assert_eq!(c.ttl, Duration::from_secs(3600));
+        assert_eq!(c.processing_timeout, Duration::from_secs(300));
+        assert!(c.cache_results);
+        assert_eq!(c.max_result_size_bytes, 1 << 20);
+        assert_eq!(c.failure_policy, FailurePolicy::Release);
+        assert_eq!(c.in_progress, InProgressPolicy::FailFast);
+        assert_eq!(c.on_store_outage, OutagePolicy::FailClosed);
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn round_trips_through_json() {
+        let c = Config {
+            in_progress: InProgressPolicy::Wait {
+                timeout: Duration::from_secs(5),
+                poll_interval: Duration::from_millis(50),
+            },
+            lease_extension_interval: Some(Duration::from_secs(60)),
+            ..Config::default()
+        };
+        let json = serde_json::to_string(&c).unwrap();
+        let back: Config = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, c);
+        let empty: Config = serde_json::from_str("{}").unwrap();
+        assert_eq!(empty, Config::default());
+    }
+
+    #[test]
+    fn rejects_bad_values() {
+        assert!(serde_json::from_str::<Config>(r#"{"ttl": "soon"}"#).is_err());
+        assert!(serde_json::from_str::<Config>(r#"{"tll": 5}"#).is_err());
+        let short_ttl = Config {
+            ttl: Duration::from_secs(10),
+            ..Config::default()
+        };
+        assert!(matches!(short_ttl.validate(), Err(Error::Config { .. })));
+        let bad_extension = Config {
+            lease_extension_interval: Some(Duration::from_secs(300)),
+            ..Config::default()
+        };
+        assert!(bad_extension.validate().is_err());
+    }
+}

@@ -1,0 +1,345 @@
+//! The state machine's decisions, as pure functions over a record.
+//!
+//! Nothing here performs I/O: the manager sequences repository calls around
+//! these functions, and the in-memory store (and any store that reads, decides and
+//! writes under a lock) applies [`reserve_transition`] directly. Keeping them pure
+//! lets them be tested exhaustively (status × lease × fingerprint × policy).
+
+use std::time::Duration;
+
+use crate::config::FailurePolicy;
+use crate::key::Fingerprint;
+use crate::record::{Record, Status};
+use crate::repository::ReserveRequest;
+use crate::time::Timestamp;
+
+/// What `reserve` does to the record it finds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReserveTransition {
+    /// No live record: create `Processing`, attempt 1.
+    Create,
+    /// Take over the record: new owner, this attempt number.
+    Takeover {
+        /// `previous attempt + 1`.
+        attempt: u32,
+    },
+    /// Leave the record as it is and return it.
+    Existing,
+}
+
+/// Whether two optional fingerprints are both present and differ.
+pub fn fingerprints_conflict(stored: Option<&Fingerprint>, request: Option<&Fingerprint>) -> bool {
+    matches!((stored, request), (Some(a), Some(b)) if a != b)
+}
+
+/// The reservation rule of the repository contract, over the record currently
+/// stored (expired or not).
+pub fn reserve_transition(existing: Option<&Record>, req: &ReserveRequest<'_>) -> ReserveTransition {
+    let Some(record) = existing.filter(|r| !r.is_expired(req.now)) else {
+        return ReserveTransition::Create;
+    };
+    if fingerprints_conflict(record.fingerprint.as_ref(), req.fingerprint.as_ref()) {
+        return ReserveTransition::Existing;
+    }
+    let takeover = match record.status {
+        Status::Processing => record.lease_until <= req.lease_cutoff(),
+        Status::Failed => req.retry_failed,
+        Status::Completed => false,
+    };
+    if takeover {
+        ReserveTransition::Takeover {
+            attempt: record.attempt.saturating_add(1),
+        }
+    } else {
+        ReserveTransition::Existing
+    }
+}
+
+/// Builds the record a [`ReserveTransition::Create`] or
+/// [`ReserveTransition::Takeover`] stores.
+pub fn reserved_record(existing: Option<&Record>, req: &ReserveRequest<'_>, attempt: u32) -> Record {
+    let created_at = match existing {
+        Some(r) if attempt > 1 => r.created_at,
+        _ => req.now,
+    };
+    Record {
+        status: Status::Processing,
+        owner: req.owner,
+        attempt,
+        fingerprint: req.fingerprint,
+        result: None,
+        error: None,
+        lease_until: req.lease_until,
+        expires_at: req.expires_at,
+        created_at,
+        updated_at: req.now,
+    }
+}
+
+/// What a duplicate delivery gets when `reserve` returned an existing record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DuplicateDecision {
+    /// The stored payload fingerprint differs from this request's.
+    PayloadMismatch,
+    /// Completed with a cached result: replay it.
+    Replay(Vec<u8>),
+    /// Completed without a cached result.
+    Duplicate,
+    /// Another attempt holds a live lease.
+    InProgress {
+        /// Time until the lease (plus skew tolerance) runs out.
+        retry_after: Duration,
+    },
+    /// The earlier attempt failed and stored its error.
+    PreviouslyFailed(Vec<u8>),
+}
+
+/// The decision for an [`Existing`](crate::Reservation::Existing) record (SPEC
+/// §4 step 2).
+pub fn decide_duplicate(
+    record: Record,
+    fingerprint: Option<&Fingerprint>,
+    now: Timestamp,
+    clock_skew: Duration,
+) -> DuplicateDecision {
+    if fingerprints_conflict(record.fingerprint.as_ref(), fingerprint) {
+        return DuplicateDecision::PayloadMismatch;
+    }
+    match record.status {
+        Status::Completed => match record.result {
+            Some(bytes) => DuplicateDecision::Replay(bytes),
+            None => DuplicateDecision::Duplicate,
+        },
+        Status::Processing => DuplicateDecision::InProgress {
+            retry_after: (record.lease_until + clock_skew).duration_since(now),
+        },
+        Status::Failed => DuplicateDecision::PreviouslyFailed(record.error.unwrap_or_default()),
+    }
+}
+
+/// How a handler's error is classified for one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum FailureKind {
+    /// Let the configured [`FailurePolicy`] decide.
+    #[default]
+    Default,
+    /// Retrying may succeed: release the record so a redelivery runs again.
+    Transient,
+    /// Retrying will not help: store `Failed` so duplicates get the error.
+    Permanent,
+}
+
+/// What the manager does with the record after a handler error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureAction {
+    /// Delete the record: the next delivery runs the handler again.
+    Release,
+    /// Store `Failed` with the error.
+    StoreFailed,
+}
+
+/// The action for a handler error of `kind` under `policy` (SPEC §4 step 5).
+pub fn failure_action(kind: FailureKind, policy: FailurePolicy) -> FailureAction {
+    match (kind, policy) {
+        (FailureKind::Transient, _) => FailureAction::Release,
+        (FailureKind::Permanent, _) => FailureAction::StoreFailed,
+        (FailureKind::Default, FailurePolicy::Release) => FailureAction::Release,
+        (FailureKind::Default, FailurePolicy::Store | FailurePolicy::StoreAndRetry) => {
+            FailureAction::StoreFailed
+        }
+    }
+}
+
+/// Whether a serialized result of `size` bytes is cached (SPEC §4 step 4): caching
+/// is on and it fits `min(max_result_size, store limit)`.
+pub fn should_cache_result(
+    size: usize,
+    caching: bool,
+    max_result_size: usize,
+    store_limit: Option<usize>,
+) -> bool {
+    caching && size <= store_limit.map_or(max_result_size, |s| s.min(max_result_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::{OwnerToken, RecordKey};
+
+    fn t(ms: u64) -> Timestamp {
+        Timestamp::from_millis(ms)
+    }
+
+    fn record(status: Status, lease_until: u64, expires_at: u64, fp: Option<u8>) -> Record {
+        Record {
+            status,
+            owner: OwnerToken::from_u128(1),
+            attempt: 3,
+            fingerprint: fp.map(|b| Fingerprint::from_bytes([b; 32])),
+            result: (status == Status::Completed).then(|| b"r".to_vec()),
+            error: (status == Status::Failed).then(|| b"e".to_vec()),
+            lease_until: t(lease_until),
+            expires_at: t(expires_at),
+            created_at: t(1),
+            updated_at: t(2),
+        }
+    }
+
+    const STATUSES: [Status; 3] = [Status::Processing, Status::Completed, Status::Failed];
+    const FPS: [Option<u8>; 3] = [None, Some(1), Some(2)];
+
+    /// Every status × lease (live, at cutoff, stale) × expiry × fingerprint pair ×
+    /// retry_failed × skew, checked against the contract's rule written out
+    /// independently.
+    #[test]
+    fn reserve_transition_exhaustive() {
+        let key = RecordKey::new("ns", "id", 256).unwrap();
+        let now = 1_000;
+        for status in STATUSES {
+            for lease in [now - 500, now - 100, now, now + 100] {
+                for expires in [now - 1, now, now + 1, now + 10_000] {
+                    for stored_fp in FPS {
+                        for req_fp in FPS {
+                            for retry_failed in [false, true] {
+                                for skew in [0, 100, 400] {
+                                    let rec = record(status, lease, expires, stored_fp);
+                                    let req = ReserveRequest {
+                                        key: &key,
+                                        owner: OwnerToken::from_u128(2),
+                                        fingerprint: req_fp.map(|b| Fingerprint::from_bytes([b; 32])),
+                                        now: t(now),
+                                        lease_until: t(now + 30),
+                                        expires_at: t(now + 60),
+                                        retry_failed,
+                                        clock_skew: Duration::from_millis(skew),
+                                    };
+                                    let got = reserve_transition(Some(&rec), &req);
+                                    let expired = expires <= now;
+                                    let conflict = matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
+                                    let stale = lease + skew <= now;
+                                    let want = if expired {
+                                        ReserveTransition::Create
+                                    } else if conflict {
+                                        ReserveTransition::Existing
+                                    } else if (status == Status::Processing && stale)
+                                        || (status == Status::Failed && retry_failed)
+                                    {
+                                        ReserveTransition::Takeover { attempt: 4 }
+                                    } else {
+                                        ReserveTransition::Existing
+                                    };
+                                    assert_eq!(got, want, "{status:?} lease={lease} exp={expires} fp={stored_fp:?}/{req_fp:?} retry={retry_failed} skew={skew}");
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let req = ReserveRequest {
+            key: &key,
+            owner: OwnerToken::from_u128(2),
+            fingerprint: None,
+            now: t(now),
+            lease_until: t(now + 30),
+            expires_at: t(now + 60),
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        };
+        assert_eq!(reserve_transition(None, &req), ReserveTransition::Create);
+    }
+
+    #[test]
+    fn reserved_record_keeps_created_at_only_on_takeover() {
+        let key = RecordKey::new("ns", "id", 256).unwrap();
+        let old = record(Status::Failed, 0, 10_000, Some(1));
+        let req = ReserveRequest {
+            key: &key,
+            owner: OwnerToken::from_u128(9),
+            fingerprint: None,
+            now: t(500),
+            lease_until: t(600),
+            expires_at: t(900),
+            retry_failed: true,
+            clock_skew: Duration::ZERO,
+        };
+        let taken = reserved_record(Some(&old), &req, 4);
+        assert_eq!(taken.created_at, t(1));
+        assert_eq!(taken.owner, OwnerToken::from_u128(9));
+        assert_eq!((taken.result, taken.error, taken.fingerprint), (None, None, None));
+        assert_eq!(taken.status, Status::Processing);
+        let fresh = reserved_record(Some(&old), &req, 1);
+        assert_eq!(fresh.created_at, t(500));
+    }
+
+    #[test]
+    fn duplicate_decisions_exhaustive() {
+        let now = t(1_000);
+        for status in STATUSES {
+            for stored_fp in FPS {
+                for req_fp in FPS {
+                    for cached in [false, true] {
+                        let mut rec = record(status, 1_200, 5_000, stored_fp);
+                        if !cached {
+                            rec.result = None;
+                            rec.error = None;
+                        }
+                        let fp = req_fp.map(|b| Fingerprint::from_bytes([b; 32]));
+                        let got = decide_duplicate(rec, fp.as_ref(), now, Duration::from_millis(50));
+                        let conflict = matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
+                        let want = match (conflict, status, cached) {
+                            (true, _, _) => DuplicateDecision::PayloadMismatch,
+                            (false, Status::Completed, true) => DuplicateDecision::Replay(b"r".to_vec()),
+                            (false, Status::Completed, false) => DuplicateDecision::Duplicate,
+                            (false, Status::Processing, _) => DuplicateDecision::InProgress {
+                                retry_after: Duration::from_millis(250),
+                            },
+                            (false, Status::Failed, true) => DuplicateDecision::PreviouslyFailed(b"e".to_vec()),
+                            (false, Status::Failed, false) => DuplicateDecision::PreviouslyFailed(Vec::new()),
+                        };
+                        assert_eq!(got, want);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn in_progress_retry_after_never_negative() {
+        let rec = record(Status::Processing, 900, 5_000, None);
+        assert_eq!(
+            decide_duplicate(rec, None, t(1_000), Duration::ZERO),
+            DuplicateDecision::InProgress { retry_after: Duration::ZERO }
+        );
+    }
+
+    #[test]
+    fn failure_actions_exhaustive() {
+        use FailureAction::*;
+        use FailureKind as K;
+        use FailurePolicy as P;
+        let table = [
+            (K::Default, P::Release, Release),
+            (K::Default, P::Store, StoreFailed),
+            (K::Default, P::StoreAndRetry, StoreFailed),
+            (K::Transient, P::Release, Release),
+            (K::Transient, P::Store, Release),
+            (K::Transient, P::StoreAndRetry, Release),
+            (K::Permanent, P::Release, StoreFailed),
+            (K::Permanent, P::Store, StoreFailed),
+            (K::Permanent, P::StoreAndRetry, StoreFailed),
+        ];
+        for (kind, policy, want) in table {
+            assert_eq!(failure_action(kind, policy), want, "{kind:?} {policy:?}");
+        }
+    }
+
+    #[test]
+    fn result_caching_limits() {
+        assert!(should_cache_result(10, true, 10, None));
+        assert!(!should_cache_result(11, true, 10, None));
+        assert!(!should_cache_result(10, true, 100, Some(9)));
+        assert!(should_cache_result(9, true, 100, Some(9)));
+        assert!(!should_cache_result(0, false, 100, None));
+    }
+}

@@ -1,0 +1,213 @@
+//! The one error type of the core surface.
+
+use std::time::Duration;
+
+use crate::key::RecordKey;
+
+/// A boxed error from a backend's own client.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Everything that can go wrong in the idempotency layer, for repositories and the
+/// manager alike.
+///
+/// Store failures are split by what a caller should do: [`Error::Unavailable`] and
+/// [`Error::Timeout`] are retryable ([`Error::is_retryable`]);
+/// [`Error::Corrupt`], [`Error::Config`] and [`Error::ResultTooLarge`] are not.
+/// Outcomes of the state machine that are not the handler's (a duplicate in
+/// flight, a reused key) are variants too, so one `match` covers them.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The idempotency key is unusable (empty, or a namespace that is too long).
+    #[error("invalid idempotency key: {reason}")]
+    InvalidKey {
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// Another attempt holds the key and its lease is live. Brokers should
+    /// redeliver later; HTTP answers 409.
+    #[error("{key} is being processed by another attempt; retry after {retry_after:?}")]
+    InProgress {
+        /// The key.
+        key: RecordKey,
+        /// How long until the holder's lease runs out.
+        retry_after: Duration,
+    },
+
+    /// The key was used before with a different payload. HTTP answers 422.
+    #[error("{key} was used before with a different payload")]
+    PayloadMismatch {
+        /// The key.
+        key: RecordKey,
+    },
+
+    /// The key's earlier attempt failed and its failure was stored.
+    #[error("{key} failed before: {}", String::from_utf8_lossy(error))]
+    PreviouslyFailed {
+        /// The key.
+        key: RecordKey,
+        /// The stored error (the manager stores the handler error's `Display`).
+        error: Vec<u8>,
+    },
+
+    /// The owner token no longer holds the record: it was taken over, completed,
+    /// released, deleted or expired. The record was left untouched.
+    #[error("the lease on {key} was lost: another owner holds it, or it is gone")]
+    LeaseLost {
+        /// The key.
+        key: RecordKey,
+    },
+
+    /// The store cannot be reached or refused service (retryable).
+    #[error("{backend} is unavailable: {message}")]
+    Unavailable {
+        /// The backend's name.
+        backend: &'static str,
+        /// What happened.
+        message: String,
+        /// The client's error.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// An operation did not finish in time (retryable; its effect is unknown).
+    #[error("{backend} timed out during {operation}")]
+    Timeout {
+        /// The backend's name.
+        backend: &'static str,
+        /// The operation that timed out.
+        operation: &'static str,
+    },
+
+    /// A stored record (or a value in it) could not be read back.
+    #[error("corrupt record {}: {reason}", key.as_ref().map_or_else(|| "<value>".to_owned(), |k| k.to_string()))]
+    Corrupt {
+        /// The key, where known.
+        key: Option<RecordKey>,
+        /// What could not be parsed.
+        reason: String,
+    },
+
+    /// The layer or a backend is misconfigured.
+    #[error("configuration error: {message}")]
+    Config {
+        /// What is wrong.
+        message: String,
+    },
+
+    /// A value is larger than the store can hold.
+    #[error("{what} of {size} bytes exceeds the limit of {max} bytes")]
+    TooLarge {
+        /// What was too large (`result`, `error`).
+        what: &'static str,
+        /// Its size.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+
+    /// The backend does not support an operation.
+    #[error("{backend} does not support {operation}")]
+    Unsupported {
+        /// The operation.
+        operation: &'static str,
+        /// The backend's name.
+        backend: &'static str,
+    },
+
+    /// A result could not be encoded or decoded by the codec.
+    #[error("codec error: {source}")]
+    Codec {
+        /// The codec's error.
+        #[source]
+        source: BoxError,
+    },
+
+    /// Any other failure of the store, not known to be retryable.
+    #[error("{backend} error: {message}")]
+    Backend {
+        /// The backend's name.
+        backend: &'static str,
+        /// What happened.
+        message: String,
+        /// The client's error.
+        #[source]
+        source: Option<BoxError>,
+    },
+}
+
+impl Error {
+    /// Whether retrying the same call later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::Unavailable { .. } | Error::Timeout { .. } | Error::InProgress { .. }
+        )
+    }
+
+    /// Whether the store itself failed (unavailable or timed out), as opposed to a
+    /// decision of the state machine: the condition for failing open.
+    pub fn is_store_outage(&self) -> bool {
+        matches!(self, Error::Unavailable { .. } | Error::Timeout { .. })
+    }
+
+    /// [`Error::Unavailable`] with a client error.
+    pub fn unavailable(
+        backend: &'static str,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        let source = source.into();
+        Error::Unavailable {
+            backend,
+            message: source.to_string(),
+            source: Some(source),
+        }
+    }
+
+    /// [`Error::Backend`] with a client error.
+    pub fn backend(backend: &'static str, source: impl Into<BoxError>) -> Self {
+        let source = source.into();
+        Error::Backend {
+            backend,
+            message: source.to_string(),
+            source: Some(source),
+        }
+    }
+
+    /// [`Error::Corrupt`] for the record at `key`.
+    pub fn corrupt(key: &RecordKey, reason: impl Into<String>) -> Self {
+        Error::Corrupt {
+            key: Some(key.clone()),
+            reason: reason.into(),
+        }
+    }
+
+    /// [`Error::Corrupt`] for a value not yet tied to a key (a parser's error;
+    /// attach the key with [`Error::with_key`]).
+    pub fn corrupt_value(what: &str, problem: &str) -> Self {
+        Error::Corrupt {
+            key: None,
+            reason: format!("{what}: {problem}"),
+        }
+    }
+
+    /// [`Error::Config`].
+    pub fn config(message: impl Into<String>) -> Self {
+        Error::Config {
+            message: message.into(),
+        }
+    }
+
+    /// Attaches `key` to a [`Error::Corrupt`] that has none; other errors are
+    /// returned unchanged.
+    pub fn with_key(self, key: &RecordKey) -> Self {
+        match self {
+            Error::Corrupt { key: None, reason } => Error::Corrupt {
+                key: Some(key.clone()),
+                reason,
+            },
+            other => other,
+        }
+    }
+}

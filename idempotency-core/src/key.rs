@@ -1,0 +1,368 @@
+//! Record keys, owner (fencing) tokens and payload fingerprints.
+
+use std::fmt;
+use std::str::FromStr;
+
+use sha2::{Digest, Sha256};
+
+use crate::error::Error;
+
+/// The prefix of an id that was replaced by its digest.
+///
+/// An id that itself starts with this prefix is digested too, so a raw id can never
+/// equal the digest form of another id (barring a SHA-256 collision).
+pub const DIGEST_PREFIX: &str = "sha256:";
+
+/// The longest namespace accepted, in bytes. Namespaces are configuration
+/// (prefix + scope), so a longer one is a mistake, not data.
+pub const MAX_NAMESPACE_BYTES: usize = 512;
+
+/// The address of a record: a namespace (the configured key prefix plus an optional
+/// scope such as a handler name) and an id (the idempotency key itself).
+///
+/// Build one with [`RecordKey::new`], which validates the id and replaces an id
+/// longer than the store can index by its SHA-256 digest (never truncating it).
+/// Every backend encodes the pair injectively; [`RecordKey::encode`] is the shared
+/// encoding for stores with a single string key.
+///
+/// ```
+/// use idempotency_core::RecordKey;
+///
+/// let key = RecordKey::new("idempotency:payments", "order-42", 256)?;
+/// assert_eq!(key.id(), "order-42");
+///
+/// let long = "x".repeat(10 * 1024);
+/// let key = RecordKey::new("idempotency", &long, 256)?;
+/// assert!(key.id().starts_with("sha256:"));
+/// assert!(key.is_digested());
+///
+/// assert!(RecordKey::new("idempotency", "", 256).is_err());
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordKey {
+    namespace: String,
+    id: String,
+    digested: bool,
+}
+
+impl RecordKey {
+    /// Validates `id` and builds the key; ids longer than `max_id_bytes` bytes (or
+    /// starting with [`DIGEST_PREFIX`]) are replaced by `sha256:<hex>` of the id.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] when the id is empty, or the namespace is longer than
+    /// [`MAX_NAMESPACE_BYTES`].
+    pub fn new(
+        namespace: impl Into<String>,
+        id: impl AsRef<str>,
+        max_id_bytes: usize,
+    ) -> Result<Self, Error> {
+        let namespace = namespace.into();
+        let id = id.as_ref();
+        if id.is_empty() {
+            return Err(Error::InvalidKey {
+                reason: "the idempotency key is empty".into(),
+            });
+        }
+        if namespace.len() > MAX_NAMESPACE_BYTES {
+            return Err(Error::InvalidKey {
+                reason: format!(
+                    "the namespace is {} bytes long; at most {MAX_NAMESPACE_BYTES} are allowed",
+                    namespace.len()
+                ),
+            });
+        }
+        let digest_needed = id.len() > max_id_bytes.max(DIGEST_PREFIX.len() + 64)
+            || id.starts_with(DIGEST_PREFIX);
+        if digest_needed {
+            Ok(RecordKey {
+                namespace,
+                id: digest_id(id),
+                digested: true,
+            })
+        } else {
+            Ok(RecordKey {
+                namespace,
+                id: id.to_owned(),
+                digested: false,
+            })
+        }
+    }
+
+    /// The namespace (prefix and scope).
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The id as stored: the caller's id, or its digest.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Whether the caller's id was replaced by its digest.
+    pub fn is_digested(&self) -> bool {
+        self.digested
+    }
+
+    /// The one-string encoding of (namespace, id), injective over all pairs.
+    ///
+    /// The namespace is percent-escaped (`%`, `:`, `{`, `}` and control
+    /// characters), so the first `:` always separates it from the id, which follows
+    /// verbatim. Braces are escaped so a namespace never forms a Redis Cluster hash
+    /// tag: records of one namespace spread over all slots.
+    ///
+    /// ```
+    /// use idempotency_core::RecordKey;
+    /// let a = RecordKey::new("a:b", "c", 256)?;
+    /// let b = RecordKey::new("a", "b:c", 256)?;
+    /// assert_eq!(a.encode(), "a%3Ab:c");
+    /// assert_eq!(b.encode(), "a:b:c");
+    /// assert_ne!(a.encode(), b.encode());
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn encode(&self) -> String {
+        let mut out = String::with_capacity(self.namespace.len() + self.id.len() + 1);
+        escape_namespace_into(&self.namespace, &mut out);
+        out.push(':');
+        out.push_str(&self.id);
+        out
+    }
+}
+
+/// Appends the escaped form of a namespace (see [`RecordKey::encode`]).
+pub fn escape_namespace_into(namespace: &str, out: &mut String) {
+    for c in namespace.chars() {
+        match c {
+            '%' | ':' | '{' | '}' => push_percent(c, out),
+            c if c.is_control() => push_percent(c, out),
+            c => out.push(c),
+        }
+    }
+}
+
+fn push_percent(c: char, out: &mut String) {
+    let mut buf = [0u8; 4];
+    for b in c.encode_utf8(&mut buf).bytes() {
+        out.push('%');
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0xf)]));
+    }
+}
+
+const HEX: &[u8; 16] = b"0123456789ABCDEF";
+
+fn digest_id(id: &str) -> String {
+    let digest = Sha256::digest(id.as_bytes());
+    format!("{DIGEST_PREFIX}{}", hex::encode(digest))
+}
+
+impl fmt::Display for RecordKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.encode().escape_debug())
+    }
+}
+
+/// The random token of the attempt holding a record: a fencing token.
+///
+/// Every `complete`/`fail`/`release`/`extend` names the owner it acts for; the
+/// store applies it only while that owner still holds the record.
+///
+/// ```
+/// use idempotency_core::OwnerToken;
+/// let a = OwnerToken::random();
+/// let parsed: OwnerToken = a.to_string().parse()?;
+/// assert_eq!(a, parsed);
+/// assert_ne!(a, OwnerToken::random());
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OwnerToken(u128);
+
+impl OwnerToken {
+    /// A fresh random token (128 bits from the thread-local CSPRNG).
+    pub fn random() -> Self {
+        OwnerToken(rand::random::<u128>())
+    }
+
+    /// A token from its 128-bit value.
+    pub const fn from_u128(v: u128) -> Self {
+        OwnerToken(v)
+    }
+
+    /// The token's 128-bit value.
+    pub const fn as_u128(self) -> u128 {
+        self.0
+    }
+
+    /// The 16 big-endian bytes of the token.
+    pub const fn to_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// A token from 16 big-endian bytes.
+    pub const fn from_bytes(b: [u8; 16]) -> Self {
+        OwnerToken(u128::from_be_bytes(b))
+    }
+}
+
+impl fmt::Display for OwnerToken {
+    /// 32 lowercase hex digits.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl fmt::Debug for OwnerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OwnerToken({self})")
+    }
+}
+
+impl FromStr for OwnerToken {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        if s.len() != 32 {
+            return Err(Error::corrupt_value("owner token", "not 32 hex digits"));
+        }
+        u128::from_str_radix(s, 16)
+            .map(OwnerToken)
+            .map_err(|_| Error::corrupt_value("owner token", "not 32 hex digits"))
+    }
+}
+
+/// A SHA-256 digest of a request payload, stored with the record to detect one key
+/// reused with another payload.
+///
+/// ```
+/// use idempotency_core::Fingerprint;
+/// let a = Fingerprint::of_json(&serde_json::json!({"b": 1, "a": 2}))?;
+/// let b = Fingerprint::of_json(&serde_json::json!({"a": 2, "b": 1}))?;
+/// assert_eq!(a, b); // canonical JSON: key order does not matter
+/// assert_eq!(a, a.to_string().parse()?);
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of raw bytes.
+    pub fn of_bytes(bytes: &[u8]) -> Self {
+        Fingerprint(Sha256::digest(bytes).into())
+    }
+
+    /// The fingerprint of a value's canonical JSON (object keys sorted, no
+    /// insignificant whitespace).
+    ///
+    /// # Errors
+    /// [`Error::Codec`] when the value cannot be serialized to JSON.
+    pub fn of_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, Error> {
+        let canonical = crate::strategy::canonical_json(value)?;
+        Ok(Fingerprint::of_bytes(canonical.as_bytes()))
+    }
+
+    /// A fingerprint from its 32 digest bytes.
+    pub const fn from_bytes(b: [u8; 32]) -> Self {
+        Fingerprint(b)
+    }
+
+    /// The 32 digest bytes.
+    pub const fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// A fingerprint from a byte slice that must be 32 bytes long.
+    ///
+    /// # Errors
+    /// [`Error::Corrupt`]-style value error when the length is wrong.
+    pub fn try_from_slice(b: &[u8]) -> Result<Self, Error> {
+        <[u8; 32]>::try_from(b)
+            .map(Fingerprint)
+            .map_err(|_| Error::corrupt_value("fingerprint", "not 32 bytes"))
+    }
+}
+
+impl fmt::Display for Fingerprint {
+    /// 64 lowercase hex digits.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&hex::encode(self.0))
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({self})")
+    }
+}
+
+impl FromStr for Fingerprint {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let mut out = [0u8; 32];
+        hex::decode_to_slice(s, &mut out)
+            .map_err(|_| Error::corrupt_value("fingerprint", "not 64 hex digits"))?;
+        Ok(Fingerprint(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn encoding_is_injective_on_adversarial_pairs() {
+        let parts = [
+            "", "a", ":", "a:", ":a", "%", "%3A", "{", "}", "{a}", "#", "/", "\0", "\n", "é",
+            "a:b", "a%b", "🦀",
+        ];
+        let mut seen = HashSet::new();
+        let mut count = 0;
+        for ns in parts {
+            for id in parts.iter().filter(|s| !s.is_empty()) {
+                let key = RecordKey::new(ns, id, 256).unwrap();
+                assert!(seen.insert(key.encode()), "collision for ({ns:?}, {id:?})");
+                count += 1;
+            }
+        }
+        assert_eq!(seen.len(), count);
+    }
+
+    #[test]
+    fn long_and_prefixed_ids_are_digested_deterministically() {
+        let long = "k".repeat(10 * 1024);
+        let a = RecordKey::new("ns", &long, 256).unwrap();
+        let b = RecordKey::new("ns", &long, 256).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.id().len(), DIGEST_PREFIX.len() + 64);
+        // A raw id that looks like a digest is digested again: no collision.
+        let fake = RecordKey::new("ns", a.id(), 256).unwrap();
+        assert_ne!(fake.id(), a.id());
+        // Ids up to the limit are kept verbatim.
+        let exact = "e".repeat(256);
+        assert_eq!(RecordKey::new("ns", &exact, 256).unwrap().id(), exact);
+    }
+
+    #[test]
+    fn rejects_empty_id_and_huge_namespace() {
+        assert!(matches!(
+            RecordKey::new("ns", "", 256),
+            Err(Error::InvalidKey { .. })
+        ));
+        assert!(matches!(
+            RecordKey::new("n".repeat(MAX_NAMESPACE_BYTES + 1), "a", 256),
+            Err(Error::InvalidKey { .. })
+        ));
+    }
+
+    #[test]
+    fn tokens_round_trip() {
+        let t = OwnerToken::random();
+        assert_eq!(OwnerToken::from_bytes(t.to_bytes()), t);
+        assert!("zz".parse::<OwnerToken>().is_err());
+        assert!("g".repeat(32).parse::<OwnerToken>().is_err());
+        let f = Fingerprint::of_bytes(b"x");
+        assert_eq!(Fingerprint::try_from_slice(f.as_bytes()).unwrap(), f);
+        assert!(Fingerprint::try_from_slice(b"short").is_err());
+    }
+}

@@ -1,0 +1,74 @@
+//! The core of **idempotency-rs**: make at-least-once consumers behave exactly once.
+//!
+//! Brokers and HTTP clients redeliver. This crate wraps a handler so that the
+//! first delivery of a key runs it and every duplicate gets the stored outcome —
+//! or a clear "in progress" — without running it again, also when consumers race
+//! on one key or crash half way (leases, takeover, fencing tokens).
+//!
+//! - [`Repository`]: the atomic store operations every backend implements
+//!   (`reserve`, `complete`, `fail`, `release`, `extend`, `get`, `delete`,
+//!   `purge_expired`), object-safe and usable as [`SharedRepository`].
+//! - [`IdempotencyManager`]: the state machine around a handler.
+//! - [`decision`]: the state machine's decisions as pure functions.
+//! - [`MemoryRepository`]: the embedded default store.
+//! - [`KeyStrategy`], [`Fingerprint`], [`Dispatcher`], [`IdempotentHandler`]:
+//!   deriving keys from events and wrapping event handlers.
+//!
+//! # Example
+//!
+//! ```
+//! use std::sync::Arc;
+//! use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository, Outcome};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+//!
+//! // The broker delivers the same message twice.
+//! for delivery in 1..=2 {
+//!     let outcome = manager
+//!         .execute("ProcessPayment:evt-42", &serde_json::json!({"amount": 10}), || async {
+//!             // ... charge the card ...
+//!             Ok::<_, HandlerError<String>>("receipt-1".to_string())
+//!         })
+//!         .await?;
+//!     match (delivery, outcome) {
+//!         (1, Outcome::Executed(receipt)) => assert_eq!(receipt, "receipt-1"),
+//!         (2, Outcome::Cached(receipt)) => assert_eq!(receipt, "receipt-1"),
+//!         (_, other) => panic!("unexpected {other:?}"),
+//!     }
+//! }
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod codec;
+mod config;
+pub mod decision;
+mod error;
+mod key;
+mod manager;
+mod memory;
+pub mod metrics;
+mod middleware;
+mod record;
+mod repository;
+mod strategy;
+mod time;
+
+pub use codec::{Codec, JsonCodec};
+pub use config::{parse_duration, Config, FailurePolicy, InProgressPolicy, OutagePolicy};
+pub use decision::FailureKind;
+pub use error::{BoxError, Error};
+pub use key::{escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX, MAX_NAMESPACE_BYTES};
+pub use manager::{ExecuteError, HandlerError, HandlerResult, IdempotencyManager, Outcome};
+pub use memory::MemoryRepository;
+pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
+pub use record::{Record, Status};
+pub use repository::{Capabilities, Repository, RepositoryExt, Reservation, ReserveRequest, SharedRepository};
+pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};
+pub use time::{Clock, ManualClock, SystemClock, Timestamp};
+
+/// Re-exported so backends implement [`Repository`] with the same macro version.
+pub use async_trait::async_trait;

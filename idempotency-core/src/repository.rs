@@ -1,0 +1,326 @@
+//! The repository trait every store implements.
+
+use std::fmt::Debug;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::Error;
+use crate::key::{Fingerprint, OwnerToken, RecordKey};
+use crate::record::Record;
+use crate::time::Timestamp;
+
+/// A repository shared between tasks and managers.
+pub type SharedRepository = Arc<dyn Repository>;
+
+/// What a backend can and cannot do; the manager adapts to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The backend's name (`memory`, `redis`, `postgres`, `dynamodb`, …), used in
+    /// metrics labels and errors.
+    pub backend: &'static str,
+    /// The largest result (or stored error) the store can hold, in bytes; `None`
+    /// when only memory limits it. The manager completes without caching a larger
+    /// result instead of failing.
+    pub max_result_bytes: Option<usize>,
+    /// The longest id the store indexes, in bytes; longer ids are digested by
+    /// [`RecordKey::new`]. At least 71 (the digest form's length).
+    pub max_id_bytes: usize,
+    /// Whether the store removes expired records by itself (Redis key TTLs,
+    /// DynamoDB TTL). When `false`, run [`Repository::purge_expired`] periodically.
+    pub native_expiry: bool,
+}
+
+impl Capabilities {
+    /// Capabilities of a backend named `backend` with no result limit, 1024-byte
+    /// ids and no native expiry; adjust with the `with_*` methods.
+    pub fn new(backend: &'static str) -> Self {
+        Capabilities {
+            backend,
+            max_result_bytes: None,
+            max_id_bytes: 1024,
+            native_expiry: false,
+        }
+    }
+
+    /// Sets [`Capabilities::max_result_bytes`].
+    pub fn with_max_result_bytes(mut self, max: Option<usize>) -> Self {
+        self.max_result_bytes = max;
+        self
+    }
+
+    /// Sets [`Capabilities::max_id_bytes`].
+    pub fn with_max_id_bytes(mut self, max: usize) -> Self {
+        self.max_id_bytes = max;
+        self
+    }
+
+    /// Sets [`Capabilities::native_expiry`].
+    pub fn with_native_expiry(mut self, native: bool) -> Self {
+        self.native_expiry = native;
+        self
+    }
+}
+
+/// The arguments of [`Repository::reserve`].
+#[derive(Debug, Clone)]
+pub struct ReserveRequest<'a> {
+    /// The record's key.
+    pub key: &'a RecordKey,
+    /// The fencing token of the reserving attempt.
+    pub owner: OwnerToken,
+    /// The payload's fingerprint, when payload validation is on.
+    pub fingerprint: Option<Fingerprint>,
+    /// The caller's current instant.
+    pub now: Timestamp,
+    /// The lease of the new `Processing` record.
+    pub lease_until: Timestamp,
+    /// The expiry of the new `Processing` record.
+    pub expires_at: Timestamp,
+    /// Whether a `Failed` record may be taken over.
+    pub retry_failed: bool,
+    /// Tolerated clock skew between consumers: a lease is taken over only when
+    /// `lease_until + clock_skew <= now`.
+    pub clock_skew: Duration,
+}
+
+impl ReserveRequest<'_> {
+    /// The instant a lease must have ended by to be taken over:
+    /// `now - clock_skew` (a lease is stale when `lease_until <= lease_cutoff()`).
+    pub fn lease_cutoff(&self) -> Timestamp {
+        self.now.saturating_sub(self.clock_skew)
+    }
+}
+
+/// The answer of [`Repository::reserve`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reservation {
+    /// The caller now holds the key: a new record (`attempt == 1`) or a takeover
+    /// (`attempt > 1`).
+    Acquired {
+        /// The attempt number now stored.
+        attempt: u32,
+    },
+    /// A live record exists and could not be taken over; it is returned as read in
+    /// the same atomic step.
+    Existing(Record),
+}
+
+/// An idempotency store: the atomic operations of `SPEC.md` §3.
+///
+/// # Contract
+///
+/// - **Atomicity.** Each method is one atomic step on one record. Under any number
+///   of concurrent callers on one key, exactly one `reserve` acquires a given
+///   state: two callers never both get [`Reservation::Acquired`] for the same
+///   record version.
+/// - **Expiry from the caller's clock.** All instants are the caller's. A record
+///   with `expires_at <= now` is absent to every operation, whether or not the
+///   backend removed it physically. Operations without a `now` argument
+///   ([`delete`](Repository::delete)) act on what is physically stored.
+/// - **`reserve`** creates a `Processing` record (attempt 1) when none is live.
+///   It *takes over* — new owner, `attempt + 1`, new lease and expiry, the
+///   request's fingerprint, no result or error, `created_at` kept — a
+///   `Processing` record whose `lease_until <= now - clock_skew`, or a `Failed`
+///   record when `retry_failed`; never when the stored and requested fingerprints
+///   are both present and differ. Otherwise it returns the record unchanged as
+///   [`Reservation::Existing`].
+/// - **Fencing.** [`complete`](Repository::complete), [`fail`](Repository::fail),
+///   [`release`](Repository::release) and [`extend`](Repository::extend) apply
+///   only to a live `Processing` record whose owner equals the given token; the
+///   lease's end does not matter (the token, not the clock, decides). Otherwise
+///   they return [`Error::LeaseLost`] and leave the record untouched.
+/// - **Errors.** A store that cannot be reached yields [`Error::Unavailable`] or
+///   [`Error::Timeout`]; a stored value that does not parse yields
+///   [`Error::Corrupt`] naming the key (never a panic); a result larger than
+///   [`Capabilities::max_result_bytes`] yields [`Error::TooLarge`].
+/// - **Bytes.** Results and errors are opaque bytes: any byte, including NUL and
+///   non-UTF-8, round-trips; an empty result is distinct from no result. Ids and
+///   namespaces are arbitrary UTF-8 (including `:`, `#`, `/`, control
+///   characters); the backend's encoding of (namespace, id) is injective.
+///
+/// The conformance suite (`idempotency-conformance`) checks all of this.
+///
+/// # Example
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{
+///     MemoryRepository, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest,
+///     Timestamp,
+/// };
+///
+/// # tokio_test_block(async {
+/// let repo = MemoryRepository::new();
+/// let key = RecordKey::new("idempotency", "order-1", 256)?;
+/// let now = Timestamp::from_millis(1_000);
+/// let owner = OwnerToken::random();
+/// let req = ReserveRequest {
+///     key: &key,
+///     owner,
+///     fingerprint: None,
+///     now,
+///     lease_until: now + Duration::from_secs(30),
+///     expires_at: now + Duration::from_secs(3600),
+///     retry_failed: false,
+///     clock_skew: Duration::ZERO,
+/// };
+/// assert_eq!(repo.reserve(req.clone()).await?, Reservation::Acquired { attempt: 1 });
+/// repo.complete(&key, owner, Some(b"done"), now + Duration::from_secs(3600), now).await?;
+/// match repo.reserve(ReserveRequest { owner: OwnerToken::random(), ..req }).await? {
+///     Reservation::Existing(record) => assert_eq!(record.result.as_deref(), Some(&b"done"[..])),
+///     other => panic!("unexpected {other:?}"),
+/// }
+/// # Ok::<(), idempotency_core::Error>(())
+/// # })?;
+/// # fn tokio_test_block<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+/// # }
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[async_trait]
+pub trait Repository: Send + Sync + Debug + 'static {
+    /// What this backend can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// Creates or takes over the record, or returns the live one (see the
+    /// contract).
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error>;
+
+    /// `Processing → Completed` with an optional cached result, if `owner` holds
+    /// the live record; sets `expires_at`.
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error>;
+
+    /// `Processing → Failed` with an optional stored error, if `owner` holds the
+    /// live record; sets `expires_at`.
+    async fn fail(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        error: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error>;
+
+    /// Deletes the `Processing` record if `owner` holds it (so a redelivery runs
+    /// the handler again).
+    async fn release(&self, key: &RecordKey, owner: OwnerToken, now: Timestamp)
+        -> Result<(), Error>;
+
+    /// Moves the lease of the `Processing` record `owner` holds to `lease_until`.
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error>;
+
+    /// The live record at `key`, if any.
+    async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error>;
+
+    /// Removes the record whatever its state; returns whether one was stored.
+    async fn delete(&self, key: &RecordKey) -> Result<bool, Error>;
+
+    /// Physically removes up to `limit` records expired at `now`; returns how many.
+    /// Backends with native expiry may return `Ok(0)`.
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error>;
+}
+
+macro_rules! forward_repository {
+    ($ty:ty) => {
+        #[async_trait]
+        impl<R: Repository + ?Sized> Repository for $ty {
+            fn capabilities(&self) -> Capabilities {
+                (**self).capabilities()
+            }
+            async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
+                (**self).reserve(request).await
+            }
+            async fn complete(
+                &self,
+                key: &RecordKey,
+                owner: OwnerToken,
+                result: Option<&[u8]>,
+                expires_at: Timestamp,
+                now: Timestamp,
+            ) -> Result<(), Error> {
+                (**self).complete(key, owner, result, expires_at, now).await
+            }
+            async fn fail(
+                &self,
+                key: &RecordKey,
+                owner: OwnerToken,
+                error: Option<&[u8]>,
+                expires_at: Timestamp,
+                now: Timestamp,
+            ) -> Result<(), Error> {
+                (**self).fail(key, owner, error, expires_at, now).await
+            }
+            async fn release(
+                &self,
+                key: &RecordKey,
+                owner: OwnerToken,
+                now: Timestamp,
+            ) -> Result<(), Error> {
+                (**self).release(key, owner, now).await
+            }
+            async fn extend(
+                &self,
+                key: &RecordKey,
+                owner: OwnerToken,
+                lease_until: Timestamp,
+                now: Timestamp,
+            ) -> Result<(), Error> {
+                (**self).extend(key, owner, lease_until, now).await
+            }
+            async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
+                (**self).get(key, now).await
+            }
+            async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
+                (**self).delete(key).await
+            }
+            async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
+                (**self).purge_expired(now, limit).await
+            }
+        }
+    };
+}
+
+forward_repository!(Arc<R>);
+forward_repository!(Box<R>);
+
+/// Conveniences over any [`Repository`], implemented for all of them (so wrappers
+/// never have to forward them).
+#[async_trait]
+pub trait RepositoryExt: Repository {
+    /// Calls [`Repository::purge_expired`] in batches of `batch` until a batch
+    /// comes back short; returns the total removed.
+    async fn purge_all_expired(&self, now: Timestamp, batch: usize) -> Result<usize, Error> {
+        let batch = batch.max(1);
+        let mut total = 0;
+        loop {
+            let n = self.purge_expired(now, batch).await?;
+            total += n;
+            if n < batch {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// Whether a live record exists at `key`.
+    async fn exists(&self, key: &RecordKey, now: Timestamp) -> Result<bool, Error> {
+        Ok(self.get(key, now).await?.is_some())
+    }
+}
+
+impl<R: Repository + ?Sized> RepositoryExt for R {}

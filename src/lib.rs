@@ -1,0 +1,2 @@
+//! placeholder
+pub use idempotency_core::*;
