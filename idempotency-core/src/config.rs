@@ -77,7 +77,6 @@ pub enum OutagePolicy {
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
-#[non_exhaustive]
 pub struct Config {
     /// The namespace prefix of every key (default `idempotency`).
     pub key_prefix: String,

@@ -1,0 +1,217 @@
+//! Shared plumbing of the checks: a per-check context and assertion macros.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::{
+    Capabilities, Clock, Config, Error, Fingerprint, IdempotencyManager, JsonCodec, ManualClock,
+    OwnerToken, Record, RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
+    Timestamp,
+};
+
+use crate::CheckFailure;
+
+/// The lease every check's reservations get unless it says otherwise.
+pub(crate) const LEASE: Duration = Duration::from_secs(30);
+/// The expiry every check's reservations get unless it says otherwise.
+pub(crate) const TTL: Duration = Duration::from_secs(3600);
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err($crate::CheckFailure {
+                message: format!("{} [{}:{}]", format!($($fmt)+), file!(), line!()),
+            });
+        }
+    };
+}
+
+macro_rules! ensure_eq {
+    ($left:expr, $right:expr) => {
+        ensure_eq!($left, $right, "")
+    };
+    ($left:expr, $right:expr, $($fmt:tt)+) => {
+        match (&$left, &$right) {
+            (left, right) => {
+                if left != right {
+                    return Err($crate::CheckFailure {
+                        message: format!(
+                            "`{}` is {:?}, expected {:?}. {} [{}:{}]",
+                            stringify!($left), left, right, format!($($fmt)+), file!(), line!()
+                        ),
+                    });
+                }
+            }
+        }
+    };
+}
+
+pub(crate) use {ensure, ensure_eq};
+
+impl From<Error> for CheckFailure {
+    fn from(e: Error) -> Self {
+        CheckFailure {
+            message: format!("unexpected error from the repository: {e} ({e:?})"),
+        }
+    }
+}
+
+pub(crate) fn failure(message: impl Into<String>) -> CheckFailure {
+    CheckFailure {
+        message: message.into(),
+    }
+}
+
+/// One check's world: the repository, a random namespace, and a manual clock
+/// starting at the wall-clock time (so servers that evict by their own clock,
+/// like Redis `PX`, never evict before the logical expiry).
+pub(crate) struct Ctx {
+    pub(crate) repo: SharedRepository,
+    pub(crate) clock: ManualClock,
+    pub(crate) ns: String,
+    pub(crate) caps: Capabilities,
+}
+
+impl Ctx {
+    pub(crate) fn new(repo: SharedRepository) -> Self {
+        let caps = repo.capabilities();
+        Ctx {
+            repo,
+            clock: ManualClock::starting_now(),
+            ns: random_namespace(),
+            caps,
+        }
+    }
+
+    pub(crate) fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+
+    pub(crate) fn advance(&self, d: Duration) {
+        self.clock.advance(d);
+    }
+
+    pub(crate) fn key(&self, id: &str) -> RecordKey {
+        self.key_in(&self.ns, id)
+    }
+
+    pub(crate) fn key_in(&self, ns: &str, id: &str) -> RecordKey {
+        // Checks only use non-empty ids and short namespaces.
+        RecordKey::new(ns, id, self.caps.max_id_bytes)
+            .unwrap_or_else(|e| panic!("conformance suite bug: invalid key ({ns:?}, {id:?}): {e}"))
+    }
+
+    /// A request with the default lease and TTL, no fingerprint, no retry.
+    pub(crate) fn req<'a>(&self, key: &'a RecordKey, owner: OwnerToken) -> ReserveRequest<'a> {
+        let now = self.now();
+        ReserveRequest {
+            key,
+            owner,
+            fingerprint: None,
+            now,
+            lease_until: now + LEASE,
+            expires_at: now + TTL,
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        }
+    }
+
+    pub(crate) async fn reserve(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<Reservation, CheckFailure> {
+        Ok(self.repo.reserve(self.req(key, owner)).await?)
+    }
+
+    /// Reserves a fresh key and insists on `Acquired { attempt: 1 }`.
+    pub(crate) async fn acquire(&self, key: &RecordKey) -> Result<OwnerToken, CheckFailure> {
+        let owner = OwnerToken::random();
+        match self.reserve(key, owner).await? {
+            Reservation::Acquired { attempt: 1 } => Ok(owner),
+            other => Err(failure(format!(
+                "reserving fresh key {key} returned {other:?}, expected Acquired {{ attempt: 1 }}"
+            ))),
+        }
+    }
+
+    /// A key that went through `Processing → Completed` with `result`.
+    pub(crate) async fn completed(
+        &self,
+        id: &str,
+        result: Option<&[u8]>,
+    ) -> Result<(RecordKey, OwnerToken), CheckFailure> {
+        let key = self.key(id);
+        let owner = self.acquire(&key).await?;
+        self.repo
+            .complete(&key, owner, result, self.now() + TTL, self.now())
+            .await?;
+        Ok((key, owner))
+    }
+
+    /// A key that went through `Processing → Failed` with `error`.
+    pub(crate) async fn failed(
+        &self,
+        id: &str,
+        error: Option<&[u8]>,
+    ) -> Result<(RecordKey, OwnerToken), CheckFailure> {
+        let key = self.key(id);
+        let owner = self.acquire(&key).await?;
+        self.repo
+            .fail(&key, owner, error, self.now() + TTL, self.now())
+            .await?;
+        Ok((key, owner))
+    }
+
+    /// The live record, which must exist.
+    pub(crate) async fn record(&self, key: &RecordKey) -> Result<Record, CheckFailure> {
+        self.repo
+            .get(key, self.now())
+            .await?
+            .ok_or_else(|| failure(format!("no live record at {key}")))
+    }
+
+    pub(crate) async fn status(&self, key: &RecordKey) -> Result<Option<Status>, CheckFailure> {
+        Ok(self.repo.get(key, self.now()).await?.map(|r| r.status))
+    }
+
+    /// A manager over this context's repository, namespace and clock.
+    pub(crate) fn manager(&self, config: Config) -> Result<IdempotencyManager, CheckFailure> {
+        let config = Config {
+            key_prefix: self.ns.clone(),
+            ..config
+        };
+        Ok(IdempotencyManager::with_parts(
+            self.repo.clone(),
+            config,
+            Arc::new(self.clock.clone()),
+            JsonCodec,
+        )?)
+    }
+}
+
+/// `Existing(record)` or a failure naming what came instead.
+pub(crate) fn existing(r: Reservation, what: &str) -> Result<Record, CheckFailure> {
+    match r {
+        Reservation::Existing(rec) => Ok(rec),
+        other => Err(failure(format!("{what}: expected Existing, got {other:?}"))),
+    }
+}
+
+/// Ok when `r` is `Err(LeaseLost)`.
+pub(crate) fn lease_lost(r: Result<(), Error>, what: &str) -> Result<(), CheckFailure> {
+    match r {
+        Err(Error::LeaseLost { .. }) => Ok(()),
+        Ok(()) => Err(failure(format!("{what}: succeeded, expected LeaseLost"))),
+        Err(e) => Err(failure(format!("{what}: returned {e:?}, expected LeaseLost"))),
+    }
+}
+
+pub(crate) fn fp(byte: u8) -> Option<Fingerprint> {
+    Some(Fingerprint::from_bytes([byte; 32]))
+}
+
+/// A namespace no other check (or run) uses.
+pub fn random_namespace() -> String {
+    format!("conformance-{:016x}", rand::random::<u64>())
+}
