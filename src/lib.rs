@@ -1,2 +1,210 @@
-//! placeholder
+//! **idempotency-rs**: exactly-once effects for at-least-once consumers.
+//!
+//! Brokers (Kafka, SQS, RabbitMQ) and HTTP clients redeliver. Wrap a handler in an
+//! [`IdempotencyManager`]: the first delivery of a key runs it; every duplicate
+//! gets the stored outcome, or a clear "in progress", without running it again —
+//! also when many consumers race on one key and when a consumer crashes half way
+//! (leases, takeover, fencing tokens).
+//!
+//! This crate is the facade: it re-exports [`idempotency_core`] and picks a
+//! store at runtime from a URL with [`connect`], so switching from the embedded
+//! in-memory store to Redis, PostgreSQL or DynamoDB is configuration, not code.
+//!
+//! # Example
+//!
+//! ```
+//! use idempotency::{Config, HandlerError, IdempotencyManager, Outcome};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! // `memory:` here; `redis://…`, `postgres://…` or `dynamodb://…` with their features.
+//! let url = std::env::var("IDEMPOTENCY_STORE_URL").unwrap_or_else(|_| "memory:".into());
+//! # let url = "memory:";
+//! let store = idempotency::connect(&url).await?;
+//! let payments = IdempotencyManager::new(store, Config::default())?.scoped("payments");
+//!
+//! let charge = || async { Ok::<_, HandlerError<String>>("receipt-42".to_owned()) };
+//! let first = payments.execute("ProcessPayment:evt-1", &(), charge).await?;
+//! let redelivered = payments.execute("ProcessPayment:evt-1", &(), charge).await?;
+//! assert!(matches!(first, Outcome::Executed(_)));
+//! assert!(matches!(redelivered, Outcome::Cached(ref r) if r == "receipt-42"));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # })?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Cargo features
+//!
+//! | feature | store | URL schemes |
+//! |---|---|---|
+//! | (always) | in-memory, per process | `memory:` |
+//! | `redis` | Redis ≥ 7 | `redis://` |
+//! | `redis-tls` | Redis over TLS | `rediss://` |
+//! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2` |
+//! | `postgres` | PostgreSQL | `postgres://`, `postgresql://` |
+//! | `dynamodb` | DynamoDB | `dynamodb://TABLE?region=…&endpoint=…` |
+//! | `full` | all of the above | |
+//!
+//! A URL whose backend is compiled out returns [`Error::Config`] naming the
+//! feature to enable.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+use std::sync::Arc;
+
+#[doc(inline)]
 pub use idempotency_core::*;
+
+#[cfg(feature = "redis")]
+#[cfg_attr(docsrs, doc(cfg(feature = "redis")))]
+#[doc(inline)]
+pub use idempotency_redis as redis;
+
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[doc(inline)]
+pub use idempotency_postgres as postgres;
+
+#[cfg(feature = "dynamodb")]
+#[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
+#[doc(inline)]
+pub use idempotency_dynamodb as dynamodb;
+
+/// The store a URL names, by scheme. Always compiled, whatever the features, so
+/// an unknown or disabled scheme is reported precisely.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum StoreKind {
+    /// `memory:` — [`MemoryRepository`].
+    Memory,
+    /// `redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`.
+    Redis,
+    /// `postgres://`, `postgresql://`.
+    Postgres,
+    /// `dynamodb://`.
+    DynamoDb,
+}
+
+impl StoreKind {
+    /// The kind of store `url` names.
+    ///
+    /// ```
+    /// use idempotency::StoreKind;
+    /// assert_eq!(StoreKind::from_url("memory:")?, StoreKind::Memory);
+    /// assert_eq!(StoreKind::from_url("rediss://cache:6380/0")?, StoreKind::Redis);
+    /// assert_eq!(StoreKind::from_url("postgresql://db/app")?, StoreKind::Postgres);
+    /// assert_eq!(StoreKind::from_url("dynamodb://idempotency?region=eu-west-1")?, StoreKind::DynamoDb);
+    /// assert!(StoreKind::from_url("mongodb://x").is_err());
+    /// assert!(StoreKind::from_url("no scheme").is_err());
+    /// # Ok::<(), idempotency::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a URL without a scheme or with an unknown one.
+    pub fn from_url(url: &str) -> Result<Self, Error> {
+        let scheme = url
+            .split_once(':')
+            .map(|(s, _)| s.to_ascii_lowercase())
+            .filter(|s| !s.is_empty())
+            .ok_or_else(|| Error::config(format!("store URL {url:?} has no scheme")))?;
+        match scheme.as_str() {
+            "memory" | "mem" => Ok(StoreKind::Memory),
+            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis-cluster" => {
+                Ok(StoreKind::Redis)
+            }
+            "postgres" | "postgresql" => Ok(StoreKind::Postgres),
+            "dynamodb" => Ok(StoreKind::DynamoDb),
+            other => Err(Error::config(format!(
+                "unknown store scheme {other:?}: use memory:, redis://, rediss://, \
+                 redis+cluster://, postgres://, postgresql:// or dynamodb://"
+            ))),
+        }
+    }
+
+    /// The Cargo feature of this crate that compiles the backend in.
+    pub fn feature(self) -> Option<&'static str> {
+        match self {
+            StoreKind::Memory => None,
+            StoreKind::Redis => Some("redis"),
+            StoreKind::Postgres => Some("postgres"),
+            StoreKind::DynamoDb => Some("dynamodb"),
+        }
+    }
+}
+
+/// Connects to the store `url` names and returns it as a shared repository.
+///
+/// - `memory:` — a fresh [`MemoryRepository`] (process-local).
+/// - `redis://host:port/db`, `rediss://…` (`redis-tls`),
+///   `redis+cluster://h1:p1,h2:p2` (`redis-cluster`) — feature `redis`.
+/// - `postgres://user:pass@host/db?schema=…&table=…&migrate=false` — feature
+///   `postgres`; applies the embedded migrations unless `migrate=false`.
+/// - `dynamodb://TABLE?region=…&endpoint=…` — feature `dynamodb`.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// let store = idempotency::connect("memory:").await?;
+/// assert_eq!(store.capabilities().backend, "memory");
+///
+/// # #[cfg(not(feature = "dynamodb"))] {
+/// let err = idempotency::connect("dynamodb://table").await.unwrap_err();
+/// assert!(err.to_string().contains("feature \"dynamodb\""));
+/// # }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// [`Error::Config`] for an unknown scheme or one whose feature is off (the
+/// message names the feature), and the backend's own errors when connecting.
+pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
+    match StoreKind::from_url(url)? {
+        StoreKind::Memory => Ok(Arc::new(MemoryRepository::new())),
+        StoreKind::Redis => connect_redis(url).await,
+        StoreKind::Postgres => connect_postgres(url).await,
+        StoreKind::DynamoDb => connect_dynamodb(url).await,
+    }
+}
+
+#[cfg_attr(
+    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
+    allow(dead_code)
+)]
+fn feature_off(kind: StoreKind, url: &str) -> Error {
+    let scheme = url.split_once(':').map_or(url, |(s, _)| s);
+    Error::config(format!(
+        "the {scheme}: store needs the idempotency crate's Cargo feature {:?}; enable it with \
+         `idempotency = {{ version = \"…\", features = [{:?}] }}`",
+        kind.feature().unwrap_or_default(),
+        kind.feature().unwrap_or_default(),
+    ))
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(url: &str) -> Result<SharedRepository, Error> {
+    Ok(Arc::new(idempotency_redis::connect(url).await?))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn connect_redis(url: &str) -> Result<SharedRepository, Error> {
+    Err(feature_off(StoreKind::Redis, url))
+}
+
+#[cfg(feature = "postgres")]
+async fn connect_postgres(url: &str) -> Result<SharedRepository, Error> {
+    Ok(Arc::new(idempotency_postgres::connect(url).await?))
+}
+
+#[cfg(not(feature = "postgres"))]
+async fn connect_postgres(url: &str) -> Result<SharedRepository, Error> {
+    Err(feature_off(StoreKind::Postgres, url))
+}
+
+#[cfg(feature = "dynamodb")]
+async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
+    Ok(Arc::new(idempotency_dynamodb::connect(url).await?))
+}
+
+#[cfg(not(feature = "dynamodb"))]
+async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
+    Err(feature_off(StoreKind::DynamoDb, url))
+}

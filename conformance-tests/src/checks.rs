@@ -29,7 +29,10 @@ pub async fn check_reserve_creates_processing(repo: SharedRepository) -> CheckRe
         ..cx.req(&key, owner)
     };
     let (now, lease, expires) = (req.now, req.lease_until, req.expires_at);
-    ensure_eq!(cx.repo.reserve(req).await?, Reservation::Acquired { attempt: 1 });
+    ensure_eq!(
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 1 }
+    );
     let r = cx.record(&key).await?;
     ensure_eq!(r.status, Status::Processing);
     ensure_eq!(r.owner, owner);
@@ -39,7 +42,10 @@ pub async fn check_reserve_creates_processing(repo: SharedRepository) -> CheckRe
     ensure_eq!(r.expires_at, expires);
     ensure_eq!(r.created_at, now);
     ensure_eq!(r.updated_at, now);
-    ensure!(r.result.is_none() && r.error.is_none(), "a new record has no result or error: {r:?}");
+    ensure!(
+        r.result.is_none() && r.error.is_none(),
+        "a new record has no result or error: {r:?}"
+    );
     Ok(())
 }
 
@@ -50,7 +56,10 @@ pub async fn check_reserve_returns_live_processing(repo: SharedRepository) -> Ch
     let first = cx.acquire(&key).await?;
     let before = cx.record(&key).await?;
     cx.advance(Duration::from_secs(1));
-    let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "second reserve")?;
+    let r = existing(
+        cx.reserve(&key, OwnerToken::random()).await?,
+        "second reserve",
+    )?;
     ensure_eq!(r.owner, first);
     ensure_eq!(r, before, "the existing record must be returned unchanged");
     ensure_eq!(cx.record(&key).await?, before, "and left unchanged");
@@ -79,7 +88,10 @@ pub async fn check_reserve_returns_failed_without_retry(repo: SharedRepository) 
     let cx = Ctx::new(repo);
     let (key, _) = cx.failed("failed", Some(b"boom")).await?;
     cx.advance(LEASE * 2);
-    let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "reserve of a failed key")?;
+    let r = existing(
+        cx.reserve(&key, OwnerToken::random()).await?,
+        "reserve of a failed key",
+    )?;
     ensure_eq!(r.status, Status::Failed);
     ensure_eq!(r.error.as_deref(), Some(&b"boom"[..]));
     Ok(())
@@ -95,12 +107,23 @@ pub async fn check_reserve_takes_over_failed_with_retry(repo: SharedRepository) 
         retry_failed: true,
         ..cx.req(&key, owner)
     };
-    ensure_eq!(cx.repo.reserve(req).await?, Reservation::Acquired { attempt: 2 });
+    ensure_eq!(
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 2 }
+    );
     let r = cx.record(&key).await?;
-    ensure_eq!((r.status, r.owner, r.attempt), (Status::Processing, owner, 2));
-    ensure!(r.error.is_none(), "the takeover clears the stored error: {r:?}");
+    ensure_eq!(
+        (r.status, r.owner, r.attempt),
+        (Status::Processing, owner, 2)
+    );
+    ensure!(
+        r.error.is_none(),
+        "the takeover clears the stored error: {r:?}"
+    );
     lease_lost(
-        cx.repo.complete(&key, old, None, cx.now() + TTL, cx.now()).await,
+        cx.repo
+            .complete(&key, old, None, cx.now() + TTL, cx.now())
+            .await,
         "complete by the failed attempt's owner",
     )
 }
@@ -113,19 +136,39 @@ pub async fn check_reserve_takes_over_expired_lease(repo: SharedRepository) -> C
     let old = cx.acquire(&key).await?;
     cx.advance(LEASE + Duration::from_millis(1));
     let new = OwnerToken::random();
-    ensure_eq!(cx.reserve(&key, new).await?, Reservation::Acquired { attempt: 2 });
+    ensure_eq!(
+        cx.reserve(&key, new).await?,
+        Reservation::Acquired { attempt: 2 }
+    );
     let r = cx.record(&key).await?;
     ensure_eq!((r.owner, r.attempt, r.status), (new, 2, Status::Processing));
     ensure_eq!(r.lease_until, cx.now() + LEASE);
     for (what, res) in [
-        ("complete", cx.repo.complete(&key, old, Some(b"x"), cx.now() + TTL, cx.now()).await),
-        ("fail", cx.repo.fail(&key, old, None, cx.now() + TTL, cx.now()).await),
-        ("extend", cx.repo.extend(&key, old, cx.now() + LEASE, cx.now()).await),
+        (
+            "complete",
+            cx.repo
+                .complete(&key, old, Some(b"x"), cx.now() + TTL, cx.now())
+                .await,
+        ),
+        (
+            "fail",
+            cx.repo
+                .fail(&key, old, None, cx.now() + TTL, cx.now())
+                .await,
+        ),
+        (
+            "extend",
+            cx.repo.extend(&key, old, cx.now() + LEASE, cx.now()).await,
+        ),
         ("release", cx.repo.release(&key, old, cx.now()).await),
     ] {
         lease_lost(res, &format!("{what} by the previous owner"))?;
     }
-    ensure_eq!(cx.record(&key).await?.owner, new, "the new owner keeps the record");
+    ensure_eq!(
+        cx.record(&key).await?.owner,
+        new,
+        "the new owner keeps the record"
+    );
     Ok(())
 }
 
@@ -136,7 +179,10 @@ pub async fn check_reserve_lease_boundary(repo: SharedRepository) -> CheckResult
     let key = cx.key("boundary");
     cx.acquire(&key).await?;
     cx.advance(LEASE - Duration::from_millis(1));
-    existing(cx.reserve(&key, OwnerToken::random()).await?, "1 ms before the lease ends")?;
+    existing(
+        cx.reserve(&key, OwnerToken::random()).await?,
+        "1 ms before the lease ends",
+    )?;
     cx.advance(Duration::from_millis(1));
     ensure_eq!(
         cx.reserve(&key, OwnerToken::random()).await?,
@@ -157,7 +203,10 @@ pub async fn check_reserve_honours_clock_skew(repo: SharedRepository) -> CheckRe
         clock_skew: skew,
         ..cx.req(&key, OwnerToken::random())
     };
-    existing(cx.repo.reserve(req).await?, "lease ended 1 s ago with 5 s skew tolerance")?;
+    existing(
+        cx.repo.reserve(req).await?,
+        "lease ended 1 s ago with 5 s skew tolerance",
+    )?;
     cx.advance(Duration::from_secs(4));
     let req = ReserveRequest {
         clock_skew: skew,
@@ -188,8 +237,14 @@ pub async fn check_reserve_after_expiry_creates_fresh(repo: SharedRepository) ->
             "expired record at {key}"
         );
         let r = cx.record(key).await?;
-        ensure_eq!((r.owner, r.attempt, r.status), (owner, 1, Status::Processing));
-        ensure!(r.result.is_none() && r.error.is_none(), "no trace of the expired record: {r:?}");
+        ensure_eq!(
+            (r.owner, r.attempt, r.status),
+            (owner, 1, Status::Processing)
+        );
+        ensure!(
+            r.result.is_none() && r.error.is_none(),
+            "no trace of the expired record: {r:?}"
+        );
         ensure_eq!(r.created_at, cx.now(), "a fresh record, not a takeover");
     }
     Ok(())
@@ -201,10 +256,19 @@ pub async fn check_expiry_boundary(repo: SharedRepository) -> CheckResult {
     let (key, _) = cx.completed("edge", Some(b"r")).await?;
     let expires = cx.record(&key).await?.expires_at;
     cx.clock.set(expires - Duration::from_millis(1));
-    ensure!(cx.repo.get(&key, cx.now()).await?.is_some(), "live 1 ms before expiry");
-    existing(cx.reserve(&key, OwnerToken::random()).await?, "1 ms before expiry")?;
+    ensure!(
+        cx.repo.get(&key, cx.now()).await?.is_some(),
+        "live 1 ms before expiry"
+    );
+    existing(
+        cx.reserve(&key, OwnerToken::random()).await?,
+        "1 ms before expiry",
+    )?;
     cx.clock.set(expires);
-    ensure!(cx.repo.get(&key, cx.now()).await?.is_none(), "absent at expires_at");
+    ensure!(
+        cx.repo.get(&key, cx.now()).await?.is_none(),
+        "absent at expires_at"
+    );
     ensure_eq!(
         cx.reserve(&key, OwnerToken::random()).await?,
         Reservation::Acquired { attempt: 1 }
@@ -223,20 +287,28 @@ pub async fn check_reserve_fingerprint_mismatch_blocks_takeover(
         fingerprint: fp(1),
         ..cx.req(&key, owner)
     };
-    ensure_eq!(cx.repo.reserve(req).await?, Reservation::Acquired { attempt: 1 });
+    ensure_eq!(
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 1 }
+    );
     cx.advance(LEASE * 2);
     let req = ReserveRequest {
         fingerprint: fp(2),
         ..cx.req(&key, OwnerToken::random())
     };
-    let r = existing(cx.repo.reserve(req).await?, "stale lease, other fingerprint")?;
+    let r = existing(
+        cx.repo.reserve(req).await?,
+        "stale lease, other fingerprint",
+    )?;
     ensure_eq!((r.owner, r.fingerprint), (owner, fp(1)));
     Ok(())
 }
 
 /// Differing fingerprints block the takeover of a `Failed` record even with
 /// `retry_failed`.
-pub async fn check_reserve_fingerprint_mismatch_blocks_retry(repo: SharedRepository) -> CheckResult {
+pub async fn check_reserve_fingerprint_mismatch_blocks_retry(
+    repo: SharedRepository,
+) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("fp-failed");
     let owner = OwnerToken::random();
@@ -253,7 +325,10 @@ pub async fn check_reserve_fingerprint_mismatch_blocks_retry(repo: SharedReposit
         retry_failed: true,
         ..cx.req(&key, OwnerToken::random())
     };
-    let r = existing(cx.repo.reserve(req).await?, "failed, retry, other fingerprint")?;
+    let r = existing(
+        cx.repo.reserve(req).await?,
+        "failed, retry, other fingerprint",
+    )?;
     ensure_eq!(r.status, Status::Failed);
     Ok(())
 }
@@ -375,7 +450,13 @@ pub async fn check_complete_wrong_owner(repo: SharedRepository) -> CheckResult {
     let before = cx.record(&key).await?;
     lease_lost(
         cx.repo
-            .complete(&key, OwnerToken::random(), Some(b"x"), cx.now() + TTL, cx.now())
+            .complete(
+                &key,
+                OwnerToken::random(),
+                Some(b"x"),
+                cx.now() + TTL,
+                cx.now(),
+            )
             .await,
         "complete by a stranger",
     )?;
@@ -409,7 +490,10 @@ pub async fn check_complete_only_from_processing(repo: SharedRepository) -> Chec
             .await,
         "second complete",
     )?;
-    ensure_eq!(cx.record(&done).await?.result.as_deref(), Some(&b"first"[..]));
+    ensure_eq!(
+        cx.record(&done).await?.result.as_deref(),
+        Some(&b"first"[..])
+    );
     let (failed, owner) = cx.failed("failed", Some(b"e")).await?;
     lease_lost(
         cx.repo
@@ -427,11 +511,20 @@ pub async fn check_complete_absent_or_expired(repo: SharedRepository) -> CheckRe
     let absent = cx.key("absent");
     lease_lost(
         cx.repo
-            .complete(&absent, OwnerToken::random(), None, cx.now() + TTL, cx.now())
+            .complete(
+                &absent,
+                OwnerToken::random(),
+                None,
+                cx.now() + TTL,
+                cx.now(),
+            )
             .await,
         "complete of an absent key",
     )?;
-    ensure!(cx.repo.get(&absent, cx.now()).await?.is_none(), "complete created a record");
+    ensure!(
+        cx.repo.get(&absent, cx.now()).await?.is_none(),
+        "complete created a record"
+    );
     let key = cx.key("expired");
     let owner = cx.acquire(&key).await?;
     cx.advance(TTL);
@@ -441,7 +534,10 @@ pub async fn check_complete_absent_or_expired(repo: SharedRepository) -> CheckRe
             .await,
         "complete of an expired record",
     )?;
-    ensure!(cx.repo.get(&key, cx.now()).await?.is_none(), "the expired record stays absent");
+    ensure!(
+        cx.repo.get(&key, cx.now()).await?.is_none(),
+        "the expired record stays absent"
+    );
     Ok(())
 }
 
@@ -453,7 +549,11 @@ pub async fn check_complete_empty_and_missing_results(repo: SharedRepository) ->
     ensure_eq!(cx.record(&none).await?.result, None);
     ensure_eq!(cx.record(&empty).await?.result, Some(Vec::new()));
     let r = existing(cx.reserve(&empty, OwnerToken::random()).await?, "duplicate")?;
-    ensure_eq!(r.result, Some(Vec::new()), "reserve returns the empty result too");
+    ensure_eq!(
+        r.result,
+        Some(Vec::new()),
+        "reserve returns the empty result too"
+    );
     Ok(())
 }
 
@@ -464,12 +564,20 @@ pub async fn check_binary_results_round_trip(repo: SharedRepository) -> CheckRes
     let cases: [&[u8]; 4] = [&all, b"\0", b"\xff\xfe\x00\xc3\x28", b"a\0b\r\n"];
     for (i, bytes) in cases.iter().enumerate() {
         let (key, _) = cx.completed(&format!("bin-{i}"), Some(bytes)).await?;
-        ensure_eq!(cx.record(&key).await?.result.as_deref(), Some(*bytes), "via get");
+        ensure_eq!(
+            cx.record(&key).await?.result.as_deref(),
+            Some(*bytes),
+            "via get"
+        );
         let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
         ensure_eq!(r.result.as_deref(), Some(*bytes), "via reserve");
     }
     let (key, _) = cx.failed("bin-error", Some(&all)).await?;
-    ensure_eq!(cx.record(&key).await?.error.as_deref(), Some(&all[..]), "error bytes");
+    ensure_eq!(
+        cx.record(&key).await?.error.as_deref(),
+        Some(&all[..]),
+        "error bytes"
+    );
     Ok(())
 }
 
@@ -480,7 +588,10 @@ pub async fn check_large_result_up_to_limit(repo: SharedRepository) -> CheckResu
     let big: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
     let (key, _) = cx.completed("big", Some(&big)).await?;
     let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
-    ensure!(r.result.as_deref() == Some(&big[..]), "a {size}-byte result did not round-trip");
+    ensure!(
+        r.result.as_deref() == Some(&big[..]),
+        "a {size}-byte result did not round-trip"
+    );
     Ok(())
 }
 
@@ -501,7 +612,11 @@ pub async fn check_result_over_limit_is_refused(repo: SharedRepository) -> Check
         .await
     {
         Err(Error::TooLarge { .. }) => {}
-        other => return Err(failure(format!("a result of max+1 bytes gave {other:?}, expected TooLarge"))),
+        other => {
+            return Err(failure(format!(
+                "a result of max+1 bytes gave {other:?}, expected TooLarge"
+            )))
+        }
     }
     ensure_eq!(cx.status(&key).await?, Some(Status::Processing));
     cx.repo
@@ -542,13 +657,21 @@ pub async fn check_fail_wrong_owner_or_state(repo: SharedRepository) -> CheckRes
     ensure_eq!(cx.status(&key).await?, Some(Status::Processing));
     let (done, owner) = cx.completed("fail-done", Some(b"r")).await?;
     lease_lost(
-        cx.repo.fail(&done, owner, None, cx.now() + TTL, cx.now()).await,
+        cx.repo
+            .fail(&done, owner, None, cx.now() + TTL, cx.now())
+            .await,
         "fail after complete",
     )?;
     ensure_eq!(cx.status(&done).await?, Some(Status::Completed));
     lease_lost(
         cx.repo
-            .fail(&cx.key("fail-absent"), owner, None, cx.now() + TTL, cx.now())
+            .fail(
+                &cx.key("fail-absent"),
+                owner,
+                None,
+                cx.now() + TTL,
+                cx.now(),
+            )
             .await,
         "fail of an absent key",
     )
@@ -563,7 +686,10 @@ pub async fn check_release_by_owner(repo: SharedRepository) -> CheckResult {
     let key = cx.key("release");
     let owner = cx.acquire(&key).await?;
     cx.repo.release(&key, owner, cx.now()).await?;
-    ensure!(cx.repo.get(&key, cx.now()).await?.is_none(), "released record still visible");
+    ensure!(
+        cx.repo.get(&key, cx.now()).await?.is_none(),
+        "released record still visible"
+    );
     cx.acquire(&key).await?;
     Ok(())
 }
@@ -580,13 +706,21 @@ pub async fn check_release_refused(repo: SharedRepository) -> CheckResult {
     )?;
     ensure_eq!(cx.status(&key).await?, Some(Status::Processing));
     let (done, owner) = cx.completed("release-done", Some(b"r")).await?;
-    lease_lost(cx.repo.release(&done, owner, cx.now()).await, "release after complete")?;
+    lease_lost(
+        cx.repo.release(&done, owner, cx.now()).await,
+        "release after complete",
+    )?;
     ensure_eq!(cx.status(&done).await?, Some(Status::Completed));
     let (failed, owner) = cx.failed("release-failed", None).await?;
-    lease_lost(cx.repo.release(&failed, owner, cx.now()).await, "release after fail")?;
+    lease_lost(
+        cx.repo.release(&failed, owner, cx.now()).await,
+        "release after fail",
+    )?;
     ensure_eq!(cx.status(&failed).await?, Some(Status::Failed));
     lease_lost(
-        cx.repo.release(&cx.key("release-absent"), owner, cx.now()).await,
+        cx.repo
+            .release(&cx.key("release-absent"), owner, cx.now())
+            .await,
         "release of an absent key",
     )
 }
@@ -597,7 +731,10 @@ pub async fn check_release_expired(repo: SharedRepository) -> CheckResult {
     let key = cx.key("release-expired");
     let owner = cx.acquire(&key).await?;
     cx.advance(TTL);
-    lease_lost(cx.repo.release(&key, owner, cx.now()).await, "release of an expired record")
+    lease_lost(
+        cx.repo.release(&key, owner, cx.now()).await,
+        "release of an expired record",
+    )
 }
 
 /// The owner extends the lease: a takeover at the old lease end is refused.
@@ -612,7 +749,10 @@ pub async fn check_extend_by_owner(repo: SharedRepository) -> CheckResult {
     ensure_eq!(r.lease_until, until);
     ensure_eq!(r.status, Status::Processing);
     cx.advance(LEASE / 2);
-    existing(cx.reserve(&key, OwnerToken::random()).await?, "at the old lease end")?;
+    existing(
+        cx.reserve(&key, OwnerToken::random()).await?,
+        "at the old lease end",
+    )?;
     cx.advance(LEASE / 2);
     ensure_eq!(
         cx.reserve(&key, OwnerToken::random()).await?,
@@ -638,24 +778,32 @@ pub async fn check_extend_refused(repo: SharedRepository) -> CheckResult {
     cx.advance(LEASE);
     cx.reserve(&key, OwnerToken::random()).await?;
     lease_lost(
-        cx.repo.extend(&key, owner, cx.now() + LEASE, cx.now()).await,
+        cx.repo
+            .extend(&key, owner, cx.now() + LEASE, cx.now())
+            .await,
         "extend after a takeover",
     )?;
     let (done, owner) = cx.completed("extend-done", None).await?;
     lease_lost(
-        cx.repo.extend(&done, owner, cx.now() + LEASE, cx.now()).await,
+        cx.repo
+            .extend(&done, owner, cx.now() + LEASE, cx.now())
+            .await,
         "extend after complete",
     )?;
     let (failed, owner) = cx.failed("extend-failed", None).await?;
     lease_lost(
-        cx.repo.extend(&failed, owner, cx.now() + LEASE, cx.now()).await,
+        cx.repo
+            .extend(&failed, owner, cx.now() + LEASE, cx.now())
+            .await,
         "extend after fail",
     )?;
     let gone = cx.key("extend-expired");
     let owner = cx.acquire(&gone).await?;
     cx.advance(TTL);
     lease_lost(
-        cx.repo.extend(&gone, owner, cx.now() + LEASE, cx.now()).await,
+        cx.repo
+            .extend(&gone, owner, cx.now() + LEASE, cx.now())
+            .await,
         "extend of an expired record",
     )
 }
@@ -665,11 +813,17 @@ pub async fn check_extend_refused(repo: SharedRepository) -> CheckResult {
 /// `get` of an absent key is `None`; of an expired record too.
 pub async fn check_get_absent_and_expired(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
-    ensure!(cx.repo.get(&cx.key("nothing"), cx.now()).await?.is_none(), "absent key");
+    ensure!(
+        cx.repo.get(&cx.key("nothing"), cx.now()).await?.is_none(),
+        "absent key"
+    );
     let (key, _) = cx.completed("short", Some(b"r")).await?;
     ensure!(cx.repo.get(&key, cx.now()).await?.is_some(), "live record");
     cx.advance(TTL + Duration::from_secs(1));
-    ensure!(cx.repo.get(&key, cx.now()).await?.is_none(), "expired record is absent");
+    ensure!(
+        cx.repo.get(&key, cx.now()).await?.is_none(),
+        "expired record is absent"
+    );
     Ok(())
 }
 
@@ -681,12 +835,21 @@ pub async fn check_delete(repo: SharedRepository) -> CheckResult {
     let (done, _) = cx.completed("del-done", Some(b"r")).await?;
     let (failed, _) = cx.failed("del-failed", Some(b"e")).await?;
     for key in [&busy, &done, &failed] {
-        ensure!(cx.repo.delete(key).await?, "delete of an existing record at {key} returned false");
-        ensure!(cx.repo.get(key, cx.now()).await?.is_none(), "deleted record visible");
+        ensure!(
+            cx.repo.delete(key).await?,
+            "delete of an existing record at {key} returned false"
+        );
+        ensure!(
+            cx.repo.get(key, cx.now()).await?.is_none(),
+            "deleted record visible"
+        );
         ensure!(!cx.repo.delete(key).await?, "second delete returned true");
         cx.acquire(key).await?;
     }
-    ensure!(!cx.repo.delete(&cx.key("del-absent")).await?, "delete of an absent key");
+    ensure!(
+        !cx.repo.delete(&cx.key("del-absent")).await?,
+        "delete of an absent key"
+    );
     Ok(())
 }
 
@@ -731,7 +894,11 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
         }
     }
     if !cx.caps.native_expiry {
-        ensure!(total >= expired.len(), "purged {total}, expected at least {}", expired.len());
+        ensure!(
+            total >= expired.len(),
+            "purged {total}, expected at least {}",
+            expired.len()
+        );
         for key in &expired {
             // Seen from before their expiry, purged records are physically gone.
             ensure!(
@@ -740,9 +907,15 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
             );
         }
     }
-    ensure!(cx.repo.get(&keep, purge_at).await?.is_some(), "purge removed a live record");
+    ensure!(
+        cx.repo.get(&keep, purge_at).await?.is_some(),
+        "purge removed a live record"
+    );
     for key in &expired {
-        ensure!(cx.repo.get(key, purge_at).await?.is_none(), "expired record visible");
+        ensure!(
+            cx.repo.get(key, purge_at).await?.is_none(),
+            "expired record visible"
+        );
     }
     Ok(())
 }
@@ -750,9 +923,40 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
 // ---------------------------------------------------------------- keys
 
 const ADVERSARIAL: &[&str] = &[
-    "a", ":", "a:b", "a:", ":a", "::", "#", "a#b", "/", "a/b", "{", "}", "{tag}", "%", "%3A",
-    "\\", "\0", "a\0b", "\n", "\r\n", "\t", "\u{7f}", "\u{1b}[0m", "é", "e\u{301}", "日本",
-    "🦀", "'", "\"", "' OR 1=1 --", " ", "a b", "*", "?",
+    "a",
+    ":",
+    "a:b",
+    "a:",
+    ":a",
+    "::",
+    "#",
+    "a#b",
+    "/",
+    "a/b",
+    "{",
+    "}",
+    "{tag}",
+    "%",
+    "%3A",
+    "\\",
+    "\0",
+    "a\0b",
+    "\n",
+    "\r\n",
+    "\t",
+    "\u{7f}",
+    "\u{1b}[0m",
+    "é",
+    "e\u{301}",
+    "日本",
+    "🦀",
+    "'",
+    "\"",
+    "' OR 1=1 --",
+    " ",
+    "a b",
+    "*",
+    "?",
 ];
 
 /// The stored key is injective over (namespace, id) for adversarial strings: no
@@ -790,7 +994,10 @@ pub async fn check_adversarial_keys_are_distinct(repo: SharedRepository) -> Chec
 pub async fn check_long_ids(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let max = cx.caps.max_id_bytes;
-    ensure!(max >= 71, "max_id_bytes ({max}) must hold a digest (71 bytes)");
+    ensure!(
+        max >= 71,
+        "max_id_bytes ({max}) must hold a digest (71 bytes)"
+    );
     let exact = "x".repeat(max);
     let key = cx.key(&exact);
     ensure!(!key.is_digested(), "an id of exactly max_id_bytes is kept");
@@ -798,10 +1005,16 @@ pub async fn check_long_ids(repo: SharedRepository) -> CheckResult {
     let long_a = format!("{}a", "y".repeat(10 * 1024));
     let long_b = format!("{}b", "y".repeat(10 * 1024));
     let (a, b) = (cx.key(&long_a), cx.key(&long_b));
-    ensure!(a.is_digested() && b.is_digested(), "10 KiB ids are digested");
+    ensure!(
+        a.is_digested() && b.is_digested(),
+        "10 KiB ids are digested"
+    );
     cx.acquire(&a).await?;
     cx.acquire(&b).await?;
-    existing(cx.reserve(&cx.key(&long_a), OwnerToken::random()).await?, "same long id")?;
+    existing(
+        cx.reserve(&cx.key(&long_a), OwnerToken::random()).await?,
+        "same long id",
+    )?;
     Ok(())
 }
 
@@ -813,7 +1026,10 @@ pub async fn check_namespaces_isolate(repo: SharedRepository) -> CheckResult {
     cx.acquire(&a).await?;
     cx.acquire(&b).await?;
     ensure!(cx.repo.delete(&a).await?, "delete a");
-    ensure!(cx.repo.get(&b, cx.now()).await?.is_some(), "deleting a removed b");
+    ensure!(
+        cx.repo.get(&b, cx.now()).await?.is_some(),
+        "deleting a removed b"
+    );
     Ok(())
 }
 
@@ -829,7 +1045,10 @@ pub async fn check_concurrent_reserve_single_winner(repo: SharedRepository) -> C
             let (cx, key) = (cx.clone(), key.clone());
             tokio::spawn(async move {
                 let owner = OwnerToken::random();
-                cx.repo.reserve(cx.req(&key, owner)).await.map(|r| (owner, r))
+                cx.repo
+                    .reserve(cx.req(&key, owner))
+                    .await
+                    .map(|r| (owner, r))
             })
         });
         let results = join_all(tasks).await;
@@ -882,7 +1101,11 @@ pub async fn check_concurrent_many_keys(repo: SharedRepository) -> CheckResult {
     for r in join_all(tasks).await {
         r.map_err(|e| failure(format!("task panicked: {e}")))??;
     }
-    ensure_eq!(wins.load(Ordering::SeqCst), keys.len(), "one winner per key");
+    ensure_eq!(
+        wins.load(Ordering::SeqCst),
+        keys.len(),
+        "one winner per key"
+    );
     for key in &keys {
         let r = cx.record(key).await?;
         ensure_eq!(r.status, Status::Completed);
@@ -902,7 +1125,10 @@ pub async fn check_concurrent_takeover_single_winner(repo: SharedRepository) -> 
             let (cx, key) = (cx.clone(), key.clone());
             tokio::spawn(async move {
                 let owner = OwnerToken::random();
-                cx.repo.reserve(cx.req(&key, owner)).await.map(|r| (owner, r))
+                cx.repo
+                    .reserve(cx.req(&key, owner))
+                    .await
+                    .map(|r| (owner, r))
             })
         });
         let mut winners = Vec::new();
@@ -947,7 +1173,11 @@ pub async fn check_complete_races_takeover(repo: SharedRepository) -> CheckResul
                 ensure_eq!(r.status, Status::Completed, "the taker saw the completion")
             }
             (Err(Error::LeaseLost { .. }), Reservation::Acquired { attempt: 2 }) => {}
-            other => return Err(failure(format!("round {round}: inconsistent outcome {other:?}"))),
+            other => {
+                return Err(failure(format!(
+                    "round {round}: inconsistent outcome {other:?}"
+                )))
+            }
         }
     }
     Ok(())
@@ -973,7 +1203,11 @@ pub async fn check_manager_executes_once_and_replays(repo: SharedRepository) -> 
             })
             .await
             .map_err(|e| failure(format!("delivery {delivery}: {e}")))?;
-        ensure_eq!(out.handler_ran(), delivery == 0, "delivery {delivery}: {out:?}");
+        ensure_eq!(
+            out.handler_ran(),
+            delivery == 0,
+            "delivery {delivery}: {out:?}"
+        );
         ensure_eq!(out.into_value(), Some(vec![1u8, 0, 255]));
     }
     ensure_eq!(runs.load(Ordering::SeqCst), 1);
@@ -988,10 +1222,22 @@ pub async fn check_manager_duplicate_without_cache(repo: SharedRepository) -> Ch
         cache_results: false,
         ..Config::default()
     })?;
-    let first = m.execute("k", &(), || async { ok(1) }).await.map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(first, idempotency_core::Outcome::Executed(1)), "{first:?}");
-    let again = m.execute("k", &(), || async { ok(2) }).await.map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(again, idempotency_core::Outcome::Duplicate), "{again:?}");
+    let first = m
+        .execute("k", &(), || async { ok(1) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
+    ensure!(
+        matches!(first, idempotency_core::Outcome::Executed(1)),
+        "{first:?}"
+    );
+    let again = m
+        .execute("k", &(), || async { ok(2) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
+    ensure!(
+        matches!(again, idempotency_core::Outcome::Duplicate),
+        "{again:?}"
+    );
     Ok(())
 }
 
@@ -1007,12 +1253,18 @@ pub async fn check_manager_oversized_result_not_cached(repo: SharedRepository) -
         .execute("big", &(), || async { ok(big.clone()) })
         .await
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(&first, idempotency_core::Outcome::Executed(v) if *v == big), "{first:?}");
+    ensure!(
+        matches!(&first, idempotency_core::Outcome::Executed(v) if *v == big),
+        "{first:?}"
+    );
     let again = m
         .execute("big", &(), || async { ok(String::new()) })
         .await
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(again, idempotency_core::Outcome::Duplicate), "protected, not cached: {again:?}");
+    ensure!(
+        matches!(again, idempotency_core::Outcome::Duplicate),
+        "protected, not cached: {again:?}"
+    );
     Ok(())
 }
 
@@ -1032,12 +1284,18 @@ pub async fn check_manager_result_over_store_limit(repo: SharedRepository) -> Ch
         .execute("store-limit", &(), || async { ok(big.clone()) })
         .await
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(first, idempotency_core::Outcome::Executed(_)), "{first:?}");
+    ensure!(
+        matches!(first, idempotency_core::Outcome::Executed(_)),
+        "{first:?}"
+    );
     let again = m
         .execute("store-limit", &(), || async { ok(String::new()) })
         .await
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(again, idempotency_core::Outcome::Duplicate), "{again:?}");
+    ensure!(
+        matches!(again, idempotency_core::Outcome::Duplicate),
+        "{again:?}"
+    );
     Ok(())
 }
 
@@ -1062,7 +1320,9 @@ pub async fn check_manager_in_progress_fail_fast(repo: SharedRepository) -> Chec
             .await
         })
     };
-    entered_rx.await.map_err(|_| failure("the first handler never started"))?;
+    entered_rx
+        .await
+        .map_err(|_| failure("the first handler never started"))?;
     let dup = m.execute("slow", &(), || async { ok(2) }).await;
     match dup {
         Err(ExecuteError::Idempotency(Error::InProgress { retry_after, .. })) => {
@@ -1078,7 +1338,10 @@ pub async fn check_manager_in_progress_fail_fast(repo: SharedRepository) -> Chec
         .await
         .map_err(|e| failure(e.to_string()))?
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(out, idempotency_core::Outcome::Executed(1)), "{out:?}");
+    ensure!(
+        matches!(out, idempotency_core::Outcome::Executed(1)),
+        "{out:?}"
+    );
     Ok(())
 }
 
@@ -1106,18 +1369,26 @@ pub async fn check_manager_in_progress_wait(repo: SharedRepository) -> CheckResu
             .await
         })
     };
-    entered_rx.await.map_err(|_| failure("the first handler never started"))?;
+    entered_rx
+        .await
+        .map_err(|_| failure("the first handler never started"))?;
     let waiter = {
         let m = m.clone();
         tokio::spawn(async move { m.execute("waited", &(), || async { ok(0) }).await })
     };
     let _ = release_tx.send(());
-    first.await.map_err(|e| failure(e.to_string()))?.map_err(|e| failure(e.to_string()))?;
+    first
+        .await
+        .map_err(|e| failure(e.to_string()))?
+        .map_err(|e| failure(e.to_string()))?;
     let out = waiter
         .await
         .map_err(|e| failure(e.to_string()))?
         .map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(out, idempotency_core::Outcome::Cached(41)), "the waiter replays: {out:?}");
+    ensure!(
+        matches!(out, idempotency_core::Outcome::Cached(41)),
+        "the waiter replays: {out:?}"
+    );
     Ok(())
 }
 
@@ -1125,23 +1396,34 @@ pub async fn check_manager_in_progress_wait(repo: SharedRepository) -> CheckResu
 pub async fn check_manager_payload_mismatch(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let m = cx.manager(Config::default())?;
-    m.execute("pay", &serde_json::json!({"amount": 1}), || async { ok(()) })
-        .await
-        .map_err(|e| failure(e.to_string()))?;
+    m.execute("pay", &serde_json::json!({"amount": 1}), || async {
+        ok(())
+    })
+    .await
+    .map_err(|e| failure(e.to_string()))?;
     let r = m
-        .execute("pay", &serde_json::json!({"amount": 2}), || async { ok(()) })
+        .execute("pay", &serde_json::json!({"amount": 2}), || async {
+            ok(())
+        })
         .await;
     ensure!(
-        matches!(r, Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))),
+        matches!(
+            r,
+            Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))
+        ),
         "{r:?}"
     );
     // Key order does not make a payload different.
     let same = m
-        .execute("obj", &serde_json::json!({"a": 1, "b": 2}), || async { ok(()) })
+        .execute("obj", &serde_json::json!({"a": 1, "b": 2}), || async {
+            ok(())
+        })
         .await;
     ensure!(same.is_ok(), "{same:?}");
     let reordered = m
-        .execute("obj", &serde_json::json!({"b": 2, "a": 1}), || async { ok(()) })
+        .execute("obj", &serde_json::json!({"b": 2, "a": 1}), || async {
+            ok(())
+        })
         .await
         .map_err(|e| failure(e.to_string()))?;
     ensure!(reordered.is_duplicate(), "{reordered:?}");
@@ -1154,12 +1436,26 @@ pub async fn check_manager_release_on_error(repo: SharedRepository) -> CheckResu
     let cx = Ctx::new(repo);
     let m = cx.manager(Config::default())?;
     let r = m
-        .execute("flaky", &(), || async { Err::<u8, _>(HandlerError::new("down".to_owned())) })
+        .execute("flaky", &(), || async {
+            Err::<u8, _>(HandlerError::new("down".to_owned()))
+        })
         .await;
-    ensure!(matches!(r, Err(ExecuteError::Handler(ref e)) if e == "down"), "{r:?}");
-    ensure!(cx.repo.get(&m.record_key("flaky")?, cx.now()).await?.is_none(), "record released");
+    ensure!(
+        matches!(r, Err(ExecuteError::Handler(ref e)) if e == "down"),
+        "{r:?}"
+    );
+    ensure!(
+        cx.repo
+            .get(&m.record_key("flaky")?, cx.now())
+            .await?
+            .is_none(),
+        "record released"
+    );
     let again = m.execute("flaky", &(), || async { ok(7u8) }).await;
-    ensure!(matches!(again, Ok(idempotency_core::Outcome::Executed(7))), "{again:?}");
+    ensure!(
+        matches!(again, Ok(idempotency_core::Outcome::Executed(7))),
+        "{again:?}"
+    );
     Ok(())
 }
 
@@ -1172,7 +1468,9 @@ pub async fn check_manager_stored_failure(repo: SharedRepository) -> CheckResult
         ..Config::default()
     })?;
     let _ = m
-        .execute("declined", &(), || async { Err::<u8, _>(HandlerError::new("card declined".to_owned())) })
+        .execute("declined", &(), || async {
+            Err::<u8, _>(HandlerError::new("card declined".to_owned()))
+        })
         .await;
     let runs = AtomicUsize::new(0);
     let r = m
@@ -1200,11 +1498,19 @@ pub async fn check_manager_store_and_retry(repo: SharedRepository) -> CheckResul
         ..Config::default()
     })?;
     let _ = m
-        .execute("retry", &(), || async { Err::<u8, _>(HandlerError::new("boom".to_owned())) })
+        .execute("retry", &(), || async {
+            Err::<u8, _>(HandlerError::new("boom".to_owned()))
+        })
         .await;
-    ensure_eq!(cx.record(&m.record_key("retry")?).await?.status, Status::Failed);
+    ensure_eq!(
+        cx.record(&m.record_key("retry")?).await?.status,
+        Status::Failed
+    );
     let again = m.execute("retry", &(), || async { ok(3u8) }).await;
-    ensure!(matches!(again, Ok(idempotency_core::Outcome::Executed(3))), "{again:?}");
+    ensure!(
+        matches!(again, Ok(idempotency_core::Outcome::Executed(3))),
+        "{again:?}"
+    );
     ensure_eq!(cx.record(&m.record_key("retry")?).await?.attempt, 2);
     Ok(())
 }
@@ -1218,14 +1524,28 @@ pub async fn check_manager_error_classification(repo: SharedRepository) -> Check
         ..Config::default()
     })?;
     let _ = store
-        .execute("t", &(), || async { Err::<u8, _>(HandlerError::transient("timeout".to_owned())) })
+        .execute("t", &(), || async {
+            Err::<u8, _>(HandlerError::transient("timeout".to_owned()))
+        })
         .await;
-    ensure!(cx.repo.get(&store.record_key("t")?, cx.now()).await?.is_none(), "transient releases");
+    ensure!(
+        cx.repo
+            .get(&store.record_key("t")?, cx.now())
+            .await?
+            .is_none(),
+        "transient releases"
+    );
     let release = cx.manager(Config::default())?;
     let _ = release
-        .execute("p", &(), || async { Err::<u8, _>(HandlerError::permanent("invalid".to_owned())) })
+        .execute("p", &(), || async {
+            Err::<u8, _>(HandlerError::permanent("invalid".to_owned()))
+        })
         .await;
-    ensure_eq!(cx.record(&release.record_key("p")?).await?.status, Status::Failed, "permanent stores");
+    ensure_eq!(
+        cx.record(&release.record_key("p")?).await?.status,
+        Status::Failed,
+        "permanent stores"
+    );
     Ok(())
 }
 
@@ -1242,15 +1562,23 @@ pub async fn check_manager_takeover_after_crash(repo: SharedRepository) -> Check
     cx.repo.reserve(cx.req(&key, crashed)).await?;
     let early = m.execute("crash", &(), || async { ok(1) }).await;
     ensure!(
-        matches!(early, Err(ExecuteError::Idempotency(Error::InProgress { .. }))),
+        matches!(
+            early,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
         "{early:?}"
     );
     cx.advance(LEASE);
     let late = m.execute("crash", &(), || async { ok(2) }).await;
-    ensure!(matches!(late, Ok(idempotency_core::Outcome::Executed(2))), "{late:?}");
+    ensure!(
+        matches!(late, Ok(idempotency_core::Outcome::Executed(2))),
+        "{late:?}"
+    );
     ensure_eq!(cx.record(&key).await?.attempt, 2);
     lease_lost(
-        cx.repo.complete(&key, crashed, None, cx.now() + TTL, cx.now()).await,
+        cx.repo
+            .complete(&key, crashed, None, cx.now() + TTL, cx.now())
+            .await,
         "the crashed owner coming back",
     )
 }
@@ -1282,7 +1610,10 @@ pub async fn check_manager_reports_lease_lost(repo: SharedRepository) -> CheckRe
         matches!(taken, Some(Ok(Reservation::Acquired { attempt: 2 }))),
         "takeover during the handler: {taken:?}"
     );
-    ensure!(matches!(out, idempotency_core::Outcome::LeaseLost(5)), "{out:?}");
+    ensure!(
+        matches!(out, idempotency_core::Outcome::LeaseLost(5)),
+        "{out:?}"
+    );
     ensure_eq!(cx.record(&key).await?.owner, thief);
     Ok(())
 }
@@ -1293,7 +1624,10 @@ pub async fn check_manager_key_validation(repo: SharedRepository) -> CheckResult
     let m = cx.manager(Config::default())?;
     let empty = m.execute("", &(), || async { ok(1) }).await;
     ensure!(
-        matches!(empty, Err(ExecuteError::Idempotency(Error::InvalidKey { .. }))),
+        matches!(
+            empty,
+            Err(ExecuteError::Idempotency(Error::InvalidKey { .. }))
+        ),
         "{empty:?}"
     );
     let long = "k".repeat(10 * 1024);
@@ -1354,12 +1688,15 @@ pub async fn check_manager_panic_releases(repo: SharedRepository) -> CheckResult
         let m = m.clone();
         tokio::spawn(async move {
             m.execute("panics", &(), || async { panicking_handler() })
-            .await
+                .await
         })
     };
     ensure!(task.await.is_err(), "the panic propagates to the caller");
     let again = m.execute("panics", &(), || async { ok(9) }).await;
-    ensure!(matches!(again, Ok(idempotency_core::Outcome::Executed(9))), "{again:?}");
+    ensure!(
+        matches!(again, Ok(idempotency_core::Outcome::Executed(9))),
+        "{again:?}"
+    );
     Ok(())
 }
 
@@ -1372,13 +1709,24 @@ pub async fn check_manager_ttl_expiry(repo: SharedRepository) -> CheckResult {
         processing_timeout: Duration::from_secs(60),
         ..Config::default()
     })?;
-    m.execute("ttl", &(), || async { ok(1) }).await.map_err(|e| failure(e.to_string()))?;
+    m.execute("ttl", &(), || async { ok(1) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
     cx.advance(Duration::from_secs(599));
-    let dup = m.execute("ttl", &(), || async { ok(2) }).await.map_err(|e| failure(e.to_string()))?;
+    let dup = m
+        .execute("ttl", &(), || async { ok(2) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
     ensure!(dup.is_duplicate(), "within the TTL: {dup:?}");
     cx.advance(Duration::from_secs(1));
-    let again = m.execute("ttl", &(), || async { ok(3) }).await.map_err(|e| failure(e.to_string()))?;
-    ensure!(matches!(again, idempotency_core::Outcome::Executed(3)), "after the TTL: {again:?}");
+    let again = m
+        .execute("ttl", &(), || async { ok(3) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
+    ensure!(
+        matches!(again, idempotency_core::Outcome::Executed(3)),
+        "after the TTL: {again:?}"
+    );
     Ok(())
 }
 
@@ -1387,8 +1735,14 @@ pub async fn check_manager_scopes_isolate(repo: SharedRepository) -> CheckResult
     let cx = Ctx::new(repo);
     let m = cx.manager(Config::default())?;
     let (a, b) = (m.scoped("email"), m.scoped("ship"));
-    let x = a.execute("evt", &(), || async { ok(1) }).await.map_err(|e| failure(e.to_string()))?;
-    let y = b.execute("evt", &(), || async { ok(2) }).await.map_err(|e| failure(e.to_string()))?;
+    let x = a
+        .execute("evt", &(), || async { ok(1) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
+    let y = b
+        .execute("evt", &(), || async { ok(2) })
+        .await
+        .map_err(|e| failure(e.to_string()))?;
     ensure!(x.handler_ran() && y.handler_ran(), "{x:?} {y:?}");
     Ok(())
 }
@@ -1397,9 +1751,16 @@ pub async fn check_manager_scopes_isolate(repo: SharedRepository) -> CheckResult
 pub async fn check_capabilities_are_coherent(repo: SharedRepository) -> CheckResult {
     let caps = repo.capabilities();
     ensure!(!caps.backend.is_empty(), "backend name");
-    ensure!(caps.max_id_bytes >= 71, "max_id_bytes {}", caps.max_id_bytes);
+    ensure!(
+        caps.max_id_bytes >= 71,
+        "max_id_bytes {}",
+        caps.max_id_bytes
+    );
     if let Some(max) = caps.max_result_bytes {
-        ensure!(max >= 1024, "a store should hold at least 1 KiB results, declares {max}");
+        ensure!(
+            max >= 1024,
+            "a store should hold at least 1 KiB results, declares {max}"
+        );
     }
     Ok(())
 }

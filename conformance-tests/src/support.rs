@@ -203,7 +203,9 @@ pub(crate) fn lease_lost(r: Result<(), Error>, what: &str) -> Result<(), CheckFa
     match r {
         Err(Error::LeaseLost { .. }) => Ok(()),
         Ok(()) => Err(failure(format!("{what}: succeeded, expected LeaseLost"))),
-        Err(e) => Err(failure(format!("{what}: returned {e:?}, expected LeaseLost"))),
+        Err(e) => Err(failure(format!(
+            "{what}: returned {e:?}, expected LeaseLost"
+        ))),
     }
 }
 

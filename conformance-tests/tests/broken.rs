@@ -7,12 +7,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use idempotency_conformance::{run_all, Report};
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
     Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
     SharedRepository, Status, Timestamp,
 };
-use idempotency_conformance::{run_all, Report};
 use parking_lot::Mutex;
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -141,7 +141,9 @@ impl Repository for Fixture {
         self.owned(key, owner, now, |map, k| {
             if let Some(r) = map.get_mut(&k) {
                 r.status = Status::Completed;
-                r.result = result.filter(|b| !(drop_empty && b.is_empty())).map(<[u8]>::to_vec);
+                r.result = result
+                    .filter(|b| !(drop_empty && b.is_empty()))
+                    .map(<[u8]>::to_vec);
                 r.expires_at = expires_at;
                 r.updated_at = now;
             }
@@ -166,7 +168,12 @@ impl Repository for Fixture {
         })
     }
 
-    async fn release(&self, key: &RecordKey, owner: OwnerToken, now: Timestamp) -> Result<(), Error> {
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
         if self.flaw == Flaw::ReleaseIgnoresStatus {
             self.map.lock().remove(&self.k(key));
             return Ok(());
@@ -237,19 +244,40 @@ async fn flawless_fixture_passes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn non_atomic_reserve_is_caught() {
     let r = report(Flaw::NonAtomicReserve).await;
-    assert_fails(&r, &["check_concurrent_reserve_single_winner", "check_concurrent_takeover_single_winner"]);
+    assert_fails(
+        &r,
+        &[
+            "check_concurrent_reserve_single_winner",
+            "check_concurrent_takeover_single_winner",
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ignoring_the_owner_is_caught() {
     let r = report(Flaw::IgnoresOwner).await;
-    assert_fails(&r, &["check_complete_wrong_owner", "check_fail_wrong_owner_or_state", "check_reserve_takes_over_expired_lease"]);
+    assert_fails(
+        &r,
+        &[
+            "check_complete_wrong_owner",
+            "check_fail_wrong_owner_or_state",
+            "check_reserve_takes_over_expired_lease",
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn ignoring_expiry_is_caught() {
     let r = report(Flaw::IgnoresExpiry).await;
-    assert_fails(&r, &["check_get_absent_and_expired", "check_reserve_after_expiry_creates_fresh", "check_expiry_boundary", "check_manager_ttl_expiry"]);
+    assert_fails(
+        &r,
+        &[
+            "check_get_absent_and_expired",
+            "check_reserve_after_expiry_creates_fresh",
+            "check_expiry_boundary",
+            "check_manager_ttl_expiry",
+        ],
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -31,13 +31,17 @@ async fn run_all_through_dyn_wrappers() {
     report.assert_all_passed();
 
     let double: SharedRepository = Arc::new(Arc::new(MemoryRepository::new()));
-    idempotency_conformance::run_all(double).await.assert_all_passed();
+    idempotency_conformance::run_all(double)
+        .await
+        .assert_all_passed();
 }
 
 #[test]
 fn suite_has_at_least_forty_uniquely_named_checks() {
-    let names: std::collections::HashSet<_> =
-        idempotency_conformance::ALL_CHECKS.iter().map(|c| c.name).collect();
+    let names: std::collections::HashSet<_> = idempotency_conformance::ALL_CHECKS
+        .iter()
+        .map(|c| c.name)
+        .collect();
     assert_eq!(names.len(), idempotency_conformance::ALL_CHECKS.len());
     assert!(names.len() >= 40, "{} checks", names.len());
 }

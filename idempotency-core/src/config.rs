@@ -208,8 +208,11 @@ impl DurationRepr {
     fn into_duration<E: serde::de::Error>(self) -> Result<Duration, E> {
         match self {
             DurationRepr::Secs(s) => Ok(Duration::from_secs(s)),
-            DurationRepr::Text(t) => parse_duration(&t)
-                .ok_or_else(|| E::custom(format!("invalid duration {t:?}: use e.g. 250ms, 30s, 5m, 1h"))),
+            DurationRepr::Text(t) => parse_duration(&t).ok_or_else(|| {
+                E::custom(format!(
+                    "invalid duration {t:?}: use e.g. 250ms, 30s, 5m, 1h"
+                ))
+            }),
         }
     }
 }
@@ -219,7 +222,9 @@ mod duration {
     pub(super) fn serialize<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(&format_duration(d))
     }
-    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    pub(super) fn deserialize<'de, D: serde::Deserializer<'de>>(
+        d: D,
+    ) -> Result<Duration, D::Error> {
         DurationRepr::deserialize(d)?.into_duration()
     }
 }

@@ -34,7 +34,10 @@ pub fn fingerprints_conflict(stored: Option<&Fingerprint>, request: Option<&Fing
 
 /// The reservation rule of the repository contract, over the record currently
 /// stored (expired or not).
-pub fn reserve_transition(existing: Option<&Record>, req: &ReserveRequest<'_>) -> ReserveTransition {
+pub fn reserve_transition(
+    existing: Option<&Record>,
+    req: &ReserveRequest<'_>,
+) -> ReserveTransition {
     let Some(record) = existing.filter(|r| !r.is_expired(req.now)) else {
         return ReserveTransition::Create;
     };
@@ -57,7 +60,11 @@ pub fn reserve_transition(existing: Option<&Record>, req: &ReserveRequest<'_>) -
 
 /// Builds the record a [`ReserveTransition::Create`] or
 /// [`ReserveTransition::Takeover`] stores.
-pub fn reserved_record(existing: Option<&Record>, req: &ReserveRequest<'_>, attempt: u32) -> Record {
+pub fn reserved_record(
+    existing: Option<&Record>,
+    req: &ReserveRequest<'_>,
+    attempt: u32,
+) -> Record {
     let created_at = match existing {
         Some(r) if attempt > 1 => r.created_at,
         _ => req.now,
@@ -206,7 +213,8 @@ mod tests {
                                     let req = ReserveRequest {
                                         key: &key,
                                         owner: OwnerToken::from_u128(2),
-                                        fingerprint: req_fp.map(|b| Fingerprint::from_bytes([b; 32])),
+                                        fingerprint: req_fp
+                                            .map(|b| Fingerprint::from_bytes([b; 32])),
                                         now: t(now),
                                         lease_until: t(now + 30),
                                         expires_at: t(now + 60),
@@ -215,7 +223,8 @@ mod tests {
                                     };
                                     let got = reserve_transition(Some(&rec), &req);
                                     let expired = expires <= now;
-                                    let conflict = matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
+                                    let conflict =
+                                        matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
                                     let stale = lease + skew <= now;
                                     let want = if expired {
                                         ReserveTransition::Create
@@ -266,7 +275,10 @@ mod tests {
         let taken = reserved_record(Some(&old), &req, 4);
         assert_eq!(taken.created_at, t(1));
         assert_eq!(taken.owner, OwnerToken::from_u128(9));
-        assert_eq!((taken.result, taken.error, taken.fingerprint), (None, None, None));
+        assert_eq!(
+            (taken.result, taken.error, taken.fingerprint),
+            (None, None, None)
+        );
         assert_eq!(taken.status, Status::Processing);
         let fresh = reserved_record(Some(&old), &req, 1);
         assert_eq!(fresh.created_at, t(500));
@@ -285,17 +297,24 @@ mod tests {
                             rec.error = None;
                         }
                         let fp = req_fp.map(|b| Fingerprint::from_bytes([b; 32]));
-                        let got = decide_duplicate(rec, fp.as_ref(), now, Duration::from_millis(50));
+                        let got =
+                            decide_duplicate(rec, fp.as_ref(), now, Duration::from_millis(50));
                         let conflict = matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
                         let want = match (conflict, status, cached) {
                             (true, _, _) => DuplicateDecision::PayloadMismatch,
-                            (false, Status::Completed, true) => DuplicateDecision::Replay(b"r".to_vec()),
+                            (false, Status::Completed, true) => {
+                                DuplicateDecision::Replay(b"r".to_vec())
+                            }
                             (false, Status::Completed, false) => DuplicateDecision::Duplicate,
                             (false, Status::Processing, _) => DuplicateDecision::InProgress {
                                 retry_after: Duration::from_millis(250),
                             },
-                            (false, Status::Failed, true) => DuplicateDecision::PreviouslyFailed(b"e".to_vec()),
-                            (false, Status::Failed, false) => DuplicateDecision::PreviouslyFailed(Vec::new()),
+                            (false, Status::Failed, true) => {
+                                DuplicateDecision::PreviouslyFailed(b"e".to_vec())
+                            }
+                            (false, Status::Failed, false) => {
+                                DuplicateDecision::PreviouslyFailed(Vec::new())
+                            }
                         };
                         assert_eq!(got, want);
                     }
@@ -309,7 +328,9 @@ mod tests {
         let rec = record(Status::Processing, 900, 5_000, None);
         assert_eq!(
             decide_duplicate(rec, None, t(1_000), Duration::ZERO),
-            DuplicateDecision::InProgress { retry_after: Duration::ZERO }
+            DuplicateDecision::InProgress {
+                retry_after: Duration::ZERO
+            }
         );
     }
 

@@ -153,10 +153,7 @@ impl Error {
     }
 
     /// [`Error::Unavailable`] with a client error.
-    pub fn unavailable(
-        backend: &'static str,
-        source: impl Into<BoxError>,
-    ) -> Self {
+    pub fn unavailable(backend: &'static str, source: impl Into<BoxError>) -> Self {
         let source = source.into();
         Error::Unavailable {
             backend,

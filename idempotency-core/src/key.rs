@@ -73,8 +73,8 @@ impl RecordKey {
                 ),
             });
         }
-        let digest_needed = id.len() > max_id_bytes.max(DIGEST_PREFIX.len() + 64)
-            || id.starts_with(DIGEST_PREFIX);
+        let digest_needed =
+            id.len() > max_id_bytes.max(DIGEST_PREFIX.len() + 64) || id.starts_with(DIGEST_PREFIX);
         if digest_needed {
             Ok(RecordKey {
                 namespace,

@@ -61,12 +61,16 @@ pub use codec::{Codec, JsonCodec};
 pub use config::{parse_duration, Config, FailurePolicy, InProgressPolicy, OutagePolicy};
 pub use decision::FailureKind;
 pub use error::{BoxError, Error};
-pub use key::{escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX, MAX_NAMESPACE_BYTES};
+pub use key::{
+    escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX, MAX_NAMESPACE_BYTES,
+};
 pub use manager::{ExecuteError, HandlerError, HandlerResult, IdempotencyManager, Outcome};
 pub use memory::MemoryRepository;
 pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
 pub use record::{Record, Status};
-pub use repository::{Capabilities, Repository, RepositoryExt, Reservation, ReserveRequest, SharedRepository};
+pub use repository::{
+    Capabilities, Repository, RepositoryExt, Reservation, ReserveRequest, SharedRepository,
+};
 pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};
 pub use time::{Clock, ManualClock, SystemClock, Timestamp};
 

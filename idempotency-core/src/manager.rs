@@ -20,7 +20,7 @@ use crate::decision::{
 use crate::error::Error;
 use crate::key::{Fingerprint, OwnerToken, RecordKey};
 use crate::metrics::{self as m, ActiveKey};
-use crate::repository::{Capabilities, ReserveRequest, Reservation, SharedRepository};
+use crate::repository::{Capabilities, Reservation, ReserveRequest, SharedRepository};
 use crate::time::{Clock, SystemClock, Timestamp};
 
 /// What a call to [`IdempotencyManager::execute`] did.
@@ -187,7 +187,6 @@ pub type HandlerResult<T, E> = Result<T, HandlerError<E>>;
 
 /// Why [`IdempotencyManager::execute`] did not return an [`Outcome`].
 #[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
 pub enum ExecuteError<E> {
     /// The handler ran and failed; the record was released or the failure stored
     /// as classified.
@@ -483,7 +482,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             let existing = match reserved {
                 Ok(Reservation::Acquired { attempt }) => break (owner, attempt),
                 Ok(Reservation::Existing(record)) => record,
-                Err(e) if e.is_store_outage() && config.on_store_outage == OutagePolicy::FailOpen => {
+                Err(e)
+                    if e.is_store_outage() && config.on_store_outage == OutagePolicy::FailOpen =>
+                {
                     tracing::warn!(error = %e, "store unavailable; running the handler unprotected (fail-open)");
                     m::count(m::FAIL_OPEN, backend);
                     tracing::Span::current().record("outcome", "unprotected");
@@ -630,17 +631,21 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         let backend = self.inner.caps.backend;
         let bytes = if config.cache_results {
             match self.codec.encode(&value) {
-                Ok(b) if should_cache_result(
-                    b.len(),
-                    true,
-                    config.max_result_size_bytes,
-                    self.inner.caps.max_result_bytes,
-                ) =>
+                Ok(b)
+                    if should_cache_result(
+                        b.len(),
+                        true,
+                        config.max_result_size_bytes,
+                        self.inner.caps.max_result_bytes,
+                    ) =>
                 {
                     Some(b)
                 }
                 Ok(b) => {
-                    tracing::debug!(size = b.len(), "result too large to cache; completing without it");
+                    tracing::debug!(
+                        size = b.len(),
+                        "result too large to cache; completing without it"
+                    );
                     None
                 }
                 Err(e) => {
@@ -715,13 +720,17 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             let now = self.inner.clock.now();
             let started = Instant::now();
             let (op, r) = match action {
-                FailureAction::Release => ("release", self.inner.repo.release(key, owner, now).await),
+                FailureAction::Release => {
+                    ("release", self.inner.repo.release(key, owner, now).await)
+                }
                 FailureAction::StoreFailed => {
                     let limit = self
                         .inner
                         .caps
                         .max_result_bytes
-                        .map_or(config.max_result_size_bytes, |s| s.min(config.max_result_size_bytes));
+                        .map_or(config.max_result_size_bytes, |s| {
+                            s.min(config.max_result_size_bytes)
+                        });
                     let message = truncate_utf8(err.to_string(), limit);
                     let r = self
                         .inner

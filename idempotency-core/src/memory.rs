@@ -11,7 +11,7 @@ use crate::decision::{reserve_transition, reserved_record, ReserveTransition};
 use crate::error::Error;
 use crate::key::{OwnerToken, RecordKey};
 use crate::record::{Record, Status};
-use crate::repository::{Capabilities, Repository, ReserveRequest, Reservation};
+use crate::repository::{Capabilities, Repository, Reservation, ReserveRequest};
 use crate::time::Timestamp;
 
 const DEFAULT_SHARDS: usize = 64;
@@ -66,7 +66,9 @@ impl MemoryRepository {
     /// An empty repository with `shards` shards (at least 1).
     pub fn with_shards(shards: usize) -> Self {
         MemoryRepository {
-            shards: (0..shards.max(1)).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..shards.max(1))
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
             hasher: Default::default(),
             max_result_bytes: None,
             purge_cursor: AtomicUsize::new(0),
@@ -137,7 +139,14 @@ impl MemoryRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.check_size(if status == Status::Completed { "result" } else { "error" }, value)?;
+        self.check_size(
+            if status == Status::Completed {
+                "result"
+            } else {
+                "error"
+            },
+            value,
+        )?;
         self.with_owned(key, owner, now, |r| {
             r.status = status;
             let value = value.map(<[u8]>::to_vec);
@@ -203,7 +212,12 @@ impl Repository for MemoryRepository {
         self.finish(key, owner, Status::Failed, error, expires_at, now)
     }
 
-    async fn release(&self, key: &RecordKey, owner: OwnerToken, now: Timestamp) -> Result<(), Error> {
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
         self.with_owned(key, owner, now, |_| false)
     }
 

@@ -179,7 +179,10 @@ impl Dispatcher {
         handler: impl EventHandler,
     ) -> &mut Self {
         let wrapped = IdempotentHandler::new(self.manager.clone(), name, strategy, handler);
-        self.handlers.entry(event_type.into()).or_default().push(wrapped);
+        self.handlers
+            .entry(event_type.into())
+            .or_default()
+            .push(wrapped);
         self
     }
 

@@ -213,8 +213,12 @@ pub trait Repository: Send + Sync + Debug + 'static {
 
     /// Deletes the `Processing` record if `owner` holds it (so a redelivery runs
     /// the handler again).
-    async fn release(&self, key: &RecordKey, owner: OwnerToken, now: Timestamp)
-        -> Result<(), Error>;
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error>;
 
     /// Moves the lease of the `Processing` record `owner` holds to `lease_until`.
     async fn extend(

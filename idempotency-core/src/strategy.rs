@@ -94,9 +94,10 @@ impl fmt::Debug for KeyStrategy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KeyStrategy::EventBased => f.write_str("EventBased"),
-            KeyStrategy::ContentHash { fields } => {
-                f.debug_struct("ContentHash").field("fields", fields).finish()
-            }
+            KeyStrategy::ContentHash { fields } => f
+                .debug_struct("ContentHash")
+                .field("fields", fields)
+                .finish(),
             KeyStrategy::Custom(_) => f.write_str("Custom(..)"),
         }
     }
@@ -150,7 +151,8 @@ impl KeyStrategy {
 fn content_hash(event: &Event, fields: Option<&BTreeSet<String>>) -> Result<String, Error> {
     let hashed = match fields {
         None => {
-            let mut v = serde_json::to_value(event).map_err(|e| Error::Codec { source: e.into() })?;
+            let mut v =
+                serde_json::to_value(event).map_err(|e| Error::Codec { source: e.into() })?;
             if let Value::Object(map) = &mut v {
                 for k in ["event_id", "timestamp", "metadata"] {
                     map.remove(k);
@@ -161,7 +163,10 @@ fn content_hash(event: &Event, fields: Option<&BTreeSet<String>>) -> Result<Stri
         Some(fields) => {
             let mut picked = serde_json::Map::new();
             for f in fields {
-                picked.insert(f.clone(), event.payload.get(f).cloned().unwrap_or(Value::Null));
+                picked.insert(
+                    f.clone(),
+                    event.payload.get(f).cloned().unwrap_or(Value::Null),
+                );
             }
             Value::Object(picked)
         }
@@ -210,7 +215,10 @@ mod tests {
     #[test]
     fn empty_parts_are_rejected() {
         let e = Event::new("T", "", json!({}));
-        assert!(matches!(KeyStrategy::EventBased.key_for(&e), Err(Error::InvalidKey { .. })));
+        assert!(matches!(
+            KeyStrategy::EventBased.key_for(&e),
+            Err(Error::InvalidKey { .. })
+        ));
         let custom = KeyStrategy::custom(|_| Ok(String::new()));
         assert!(custom.key_for(&e).is_err());
     }

@@ -24,8 +24,19 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 /// assert_eq!(t.saturating_sub(Duration::from_secs(5)), Timestamp::EPOCH);
 /// assert_eq!(Timestamp::from_millis(3_000).duration_since(t), Duration::from_secs(2));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 #[serde(transparent)]
 pub struct Timestamp(u64);
 
