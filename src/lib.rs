@@ -50,6 +50,9 @@
 
 use std::sync::Arc;
 
+#[doc = include_str!("../docs/guide.md")]
+pub mod guide {}
+
 #[doc(inline)]
 pub use idempotency_core::*;
 

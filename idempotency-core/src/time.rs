@@ -172,6 +172,11 @@ impl ManualClock {
         ManualClock::new(SystemClock.now())
     }
 
+    /// The clock's current instant (also available through [`Clock::now`]).
+    pub fn now(&self) -> Timestamp {
+        Timestamp::from_millis(self.now.load(Ordering::SeqCst))
+    }
+
     /// Moves the clock forward by `d`.
     pub fn advance(&self, d: Duration) {
         self.now.fetch_add(duration_millis(d), Ordering::SeqCst);
@@ -185,7 +190,7 @@ impl ManualClock {
 
 impl Clock for ManualClock {
     fn now(&self) -> Timestamp {
-        Timestamp::from_millis(self.now.load(Ordering::SeqCst))
+        ManualClock::now(self)
     }
 }
 
