@@ -460,7 +460,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         let backend = self.inner.caps.backend;
         let config = &self.inner.config;
         let wait_deadline = match config.in_progress {
-            InProgressPolicy::Wait { timeout, .. } => Some(Instant::now() + timeout),
+            InProgressPolicy::Wait { timeout, .. } => Some(tokio::time::Instant::now() + timeout),
             InProgressPolicy::FailFast => None,
         };
         let (owner, attempt) = loop {
@@ -500,7 +500,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 if let (Some(deadline), InProgressPolicy::Wait { poll_interval, .. }) =
                     (wait_deadline, config.in_progress)
                 {
-                    let remaining = deadline.saturating_duration_since(Instant::now());
+                    let remaining = deadline.saturating_duration_since(tokio::time::Instant::now());
                     if !remaining.is_zero() {
                         tokio::time::sleep(poll_interval.min(remaining)).await;
                         continue;

@@ -398,3 +398,44 @@ async fn stored_errors_are_capped_to_the_limit() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(start_paused = true)]
+async fn waiting_duplicate_gives_up_after_its_timeout() {
+    let repo = Arc::new(Flaky::default());
+    let clock = ManualClock::starting_now();
+    let config = Config {
+        in_progress: idempotency_core::InProgressPolicy::Wait {
+            timeout: Duration::from_secs(2),
+            poll_interval: Duration::from_millis(100),
+        },
+        ..Config::default()
+    };
+    let m = manager(repo.clone(), config, &clock);
+    let key = m.record_key("held").unwrap();
+    let now = clock.now();
+    repo.reserve(ReserveRequest {
+        key: &key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + Duration::from_secs(300),
+        expires_at: now + Duration::from_secs(3600),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    })
+    .await
+    .unwrap();
+    let started = tokio::time::Instant::now();
+    let r = m
+        .execute("held", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(
+        matches!(r, Err(ExecuteError::Idempotency(Error::InProgress { .. }))),
+        "{r:?}"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+}
