@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{
-    Capabilities, Clock, Config, Error, Fingerprint, IdempotencyManager, JsonCodec, ManualClock,
+    Capabilities, Config, Error, Fingerprint, IdempotencyManager, JsonCodec, ManualClock,
     OwnerToken, Record, RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
     Timestamp,
 };

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Capabilities, Clock, Config, Error, ExecuteError, HandlerError, IdempotencyManager, JsonCodec,
+    Capabilities, Config, Error, ExecuteError, HandlerError, IdempotencyManager, JsonCodec,
     ManualClock, MemoryRepository, OutagePolicy, OwnerToken, Record, RecordKey, Repository,
     Reservation, ReserveRequest, SharedRepository, Status, Timestamp,
 };
