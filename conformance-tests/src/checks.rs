@@ -13,7 +13,7 @@ use idempotency_core::{
     RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
 };
 
-use crate::support::{ensure, ensure_eq, existing, failure, fp, lease_lost, Ctx, LEASE, TTL};
+use crate::support::{ensure, ensure_eq, existing, failure, fp, lease_lost, Ctx, Held, LEASE, TTL};
 use crate::CheckResult;
 
 // ---------------------------------------------------------------- reserve
@@ -1307,22 +1307,7 @@ pub async fn check_manager_in_progress_fail_fast(repo: SharedRepository) -> Chec
         processing_timeout: Duration::from_secs(30),
         ..Config::default()
     })?;
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
-    let first = {
-        let m = m.clone();
-        tokio::spawn(async move {
-            m.execute("slow", &(), || async move {
-                let _ = entered_tx.send(());
-                let _ = release_rx.await;
-                ok(1)
-            })
-            .await
-        })
-    };
-    entered_rx
-        .await
-        .map_err(|_| failure("the first handler never started"))?;
+    let first = Held::start(&m, "slow", 1).await?;
     let dup = m.execute("slow", &(), || async { ok(2) }).await;
     match dup {
         Err(ExecuteError::Idempotency(Error::InProgress { retry_after, .. })) => {
@@ -1333,11 +1318,7 @@ pub async fn check_manager_in_progress_fail_fast(repo: SharedRepository) -> Chec
         }
         other => return Err(failure(format!("duplicate in flight gave {other:?}"))),
     }
-    let _ = release_tx.send(());
-    let out = first
-        .await
-        .map_err(|e| failure(e.to_string()))?
-        .map_err(|e| failure(e.to_string()))?;
+    let out = first.finish().await?;
     ensure!(
         matches!(out, idempotency_core::Outcome::Executed(1)),
         "{out:?}"
@@ -1356,31 +1337,12 @@ pub async fn check_manager_in_progress_wait(repo: SharedRepository) -> CheckResu
         },
         ..Config::default()
     })?;
-    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
-    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
-    let first = {
-        let m = m.clone();
-        tokio::spawn(async move {
-            m.execute("waited", &(), || async move {
-                let _ = entered_tx.send(());
-                let _ = release_rx.await;
-                ok(41)
-            })
-            .await
-        })
-    };
-    entered_rx
-        .await
-        .map_err(|_| failure("the first handler never started"))?;
+    let first = Held::start(&m, "waited", 41).await?;
     let waiter = {
         let m = m.clone();
         tokio::spawn(async move { m.execute("waited", &(), || async { ok(0) }).await })
     };
-    let _ = release_tx.send(());
-    first
-        .await
-        .map_err(|e| failure(e.to_string()))?
-        .map_err(|e| failure(e.to_string()))?;
+    first.finish().await?;
     let out = waiter
         .await
         .map_err(|e| failure(e.to_string()))?

@@ -217,3 +217,46 @@ pub(crate) fn fp(byte: u8) -> Option<Fingerprint> {
 pub fn random_namespace() -> String {
     format!("conformance-{:016x}", rand::random::<u64>())
 }
+
+/// An execution held inside its handler until [`Held::finish`].
+pub(crate) struct Held {
+    task: tokio::task::JoinHandle<
+        Result<idempotency_core::Outcome<i32>, idempotency_core::ExecuteError<String>>,
+    >,
+    release: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Held {
+    /// Starts `m.execute(key)` with a handler returning `value`, and returns once
+    /// the handler is running (the key is `Processing`).
+    pub(crate) async fn start(
+        m: &IdempotencyManager,
+        key: &str,
+        value: i32,
+    ) -> Result<Held, CheckFailure> {
+        let (entered_tx, entered_rx) = tokio::sync::oneshot::channel::<()>();
+        let (release, release_rx) = tokio::sync::oneshot::channel::<()>();
+        let (m, key) = (m.clone(), key.to_owned());
+        let task = tokio::spawn(async move {
+            m.execute(&key, &(), || async move {
+                let _ = entered_tx.send(());
+                let _ = release_rx.await;
+                Ok::<_, idempotency_core::HandlerError<String>>(value)
+            })
+            .await
+        });
+        entered_rx
+            .await
+            .map_err(|_| failure("the held handler never started"))?;
+        Ok(Held { task, release })
+    }
+
+    /// Lets the handler return and waits for the execution's outcome.
+    pub(crate) async fn finish(self) -> Result<idempotency_core::Outcome<i32>, CheckFailure> {
+        let _ = self.release.send(());
+        self.task
+            .await
+            .map_err(|e| failure(format!("held execution panicked: {e}")))?
+            .map_err(|e| failure(format!("held execution failed: {e}")))
+    }
+}
