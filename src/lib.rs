@@ -168,10 +168,7 @@ pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
     }
 }
 
-#[cfg_attr(
-    not(any(feature = "redis", feature = "postgres", feature = "dynamodb")),
-    allow(dead_code)
-)]
+#[cfg(not(all(feature = "redis", feature = "postgres", feature = "dynamodb")))]
 fn feature_off(kind: StoreKind, url: &str) -> Error {
     let scheme = url.split_once(':').map_or(url, |(s, _)| s);
     Error::config(format!(

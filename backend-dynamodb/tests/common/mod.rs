@@ -1,0 +1,49 @@
+//! The DynamoDB-compatible server the tests run against, from the workspace's
+//! harness: `IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT` if set, else a container
+//! (`IDEMPOTENCY_TEST_DYNAMODB_IMAGE`, default `amazon/dynamodb-local`; the
+//! baked moto image offline). Without either the tests fail, saying so.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use idempotency_conformance::containers::{self, DynamoDbServer};
+use idempotency_dynamodb::DynamoDbRepository;
+
+/// The table the tests share (each check uses its own random namespace).
+pub(crate) const TABLE: &str = "idempotency_tests";
+
+/// The shared server of this test binary.
+pub(crate) async fn server() -> DynamoDbServer {
+    containers::dynamodb()
+        .await
+        .unwrap_or_else(|e| panic!("a DynamoDB-compatible server for the tests: {e}"))
+}
+
+/// The endpoint of the shared server.
+pub(crate) async fn endpoint() -> String {
+    server().await.endpoint().to_owned()
+}
+
+/// The URL of `table` on `server`, with table creation.
+pub(crate) fn url_on(server: &DynamoDbServer, table: &str) -> String {
+    format!(
+        "dynamodb://{table}?region={}&endpoint={}&credentials=dummy&create_table=true",
+        server.region(),
+        server.endpoint()
+    )
+}
+
+/// The URL of `table` on the shared server, with table creation.
+pub(crate) async fn url(table: &str) -> String {
+    url_on(&server().await, table)
+}
+
+/// A fresh table name on the shared server.
+pub(crate) async fn unique_table(prefix: &str) -> String {
+    server().await.unique_table_name(prefix)
+}
+
+/// A repository on the shared test table (created on first use).
+pub(crate) async fn repository() -> DynamoDbRepository {
+    idempotency_dynamodb::connect(&url(TABLE).await)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to the test DynamoDB server: {e}"))
+}

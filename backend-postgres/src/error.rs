@@ -1,0 +1,100 @@
+//! Mapping sqlx errors onto the core [`Error`].
+
+use idempotency_core::{Error, RecordKey};
+
+pub(crate) const BACKEND: &str = "postgres";
+
+/// Maps a sqlx error of `operation` (on `key`, when there is one).
+///
+/// - connection problems (I/O, TLS, closed or exhausted pool, SQLSTATE class 08,
+///   `57P01`/`57P02`/`57P03` shutdowns, class 53 insufficient resources) and
+///   serialization failures / deadlocks (`40001`, `40P01`, retryable by
+///   definition) → [`Error::Unavailable`];
+/// - `statement_timeout` (`57014`) and `lock_timeout` (`55P03`) → [`Error::Timeout`];
+/// - a missing schema, table or function (`3F000`, `42P01`, `42883`) →
+///   [`Error::Config`] naming the table and `migrate()`;
+/// - undecodable columns → [`Error::Corrupt`] naming the key;
+/// - anything else → [`Error::Backend`].
+///
+/// A unique violation (`23505`) cannot arise from this crate's statements: the
+/// only insert is `INSERT … ON CONFLICT DO NOTHING` inside the reservation
+/// function, whose conflicts become the `Existing` outcome; migrations are
+/// serialised by an advisory lock. Should one arrive anyway, it is a
+/// [`Error::Backend`].
+pub(crate) fn map_sqlx(
+    err: sqlx::Error,
+    operation: &'static str,
+    key: Option<&RecordKey>,
+    table: &str,
+) -> Error {
+    use sqlx::Error as E;
+    match err {
+        E::Io(_) | E::Tls(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
+        E::PoolTimedOut => Error::Unavailable {
+            backend: BACKEND,
+            message: format!(
+                "{operation}: no connection within the pool's acquire timeout (server down or pool exhausted)"
+            ),
+            source: Some(Box::new(err)),
+        },
+        E::Configuration(_) => Error::Config {
+            message: format!("PostgreSQL connection options: {err}"),
+        },
+        E::ColumnDecode { .. } | E::Decode(_) | E::ColumnNotFound(_) | E::ColumnIndexOutOfBounds { .. } => {
+            Error::Corrupt {
+                key: key.cloned(),
+                reason: format!("{operation}: {err}"),
+            }
+        }
+        E::Database(ref db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            match code.as_str() {
+                c if c.starts_with("08") || c.starts_with("53") => unavailable(operation, err),
+                "57P01" | "57P02" | "57P03" | "40001" | "40P01" => unavailable(operation, err),
+                "57014" | "55P03" => Error::Timeout {
+                    backend: BACKEND,
+                    operation,
+                },
+                "3F000" | "42P01" | "42883" => Error::Config {
+                    message: format!(
+                        "{operation}: the idempotency table {table} (or its schema or reserve function) \
+                         does not exist or is outdated; run PgRepository::migrate() ({err})"
+                    ),
+                },
+                _ => Error::backend(BACKEND, err),
+            }
+        }
+        other => Error::backend(BACKEND, other),
+    }
+}
+
+fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        message: format!("{operation}: {err}"),
+        source: Some(Box::new(err)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_and_pool_errors_are_outages() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(map_sqlx(io, "reserve", None, "t").is_store_outage());
+        assert!(map_sqlx(sqlx::Error::PoolTimedOut, "get", None, "t").is_store_outage());
+        assert!(map_sqlx(sqlx::Error::PoolClosed, "get", None, "t").is_store_outage());
+    }
+
+    #[test]
+    fn decode_errors_name_the_key() {
+        let key = RecordKey::new("ns", "id", 64).unwrap();
+        let err = sqlx::Error::ColumnNotFound("owner".into());
+        assert!(matches!(
+            map_sqlx(err, "get", Some(&key), "t"),
+            Error::Corrupt { key: Some(k), .. } if k == key
+        ));
+    }
+}

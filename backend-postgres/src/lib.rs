@@ -1,0 +1,239 @@
+//! PostgreSQL backend of **idempotency-rs**: [`PgRepository`], an idempotency
+//! [`Repository`](idempotency_core::Repository) in one table, on a sqlx
+//! [`PgPool`](sqlx::PgPool).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use idempotency_core::{Config, HandlerError, IdempotencyManager, Outcome};
+//!
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! // Connects, and creates the table on first use (`migrate=false` to skip).
+//! let repo = idempotency_postgres::connect("postgres://app:secret@localhost/shop").await?;
+//! let manager = IdempotencyManager::new(Arc::new(repo), Config::default())?;
+//!
+//! // The broker delivers the same message twice: the handler runs once.
+//! for delivery in 1..=2 {
+//!     let outcome = manager
+//!         .execute("ProcessPayment:evt-42", &serde_json::json!({"amount": 10}), || async {
+//!             Ok::<_, HandlerError<String>>("receipt-1".to_owned())
+//!         })
+//!         .await?;
+//!     assert!(matches!((delivery, outcome), (1, Outcome::Executed(_)) | (2, Outcome::Cached(_))));
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! # Building a repository
+//!
+//! | how | migrates? |
+//! |---|---|
+//! | [`connect`]`("postgres://…")` (also `postgresql://`) | yes, unless `migrate=false` |
+//! | [`PgRepository::from_url`], [`PgRepository::from_env`] (`IDEMPOTENCY_POSTGRES_URL`, else `DATABASE_URL`) | only with `migrate=true` |
+//! | [`PgRepository::from_pool`] (your pool, default names), [`PgRepositoryBuilder::build_with_pool`] | no |
+//! | [`PgRepository::builder`]`()….connect(url)` / `.connect_lazy(url)` | only with `migrate=true` |
+//!
+//! URL query options taken by this crate (all others, e.g. `sslmode`, go to
+//! sqlx): `schema` (default `public`), `table` (default `idempotency_records`),
+//! `migrate`, `max_connections` (default 10), `acquire_timeout` (default `5s`),
+//! `operation_timeout` (default none). Schema and table names must be plain
+//! identifiers — ASCII letters, digits, `_`, not starting with a digit; at most 63
+//! and 48 bytes — and are always quoted (case-sensitive); anything else is an
+//! [`Error::Config`](idempotency_core::Error::Config), never SQL. TLS
+//! (`sslmode=require`, `verify-full`) needs this crate's `tls` feature.
+//!
+//! [`PgRepository::migrate`] applies the embedded migrations: idempotent, in one
+//! transaction under an advisory lock, so processes starting together are safe.
+//!
+//! # Support table
+//!
+//! | | |
+//! |---|---|
+//! | atomicity | every operation is one statement under READ COMMITTED; `reserve` decides under the row lock |
+//! | concurrency | exactly one `Acquired` among concurrent reservers of a key (the conformance races, and 48 tasks over three pools through ten takeover rounds in `tests/postgres.rs`) |
+//! | expiry | from the caller's `now` only; an expired row is absent to every operation before it is purged |
+//! | native expiry | no: schedule [`purge_expired`](idempotency_core::Repository::purge_expired) |
+//! | key | `namespace` and `id` as `bytea` (their UTF-8 bytes): injective for every string, NUL included |
+//! | `max_id_bytes` | 1024 (longer ids are digested by the manager); namespaces ≤ 512 bytes (core limit) |
+//! | `max_result_bytes` | 16 MiB per result or stored error (`bytea`; larger → `TooLarge`, the manager completes without caching) |
+//! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57P01–57P03, 40001, 40P01 → `Unavailable`; `57014`, `55P03`, the operation timeout → `Timeout` |
+//! | corrupt rows | wrong-length owner or fingerprint, unknown status, negative instants → `Corrupt` naming the key |
+//!
+//! Round trips — each operation is a single statement, a prepared statement
+//! cached per connection (its first use on a connection adds one `Parse` round
+//! trip), sent as one pipelined `Bind`/`Execute`/`Close`/`Sync`.
+//! `tests/statements.rs` proves it twice: a proxy counts the protocol messages
+//! the server receives for each operation (exactly one `Execute` and one `Sync`,
+//! no `Parse`, no simple `Query`), and, server side, `pg_stat_database.xact_commit`
+//! of a database created for the test grows by exactly one transaction per extra
+//! operation. On pools this crate creates, sqlx's ping before handing out a
+//! connection is off (`test_before_acquire(false)`); sqlx still pings a
+//! connection when it returns to the pool, after the operation has answered.
+//!
+//! | operation | round trips | statement |
+//! |---|---|---|
+//! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: its `INSERT … ON CONFLICT DO NOTHING` inserts |
+//! | `reserve`, duplicate | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the row, the function decides and returns it |
+//! | `reserve`, takeover / expired row | 1 | same call: plus one `UPDATE` of the locked row |
+//! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` |
+//! | `release` | 1 | `DELETE …` with the same condition |
+//! | `get` | 1 | `SELECT … WHERE key AND expires_at > now` |
+//! | `delete` | 1 | `DELETE … WHERE key` |
+//! | `purge_expired(now, limit)` | 1 | `WITH doomed AS (SELECT … WHERE expires_at <= now ORDER BY expires_at LIMIT n FOR UPDATE SKIP LOCKED) DELETE …` |
+//!
+//! # Why a function for `reserve`
+//!
+//! The obvious single statement, `INSERT … ON CONFLICT DO UPDATE … WHERE
+//! <takeover rule> RETURNING *`, returns nothing when the rule says "keep the
+//! existing record" — exactly the duplicate case, which must return that record.
+//! A fallback `SELECT` in the same CTE reads the statement's snapshot, which
+//! misses a row committed by a concurrent reserver a moment earlier; making the
+//! `DO UPDATE` unconditional (a `CASE` per column) returns the row but writes a
+//! new row version for every duplicate. The PL/pgSQL function created by the
+//! migration has none of these problems, in one round trip:
+//!
+//! 1. `INSERT … ON CONFLICT (namespace, id) DO NOTHING` — a fresh key is
+//!    reserved here. If another transaction is inserting the same key, this
+//!    waits for it to commit or roll back.
+//! 2. Otherwise `SELECT … FOR UPDATE` locks the newest committed version of the
+//!    row (each PL/pgSQL statement takes a fresh snapshot under READ COMMITTED,
+//!    and a locked row is re-read after the lock holder finishes); if it vanished
+//!    meanwhile (released, deleted, purged) the loop starts over.
+//! 3. Under the lock, the rule of `idempotency_core::decision::reserve_transition`
+//!    is applied to the caller's `now`, `lease_cutoff()`, `retry_failed` and
+//!    fingerprint, all parameters: an expired row is overwritten as a new record
+//!    (attempt 1), a stale `Processing` or retryable `Failed` row is taken over
+//!    (attempt + 1, `created_at` kept) unless the fingerprints conflict;
+//!    otherwise the row is returned unchanged.
+//!
+//! Every decision is made by the one transaction holding the row lock, on the
+//! row's newest version, so exactly one concurrent reserver acquires a given
+//! version. Duplicates write no row version (only the lock).
+//!
+//! # Schema
+//!
+//! ```sql
+//! CREATE TABLE "public"."idempotency_records" (
+//!     namespace   bytea  NOT NULL,       -- UTF-8 bytes of the namespace
+//!     id          bytea  NOT NULL,       -- UTF-8 bytes of the id (or its digest)
+//!     status      text   NOT NULL,       -- 'processing' | 'completed' | 'failed'
+//!     owner       bytea  NOT NULL,       -- 16-byte fencing token
+//!     attempt     bigint NOT NULL,
+//!     fingerprint bytea,                 -- 32-byte SHA-256 of the payload
+//!     result      bytea,                 -- cached outcome (NULL ≠ empty)
+//!     error       bytea,                 -- stored failure
+//!     lease_until bigint NOT NULL,       -- milliseconds since the Unix epoch, caller's clock
+//!     expires_at  bigint NOT NULL,
+//!     created_at  bigint NOT NULL,
+//!     updated_at  bigint NOT NULL,
+//!     PRIMARY KEY (namespace, id),
+//!     CHECK (status IN ('processing', 'completed', 'failed'))
+//! );
+//! CREATE INDEX "idempotency_records_expires_at_idx" ON "public"."idempotency_records" (expires_at);
+//! -- plus the function "public"."idempotency_records_reserve"(…) and the
+//! -- bookkeeping table "public"."idempotency_records_migrations".
+//! ```
+//!
+//! Read a key by hand with `convert_from(id, 'UTF8')`, or find one with
+//! `WHERE namespace = convert_to('idempotency', 'UTF8') AND id = convert_to('order-1', 'UTF8')`.
+//!
+//! # Purging and vacuum
+//!
+//! Expired rows are invisible at once but stay on disk until
+//! [`purge_expired`](idempotency_core::Repository::purge_expired) deletes them:
+//! batches of `limit` rows, oldest first through the `expires_at` index, with
+//! `FOR UPDATE SKIP LOCKED` so several processes can purge at once without
+//! waiting on each other or on reservations.
+//! [`RepositoryExt::purge_all_expired`](idempotency_core::RepositoryExt::purge_all_expired)
+//! loops until a batch comes back short. Schedule it, for example:
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use idempotency_core::{Clock, RepositoryExt, SystemClock};
+//!
+//! # async fn demo(repo: idempotency_postgres::PgRepository) {
+//! let mut every = tokio::time::interval(Duration::from_secs(60));
+//! loop {
+//!     every.tick().await;
+//!     match repo.purge_all_expired(SystemClock.now(), 1_000).await {
+//!         Ok(n) => tracing::debug!(purged = n, "idempotency purge"),
+//!         Err(e) => tracing::warn!(error = %e, "idempotency purge failed; retrying next tick"),
+//!     }
+//! }
+//! # }
+//! ```
+//!
+//! or from the database itself with `pg_cron` (same statement, server clock):
+//!
+//! ```sql
+//! SELECT cron.schedule('idempotency-purge', '* * * * *', $$
+//!   DELETE FROM "public"."idempotency_records" WHERE (namespace, id) IN (
+//!     SELECT namespace, id FROM "public"."idempotency_records"
+//!     WHERE expires_at <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+//!     ORDER BY expires_at LIMIT 10000 FOR UPDATE SKIP LOCKED)
+//! $$);
+//! ```
+//!
+//! Purge with a trustworthy clock: a purger whose clock runs ahead deletes
+//! records that other processes still consider live.
+//!
+//! The table churns (an insert, an update or two and a delete per key), so let
+//! autovacuum keep up: on busy tables lower its thresholds, e.g.
+//! `ALTER TABLE "public"."idempotency_records" SET (autovacuum_vacuum_scale_factor = 0.02,
+//! autovacuum_vacuum_insert_scale_factor = 0.05)`, purge often in small batches
+//! rather than rarely in huge ones, and watch `n_dead_tup` in
+//! `pg_stat_user_tables`. Completion changes the indexed `expires_at`, so those
+//! updates are not HOT; a `fillfactor` below 100 helps only lease extensions.
+//!
+//! # Transactional mode
+//!
+//! For work that happens inside the same database, the record can commit or
+//! roll back with the business writes — exactly-once *effects*, not just
+//! at-most-once handler runs. [`PgTransactionalManager::execute`] begins a
+//! transaction, reserves the key in it, runs the handler with the transaction's
+//! connection, completes the record in it and commits; a handler error rolls
+//! everything back. Duplicates arriving meanwhile wait on the row lock and then
+//! see the committed outcome. For manual control,
+//! [`PgRepository::in_transaction`] runs each operation on your own
+//! transaction ([`PgTransactionRepository`]).
+//!
+//! In transactions at `REPEATABLE READ` or `SERIALIZABLE`, a reservation that
+//! meets a row changed after the transaction's snapshot fails with a
+//! serialization error (SQLSTATE 40001), reported as the retryable
+//! [`Error::Unavailable`](idempotency_core::Error::Unavailable): retry the whole
+//! transaction.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+mod migrate;
+mod names;
+mod ops;
+mod options;
+mod repository;
+mod transaction;
+
+pub use repository::{PgRepository, PgRepositoryBuilder, ENV_URL_VARS};
+pub use transaction::{PgTransactionRepository, PgTransactionalManager};
+
+/// Re-exported so users name the same sqlx version as this crate.
+pub use sqlx;
+
+/// Connects to `url` (`postgres://…` or `postgresql://…`) and applies the
+/// migrations, unless the URL says `migrate=false`; the facade's
+/// `idempotency::connect` calls it for those schemes.
+///
+/// Query options: `schema`, `table`, `migrate`, `max_connections`,
+/// `acquire_timeout`, `operation_timeout` (see the [crate docs](crate)); the
+/// others go to sqlx.
+///
+/// # Errors
+/// [`Error::Config`](idempotency_core::Error::Config) for a bad URL, scheme or
+/// name; [`Error::Unavailable`](idempotency_core::Error::Unavailable) when the
+/// server cannot be reached within the acquire timeout; a migration error.
+pub async fn connect(url: &str) -> Result<PgRepository, idempotency_core::Error> {
+    let (repo, migrate) = PgRepository::builder().connect_inner(url).await?;
+    if migrate != Some(false) {
+        repo.migrate().await?;
+    }
+    Ok(repo)
+}

@@ -1,0 +1,155 @@
+//! Embedded migrations, applied under an advisory lock.
+
+use idempotency_core::Error;
+use sqlx::{Executor, PgConnection, PgPool, Row};
+
+use crate::error::map_sqlx;
+use crate::names::Statements;
+
+/// One embedded migration.
+struct Migration {
+    version: i32,
+    description: &'static str,
+    sql: &'static str,
+}
+
+/// Every migration, in order. Never edit an applied one: append a new version.
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "records table, expires_at index, reserve function",
+    sql: include_str!("sql/0001_records.sql"),
+}];
+
+/// The advisory lock every `migrate()` of this crate takes (two `int4` keys:
+/// "idem" and "pg  " in ASCII). One lock for all schemas and tables: migrations
+/// are rare, and serialising them also covers `CREATE SCHEMA` races between
+/// tables.
+const LOCK_CLASS: i32 = 0x6964_656d;
+const LOCK_OBJECT: i32 = 0x7067_2020;
+
+/// The newest migration version this crate knows.
+pub(crate) fn latest_version() -> i32 {
+    MIGRATIONS.iter().map(|m| m.version).max().unwrap_or(0)
+}
+
+fn render(sql: &str, names: &Statements) -> String {
+    names
+        .placeholders()
+        .iter()
+        .fold(sql.to_owned(), |acc, (placeholder, value)| {
+            acc.replace(placeholder, value)
+        })
+}
+
+/// Applies the pending migrations in one transaction, holding a transaction-level
+/// advisory lock so that processes starting together apply them once.
+pub(crate) async fn run(pool: &PgPool, names: &Statements) -> Result<(), Error> {
+    let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
+    let mut tx = pool.begin().await.map_err(map)?;
+    apply(&mut tx, names).await?;
+    tx.commit().await.map_err(map)
+}
+
+async fn apply(conn: &mut PgConnection, names: &Statements) -> Result<(), Error> {
+    let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
+    sqlx::query("SELECT pg_advisory_xact_lock($1, $2)")
+        .bind(LOCK_CLASS)
+        .bind(LOCK_OBJECT)
+        .execute(&mut *conn)
+        .await
+        .map_err(map)?;
+
+    // `CREATE SCHEMA IF NOT EXISTS` needs the CREATE privilege on the database even
+    // when the schema exists, so only create a missing one.
+    let schema_exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+    )
+    .bind(names.schema.as_str())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(map)?;
+    if !schema_exists {
+        simple(
+            conn,
+            format!("CREATE SCHEMA {}", names.quoted_schema()),
+            names,
+        )
+        .await?;
+    }
+
+    let migrations_table = &names.migrations;
+    simple(
+        conn,
+        format!(
+            "CREATE TABLE IF NOT EXISTS {migrations_table} (\
+             version integer PRIMARY KEY, \
+             description text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT now())"
+        ),
+        names,
+    )
+    .await?;
+
+    let select = format!("SELECT COALESCE(MAX(version), 0) AS v FROM {migrations_table}");
+    let applied: i32 = sqlx::query(&select)
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await
+        .map_err(map)?
+        .try_get("v")
+        .map_err(map)?;
+
+    if applied > latest_version() {
+        tracing::warn!(
+            applied,
+            known = latest_version(),
+            table = %names.qualified,
+            "the idempotency table was migrated by a newer version of idempotency-postgres"
+        );
+    }
+    let insert = format!("INSERT INTO {migrations_table} (version, description) VALUES ($1, $2)");
+    for migration in MIGRATIONS.iter().filter(|m| m.version > applied) {
+        tracing::info!(version = migration.version, table = %names.qualified, "applying idempotency migration");
+        simple(conn, render(migration.sql, names), names).await?;
+        sqlx::query(&insert)
+            .persistent(false)
+            .bind(migration.version)
+            .bind(migration.description)
+            .execute(&mut *conn)
+            .await
+            .map_err(map)?;
+    }
+    Ok(())
+}
+
+/// Runs `sql` (possibly several statements) with the simple query protocol.
+async fn simple(conn: &mut PgConnection, sql: String, names: &Statements) -> Result<(), Error> {
+    conn.execute(sql.as_str())
+        .await
+        .map(drop)
+        .map_err(|e| map_sqlx(e, "migrate", None, &names.qualified))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_placeholder() {
+        let names = Statements::new("s", "t").unwrap();
+        for m in MIGRATIONS {
+            let sql = render(m.sql, &names);
+            for (placeholder, _) in names.placeholders() {
+                assert!(
+                    !sql.contains(placeholder),
+                    "{placeholder} left in migration {}",
+                    m.version
+                );
+            }
+            assert!(sql.contains("\"s\".\"t\""));
+            assert!(sql.contains("\"s\".\"t_reserve\""));
+        }
+        let versions: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
+        assert!(versions.windows(2).all(|w| w[0] < w[1]));
+    }
+}

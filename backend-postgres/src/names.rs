@@ -1,0 +1,203 @@
+//! Validated identifiers and the SQL rendered from them.
+
+use idempotency_core::Error;
+
+/// The default schema.
+pub(crate) const DEFAULT_SCHEMA: &str = "public";
+/// The default table.
+pub(crate) const DEFAULT_TABLE: &str = "idempotency_records";
+
+/// The longest schema name accepted (Postgres truncates identifiers at 63 bytes).
+const MAX_SCHEMA_BYTES: usize = 63;
+/// The longest table name accepted: derived names (`{table}_expires_at_idx`, the
+/// longest suffix, 15 bytes) must fit in Postgres's 63 bytes too.
+pub(crate) const MAX_TABLE_BYTES: usize = 48;
+
+/// Checks that `name` is a plain identifier: ASCII letters, digits and `_`, not
+/// starting with a digit, 1..=`max` bytes. Anything else — quotes, dots, spaces,
+/// semicolons, non-ASCII — is a configuration error, never SQL.
+fn validate(kind: &str, name: &str, max: usize) -> Result<(), Error> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !first_ok || !rest_ok || name.len() > max {
+        return Err(Error::config(format!(
+            "invalid PostgreSQL {kind} name {name:?}: use 1 to {max} ASCII letters, digits or \
+             underscores, not starting with a digit"
+        )));
+    }
+    if kind == "schema" && name.to_ascii_lowercase().starts_with("pg_") {
+        return Err(Error::config(format!(
+            "invalid PostgreSQL schema name {name:?}: names starting with `pg_` are reserved"
+        )));
+    }
+    Ok(())
+}
+
+/// `"name"`, with any `"` doubled (validated names contain none; this is a second
+/// line of defence).
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Every SQL text the repository runs, rendered once from validated, quoted names.
+///
+/// Keeping the exact strings stable lets sqlx reuse its per-connection prepared
+/// statements.
+#[derive(Debug)]
+pub(crate) struct Statements {
+    pub(crate) schema: String,
+    pub(crate) table: String,
+    /// `"schema"."table"`.
+    pub(crate) qualified: String,
+    pub(crate) reserve: String,
+    pub(crate) complete: String,
+    pub(crate) fail: String,
+    pub(crate) release: String,
+    pub(crate) extend: String,
+    pub(crate) get: String,
+    pub(crate) delete: String,
+    pub(crate) purge: String,
+    /// `"schema"."table_migrations"`.
+    pub(crate) migrations: String,
+}
+
+/// The columns of a record, in the order `decode_record` reads them.
+const RECORD_COLUMNS: &str =
+    "status, owner, attempt, fingerprint, result, error, lease_until, expires_at, created_at, updated_at";
+
+impl Statements {
+    /// Validates the names and renders the statements.
+    pub(crate) fn new(schema: &str, table: &str) -> Result<Self, Error> {
+        validate("schema", schema, MAX_SCHEMA_BYTES)?;
+        validate("table", table, MAX_TABLE_BYTES)?;
+        Ok(Statements::render(schema, table))
+    }
+
+    /// The statements of the default schema and table (valid names, unit-tested).
+    pub(crate) fn defaults() -> Self {
+        Statements::render(DEFAULT_SCHEMA, DEFAULT_TABLE)
+    }
+
+    fn render(schema: &str, table: &str) -> Self {
+        let qualified = format!("{}.{}", quote(schema), quote(table));
+        let reserve_fn = format!("{}.{}", quote(schema), quote(&format!("{table}_reserve")));
+        let live_owned = "namespace = $1 AND id = $2 AND owner = $3 AND status = 'processing'";
+        Statements {
+            schema: schema.to_owned(),
+            table: table.to_owned(),
+            reserve: format!(
+                "SELECT acquired, {RECORD_COLUMNS} FROM {reserve_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            complete: format!(
+                "UPDATE {qualified} SET status = 'completed', result = $4, expires_at = $5, \
+                 updated_at = $6 WHERE {live_owned} AND expires_at > $6"
+            ),
+            fail: format!(
+                "UPDATE {qualified} SET status = 'failed', error = $4, expires_at = $5, \
+                 updated_at = $6 WHERE {live_owned} AND expires_at > $6"
+            ),
+            release: format!("DELETE FROM {qualified} WHERE {live_owned} AND expires_at > $4"),
+            extend: format!(
+                "UPDATE {qualified} SET lease_until = $4, updated_at = $5 \
+                 WHERE {live_owned} AND expires_at > $5"
+            ),
+            get: format!(
+                "SELECT {RECORD_COLUMNS} FROM {qualified} \
+                 WHERE namespace = $1 AND id = $2 AND expires_at > $3"
+            ),
+            delete: format!("DELETE FROM {qualified} WHERE namespace = $1 AND id = $2"),
+            purge: format!(
+                "WITH doomed AS (SELECT namespace, id FROM {qualified} WHERE expires_at <= $1 \
+                 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                 DELETE FROM {qualified} AS t USING doomed \
+                 WHERE t.namespace = doomed.namespace AND t.id = doomed.id AND t.expires_at <= $1"
+            ),
+            migrations: format!("{}.{}", quote(schema), quote(&format!("{table}_migrations"))),
+            qualified,
+        }
+    }
+
+    /// The placeholders of the migration scripts and their quoted values.
+    pub(crate) fn placeholders(&self) -> [(&'static str, String); 5] {
+        let (schema, table) = (&self.schema, &self.table);
+        [
+            ("{table}", self.qualified.clone()),
+            ("{pkey}", quote(&format!("{table}_pkey"))),
+            ("{status_check}", quote(&format!("{table}_status_check"))),
+            ("{expires_index}", quote(&format!("{table}_expires_at_idx"))),
+            (
+                "{reserve_fn}",
+                format!("{}.{}", quote(schema), quote(&format!("{table}_reserve"))),
+            ),
+        ]
+    }
+
+    /// The quoted schema name.
+    pub(crate) fn quoted_schema(&self) -> String {
+        quote(&self.schema)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_identifiers() {
+        for name in [
+            "idempotency_records",
+            "_x",
+            "A1",
+            &"t".repeat(MAX_TABLE_BYTES),
+        ] {
+            assert!(Statements::new("public", name).is_ok(), "{name}");
+        }
+        assert!(Statements::new(&"s".repeat(63), "t").is_ok());
+    }
+
+    #[test]
+    fn rejects_hostile_identifiers() {
+        let hostile = [
+            "",
+            "1abc",
+            "a b",
+            "a;b",
+            "records\"; DROP TABLE users; --",
+            "x\"",
+            "a.b",
+            "a-b",
+            "é",
+            "a\0b",
+            "tab\tle",
+            &"t".repeat(MAX_TABLE_BYTES + 1),
+        ];
+        for name in hostile {
+            let err = Statements::new("public", name).err();
+            assert!(
+                matches!(&err, Some(Error::Config { message }) if message.contains("table")),
+                "{name:?}: {err:?}"
+            );
+            if name.len() > MAX_TABLE_BYTES {
+                continue; // a valid schema length
+            }
+            let err = Statements::new(name, "t").err();
+            assert!(
+                matches!(&err, Some(Error::Config { message }) if message.contains("schema")),
+                "{name:?}: {err:?}"
+            );
+        }
+        assert!(Statements::new("pg_temp", "t").is_err());
+        assert!(Statements::new(&"s".repeat(64), "t").is_err());
+    }
+
+    #[test]
+    fn quotes_every_identifier() {
+        let s = Statements::new("My_Schema", "Records").unwrap();
+        assert_eq!(s.qualified, "\"My_Schema\".\"Records\"");
+        assert!(s.reserve.contains("\"My_Schema\".\"Records_reserve\"("));
+        assert_eq!(quote("a\"b"), "\"a\"\"b\"");
+    }
+}

@@ -1,0 +1,124 @@
+//! The options this crate reads from a connection URL's query string.
+
+use std::time::Duration;
+
+use idempotency_core::{parse_duration, Error};
+
+/// A `postgres://` URL split into the part sqlx understands and ours.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct UrlOptions {
+    /// The URL without this crate's options, for sqlx.
+    pub(crate) sqlx_url: String,
+    pub(crate) schema: Option<String>,
+    pub(crate) table: Option<String>,
+    pub(crate) migrate: Option<bool>,
+    pub(crate) max_connections: Option<u32>,
+    pub(crate) acquire_timeout: Option<Duration>,
+    pub(crate) operation_timeout: Option<Duration>,
+}
+
+impl UrlOptions {
+    pub(crate) fn parse(url: &str) -> Result<Self, Error> {
+        // Never echo the URL: it may hold a password.
+        let mut parsed = url::Url::parse(url).map_err(|e| {
+            Error::config(format!("invalid PostgreSQL URL ({e}); expected postgres://user:password@host:port/database"))
+        })?;
+        match parsed.scheme() {
+            "postgres" | "postgresql" => {}
+            other => {
+                return Err(Error::config(format!(
+                "unsupported URL scheme {other:?} for PostgreSQL; use postgres:// or postgresql://"
+            )))
+            }
+        }
+        let mut options = UrlOptions::default();
+        let mut rest = Vec::new();
+        for (name, value) in parsed.query_pairs() {
+            let value = value.into_owned();
+            match name.as_ref() {
+                "schema" => options.schema = Some(value),
+                "table" => options.table = Some(value),
+                "migrate" => options.migrate = Some(parse_bool("migrate", &value)?),
+                "max_connections" => {
+                    options.max_connections = Some(
+                        value
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|n| *n > 0)
+                            .ok_or_else(|| {
+                                invalid("max_connections", &value, "a positive integer")
+                            })?,
+                    );
+                }
+                "acquire_timeout" => {
+                    options.acquire_timeout = Some(parse_duration(&value).ok_or_else(|| {
+                        invalid("acquire_timeout", &value, "a duration such as 5s")
+                    })?);
+                }
+                "operation_timeout" => {
+                    options.operation_timeout = Some(parse_duration(&value).ok_or_else(|| {
+                        invalid("operation_timeout", &value, "a duration such as 10s")
+                    })?);
+                }
+                _ => rest.push((name.into_owned(), value)),
+            }
+        }
+        if rest.is_empty() {
+            parsed.set_query(None);
+        } else {
+            parsed.query_pairs_mut().clear().extend_pairs(rest);
+        }
+        options.sqlx_url = parsed.into();
+        Ok(options)
+    }
+}
+
+fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
+    match value.to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(invalid(name, value, "true or false")),
+    }
+}
+
+fn invalid(name: &str, value: &str, expected: &str) -> Error {
+    Error::config(format!(
+        "invalid URL option {name}={value:?}: expected {expected}"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_own_options_and_keeps_the_rest() {
+        let o = UrlOptions::parse(
+            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms",
+        )
+        .unwrap();
+        assert_eq!(o.sqlx_url, "postgresql://u:p@h:5/db?sslmode=disable");
+        assert_eq!(o.schema.as_deref(), Some("idem"));
+        assert_eq!(o.table.as_deref(), Some("recs"));
+        assert_eq!(o.migrate, Some(false));
+        assert_eq!(o.max_connections, Some(3));
+        assert_eq!(o.acquire_timeout, Some(Duration::from_secs(2)));
+        assert_eq!(o.operation_timeout, Some(Duration::from_millis(500)));
+
+        let o = UrlOptions::parse("postgres://localhost/db?table=x").unwrap();
+        assert_eq!(o.sqlx_url, "postgres://localhost/db");
+        assert_eq!(o.migrate, None);
+    }
+
+    #[test]
+    fn rejects_bad_urls_without_echoing_secrets() {
+        for url in ["redis://localhost", "mysql://u:secret@h/db", "not a url"] {
+            match UrlOptions::parse(url) {
+                Err(Error::Config { message }) => assert!(!message.contains("secret"), "{message}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        assert!(UrlOptions::parse("postgres://h/db?migrate=maybe").is_err());
+        assert!(UrlOptions::parse("postgres://h/db?max_connections=0").is_err());
+    }
+}

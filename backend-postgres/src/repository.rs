@@ -1,0 +1,486 @@
+//! [`PgRepository`] and its builder.
+
+use std::fmt;
+use std::future::Future;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::{
+    async_trait, Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
+    ReserveRequest, Status, Timestamp,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::{map_sqlx, BACKEND};
+use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
+use crate::ops::{self, MAX_ID_BYTES, MAX_RESULT_BYTES};
+use crate::options::UrlOptions;
+use crate::transaction::PgTransactionRepository;
+
+/// The environment variables [`PgRepository::from_env`] reads, in order.
+pub const ENV_URL_VARS: [&str; 2] = ["IDEMPOTENCY_POSTGRES_URL", "DATABASE_URL"];
+
+const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// An idempotency [`Repository`] in a PostgreSQL table, on a sqlx [`PgPool`].
+///
+/// Cheap to clone (the pool and the rendered statements are shared). See the
+/// [crate documentation](crate) for the schema, the statements each operation
+/// runs and the purge advice.
+#[derive(Clone)]
+pub struct PgRepository {
+    pool: PgPool,
+    sql: Arc<Statements>,
+    /// The client-side bound on each operation.
+    operation_timeout: Option<Duration>,
+}
+
+/// How much longer than a server-side `statement_timeout` the client waits
+/// before giving up on a connection that stopped answering.
+const CLIENT_TIMEOUT_MARGIN: Duration = Duration::from_secs(2);
+
+impl fmt::Debug for PgRepository {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgRepository")
+            .field("table", &self.sql.qualified)
+            .field("pool_size", &self.pool.size())
+            .field("operation_timeout", &self.operation_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgRepository {
+    /// A builder: schema, table, pool size and timeouts.
+    pub fn builder() -> PgRepositoryBuilder {
+        PgRepositoryBuilder::default()
+    }
+
+    /// Connects to `url` (`postgres://` or `postgresql://`) with the default
+    /// schema (`public`) and table (`idempotency_records`), or those named by the
+    /// URL's `schema=` and `table=` options. Does not migrate unless the URL says
+    /// `migrate=true`; see [`PgRepository::migrate`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL or name, [`Error::Unavailable`] when no
+    /// connection can be opened within the acquire timeout (5 s by default).
+    pub async fn from_url(url: &str) -> Result<Self, Error> {
+        PgRepository::builder().connect(url).await
+    }
+
+    /// Connects to the URL in `IDEMPOTENCY_POSTGRES_URL`, else `DATABASE_URL`,
+    /// like [`PgRepository::from_url`].
+    ///
+    /// # Errors
+    /// [`Error::Config`] when neither variable is set, else as
+    /// [`PgRepository::from_url`].
+    pub async fn from_env() -> Result<Self, Error> {
+        let url = ENV_URL_VARS
+            .iter()
+            .find_map(|var| std::env::var(var).ok().filter(|v| !v.is_empty()))
+            .ok_or_else(|| {
+                Error::config(format!(
+                    "no PostgreSQL URL: set {} or {}",
+                    ENV_URL_VARS[0], ENV_URL_VARS[1]
+                ))
+            })?;
+        PgRepository::from_url(&url).await
+    }
+
+    /// Uses an existing pool (its own settings — size, TLS, timeouts — are kept)
+    /// with the default schema and table. Use
+    /// [`PgRepositoryBuilder::build_with_pool`] to choose them.
+    pub fn from_pool(pool: PgPool) -> Self {
+        PgRepository {
+            pool,
+            sql: Arc::new(Statements::defaults()),
+            operation_timeout: None,
+        }
+    }
+
+    /// Creates or upgrades the schema, the table, its index and the reservation
+    /// function. Idempotent, and safe when several processes start at once: the
+    /// migrations run in one transaction under an advisory lock, so exactly one
+    /// process applies each version and the others wait, then find it applied.
+    ///
+    /// Needs the privilege to create tables (and the schema, if missing). Run it
+    /// at deployment or start-up; [`connect`](crate::connect) runs it unless the
+    /// URL says `migrate=false`.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the server cannot be reached,
+    /// [`Error::Backend`] for a refused DDL statement (missing privilege).
+    pub async fn migrate(&self) -> Result<(), Error> {
+        crate::migrate::run(&self.pool, &self.sql).await
+    }
+
+    /// The pool, e.g. to run business statements beside the repository.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema name.
+    pub fn schema(&self) -> &str {
+        &self.sql.schema
+    }
+
+    /// The table name.
+    pub fn table(&self) -> &str {
+        &self.sql.table
+    }
+
+    /// The repository's operations on `conn` — typically an open transaction
+    /// (`&mut tx` coerces) — so they commit or roll back with the caller's other
+    /// writes. See [`PgTransactionRepository`].
+    pub fn in_transaction<'a>(&'a self, conn: &'a mut PgConnection) -> PgTransactionRepository<'a> {
+        PgTransactionRepository::new(self, conn)
+    }
+
+    pub(crate) fn statements(&self) -> &Statements {
+        &self.sql
+    }
+
+    /// Runs `fut` under the operation timeout, if one is set.
+    pub(crate) async fn timed<T>(
+        &self,
+        operation: &'static str,
+        fut: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        match self.operation_timeout {
+            None => fut.await,
+            Some(limit) => tokio::time::timeout(limit, fut)
+                .await
+                .unwrap_or(Err(Error::Timeout {
+                    backend: BACKEND,
+                    operation,
+                })),
+        }
+    }
+}
+
+/// Builds a [`PgRepository`]: from a URL (connecting a new pool) or from an
+/// existing pool.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_postgres::PgRepository;
+///
+/// let builder = PgRepository::builder()
+///     .schema("idempotency")
+///     .table("payment_keys")
+///     .max_connections(20)
+///     .acquire_timeout(Duration::from_secs(2))
+///     .operation_timeout(Duration::from_secs(10));
+/// // builder.connect("postgres://…").await? or builder.build_with_pool(pool)?
+/// # let _ = builder;
+/// ```
+#[derive(Debug, Clone)]
+pub struct PgRepositoryBuilder {
+    schema: String,
+    table: String,
+    max_connections: u32,
+    acquire_timeout: Duration,
+    operation_timeout: Option<Duration>,
+}
+
+impl Default for PgRepositoryBuilder {
+    fn default() -> Self {
+        PgRepositoryBuilder {
+            schema: DEFAULT_SCHEMA.to_owned(),
+            table: DEFAULT_TABLE.to_owned(),
+            max_connections: DEFAULT_MAX_CONNECTIONS,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+            operation_timeout: None,
+        }
+    }
+}
+
+impl PgRepositoryBuilder {
+    /// The schema (default `public`): 1 to 63 ASCII letters, digits or `_`, not
+    /// starting with a digit or `pg_`. Used quoted, so case matters.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// The table (default `idempotency_records`): 1 to 48 ASCII letters, digits
+    /// or `_`, not starting with a digit (derived names such as
+    /// `{table}_expires_at_idx` must fit Postgres's 63 bytes). Used quoted.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The size of a pool this builder creates (default 10).
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max.max(1);
+        self
+    }
+
+    /// How long an operation waits for a pooled connection before failing with
+    /// [`Error::Unavailable`] (default 5 s; also bounds connecting while the
+    /// server is down).
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+
+    /// An upper bound on each operation, after which it fails with
+    /// [`Error::Timeout`] (default none: a reservation may legitimately wait for
+    /// a row lock held by a transactional handler).
+    ///
+    /// On pools this builder creates it becomes the connections'
+    /// `statement_timeout`, so the server cancels the statement and its effect is
+    /// known (none); a client-side timer of the same bound plus 2 s backs it up
+    /// against half-open connections. Note that it then applies to every
+    /// statement on those connections, including a transactional handler's. With
+    /// [`build_with_pool`](Self::build_with_pool) only the client-side timer
+    /// exists (at exactly this bound), and a statement abandoned by it may still
+    /// complete on the server.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = Some(timeout);
+        self
+    }
+
+    fn apply_url_options(&mut self, options: &UrlOptions) {
+        if let Some(schema) = &options.schema {
+            self.schema.clone_from(schema);
+        }
+        if let Some(table) = &options.table {
+            self.table.clone_from(table);
+        }
+        if let Some(max) = options.max_connections {
+            self.max_connections = max;
+        }
+        if let Some(timeout) = options.acquire_timeout {
+            self.acquire_timeout = timeout;
+        }
+        if let Some(timeout) = options.operation_timeout {
+            self.operation_timeout = Some(timeout);
+        }
+    }
+
+    /// Connects a new pool to `url` (`postgres://` or `postgresql://`) and checks
+    /// that one connection opens.
+    ///
+    /// The URL's query may carry this crate's options — `schema`, `table`,
+    /// `max_connections`, `acquire_timeout`, `operation_timeout` (durations such
+    /// as `5s` or `500ms`) and `migrate=true` (run [`PgRepository::migrate`]) —
+    /// which override the builder's; every other option (`sslmode`,
+    /// `application_name`, …) is sqlx's.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL or name, [`Error::Unavailable`] when no
+    /// connection opens within the acquire timeout.
+    pub async fn connect(self, url: &str) -> Result<PgRepository, Error> {
+        let (repo, migrate) = self.connect_inner(url).await?;
+        if migrate == Some(true) {
+            repo.migrate().await?;
+        }
+        Ok(repo)
+    }
+
+    pub(crate) async fn connect_inner(
+        mut self,
+        url: &str,
+    ) -> Result<(PgRepository, Option<bool>), Error> {
+        let options = UrlOptions::parse(url)?;
+        self.apply_url_options(&options);
+        let sql = Statements::new(&self.schema, &self.table)?;
+        let connect = self.connect_options(&options)?;
+        let pool = self
+            .pool_options()
+            .connect_with(connect)
+            .await
+            .map_err(|e| map_sqlx(e, "connect", None, &sql.qualified))?;
+        Ok((
+            PgRepository {
+                pool,
+                sql: Arc::new(sql),
+                operation_timeout: self.client_timeout(),
+            },
+            options.migrate,
+        ))
+    }
+
+    /// Like [`PgRepositoryBuilder::connect`], without opening a connection yet:
+    /// the first operation does (so the server need not be up now).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a bad URL or name.
+    pub fn connect_lazy(mut self, url: &str) -> Result<PgRepository, Error> {
+        let options = UrlOptions::parse(url)?;
+        self.apply_url_options(&options);
+        let sql = Statements::new(&self.schema, &self.table)?;
+        let connect = self.connect_options(&options)?;
+        Ok(PgRepository {
+            pool: self.pool_options().connect_lazy_with(connect),
+            sql: Arc::new(sql),
+            operation_timeout: self.client_timeout(),
+        })
+    }
+
+    /// Uses the caller's pool (its size and timeouts are the pool's own; this
+    /// builder's `max_connections` and `acquire_timeout` do not apply).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for an invalid schema or table name.
+    pub fn build_with_pool(self, pool: PgPool) -> Result<PgRepository, Error> {
+        Ok(PgRepository {
+            pool,
+            sql: Arc::new(Statements::new(&self.schema, &self.table)?),
+            operation_timeout: self.operation_timeout,
+        })
+    }
+
+    fn connect_options(&self, options: &UrlOptions) -> Result<PgConnectOptions, Error> {
+        let connect = PgConnectOptions::from_str(&options.sqlx_url)
+            .map_err(|e| Error::config(format!("invalid PostgreSQL URL: {e}")))?;
+        Ok(match self.operation_timeout {
+            Some(limit) => connect.options([(
+                "statement_timeout",
+                format!("{}ms", limit.as_millis().max(1)),
+            )]),
+            None => connect,
+        })
+    }
+
+    /// The client-side backstop of a server-side `statement_timeout`.
+    fn client_timeout(&self) -> Option<Duration> {
+        self.operation_timeout
+            .map(|limit| limit.saturating_add(CLIENT_TIMEOUT_MARGIN))
+    }
+
+    /// Pools created here skip sqlx's ping before handing out a connection, so
+    /// an operation is one round trip (sqlx still checks each connection when it
+    /// returns to the pool, off the operation's path). After a server restart,
+    /// each idle connection that died fails one operation with
+    /// [`Error::Unavailable`] and is replaced.
+    fn pool_options(&self) -> PgPoolOptions {
+        PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.acquire_timeout)
+            .test_before_acquire(false)
+    }
+}
+
+#[async_trait]
+impl Repository for PgRepository {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(BACKEND)
+            .with_max_result_bytes(Some(MAX_RESULT_BYTES))
+            .with_max_id_bytes(MAX_ID_BYTES)
+            .with_native_expiry(false)
+    }
+
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
+        self.timed("reserve", ops::reserve(&self.sql, &self.pool, &request))
+            .await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let fut = ops::finish(
+            &self.sql,
+            &self.pool,
+            key,
+            owner,
+            Status::Completed,
+            result,
+            expires_at,
+            now,
+        );
+        self.timed("complete", fut).await
+    }
+
+    async fn fail(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        error: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let fut = ops::finish(
+            &self.sql,
+            &self.pool,
+            key,
+            owner,
+            Status::Failed,
+            error,
+            expires_at,
+            now,
+        );
+        self.timed("fail", fut).await
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.timed(
+            "release",
+            ops::release(&self.sql, &self.pool, key, owner, now),
+        )
+        .await
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let fut = ops::extend(&self.sql, &self.pool, key, owner, lease_until, now);
+        self.timed("extend", fut).await
+    }
+
+    async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
+        self.timed("get", ops::get(&self.sql, &self.pool, key, now))
+            .await
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
+        self.timed("delete", ops::delete(&self.sql, &self.pool, key))
+            .await
+    }
+
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
+        self.timed(
+            "purge_expired",
+            ops::purge(&self.sql, &self.pool, now, limit),
+        )
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_valid_names() {
+        assert!(Statements::new(DEFAULT_SCHEMA, DEFAULT_TABLE).is_ok());
+    }
+
+    #[tokio::test]
+    async fn hostile_names_are_rejected_before_any_connection() {
+        let lazy = PgRepository::builder()
+            .table("x\"; DROP TABLE users; --")
+            .connect_lazy("postgres://localhost/db");
+        assert!(matches!(lazy, Err(Error::Config { .. })));
+        let url = PgRepository::builder().connect_lazy("postgres://localhost/db?schema=a%20b");
+        assert!(matches!(url, Err(Error::Config { .. })));
+    }
+}

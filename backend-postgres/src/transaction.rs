@@ -1,0 +1,566 @@
+//! Transactional mode: the idempotency record commits or rolls back with the
+//! caller's own writes.
+
+use std::fmt;
+use std::sync::Arc;
+
+use idempotency_core::decision::{
+    decide_duplicate, failure_action, should_cache_result, DuplicateDecision, FailureAction,
+};
+use idempotency_core::{
+    BoxFuture, Clock, Codec, Config, Error, ExecuteError, FailurePolicy, Fingerprint, HandlerError,
+    JsonCodec, Outcome, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
+    Status, SystemClock, Timestamp,
+};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use sqlx::PgConnection;
+
+use crate::error::map_sqlx;
+use crate::ops::{self, MAX_RESULT_BYTES};
+use crate::repository::PgRepository;
+
+/// The repository's operations on a caller's connection or transaction, from
+/// [`PgRepository::in_transaction`].
+///
+/// Each method is the same single statement as the pooled [`Repository`]
+/// method, executed on the borrowed connection: inside a transaction the
+/// record's changes commit or roll back with everything else the transaction
+/// does, and the row lock a [`reserve`](Self::reserve) takes is held until then —
+/// concurrent reservations of the same key wait for the outcome.
+///
+/// ```no_run
+/// # async fn demo(repo: idempotency_postgres::PgRepository) -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use idempotency_core::{OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock, Clock};
+///
+/// let key = RecordKey::new("payments", "order-42", repo.capabilities().max_id_bytes)?;
+/// let mut tx = repo.pool().begin().await?;
+/// let now = SystemClock.now();
+/// let owner = OwnerToken::random();
+/// let reservation = repo
+///     .in_transaction(&mut tx)
+///     .reserve(ReserveRequest {
+///         key: &key,
+///         owner,
+///         fingerprint: None,
+///         now,
+///         lease_until: now + Duration::from_secs(30),
+///         expires_at: now + Duration::from_secs(3600),
+///         retry_failed: false,
+///         clock_skew: Duration::ZERO,
+///     })
+///     .await?;
+/// if let Reservation::Acquired { .. } = reservation {
+///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
+///         .execute(&mut *tx)
+///         .await?;
+///     repo.in_transaction(&mut tx)
+///         .complete(&key, owner, Some(b"charged"), now + Duration::from_secs(3600), now)
+///         .await?;
+/// }
+/// tx.commit().await?; // the debit and the record, together
+/// # Ok(())
+/// # }
+/// ```
+pub struct PgTransactionRepository<'a> {
+    repo: &'a PgRepository,
+    conn: &'a mut PgConnection,
+}
+
+impl fmt::Debug for PgTransactionRepository<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransactionRepository")
+            .field("repo", self.repo)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a> PgTransactionRepository<'a> {
+    pub(crate) fn new(repo: &'a PgRepository, conn: &'a mut PgConnection) -> Self {
+        PgTransactionRepository { repo, conn }
+    }
+
+    /// [`Repository::reserve`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::reserve`]; with a `lock_timeout` set, waiting too long
+    /// for another transaction's row lock is [`Error::Timeout`].
+    pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
+        let sql = self.repo.statements();
+        let fut = ops::reserve(sql, &mut *self.conn, &request);
+        self.repo.timed("reserve", fut).await
+    }
+
+    /// [`Repository::complete`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::complete`].
+    pub async fn complete(
+        &mut self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let sql = self.repo.statements();
+        let fut = ops::finish(
+            sql,
+            &mut *self.conn,
+            key,
+            owner,
+            Status::Completed,
+            result,
+            expires_at,
+            now,
+        );
+        self.repo.timed("complete", fut).await
+    }
+
+    /// [`Repository::fail`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::fail`].
+    pub async fn fail(
+        &mut self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        error: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let sql = self.repo.statements();
+        let fut = ops::finish(
+            sql,
+            &mut *self.conn,
+            key,
+            owner,
+            Status::Failed,
+            error,
+            expires_at,
+            now,
+        );
+        self.repo.timed("fail", fut).await
+    }
+
+    /// [`Repository::release`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::release`].
+    pub async fn release(
+        &mut self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let sql = self.repo.statements();
+        let fut = ops::release(sql, &mut *self.conn, key, owner, now);
+        self.repo.timed("release", fut).await
+    }
+
+    /// [`Repository::extend`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::extend`].
+    pub async fn extend(
+        &mut self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let sql = self.repo.statements();
+        let fut = ops::extend(sql, &mut *self.conn, key, owner, lease_until, now);
+        self.repo.timed("extend", fut).await
+    }
+
+    /// [`Repository::get`] on the caller's connection (sees the transaction's
+    /// own uncommitted changes).
+    ///
+    /// # Errors
+    /// As [`Repository::get`].
+    pub async fn get(&mut self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
+        let sql = self.repo.statements();
+        let fut = ops::get(sql, &mut *self.conn, key, now);
+        self.repo.timed("get", fut).await
+    }
+
+    /// [`Repository::purge_expired`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::purge_expired`].
+    pub async fn purge_expired(&mut self, now: Timestamp, limit: usize) -> Result<usize, Error> {
+        let sql = self.repo.statements();
+        let fut = ops::purge(sql, &mut *self.conn, now, limit);
+        self.repo.timed("purge_expired", fut).await
+    }
+
+    /// [`Repository::delete`] on the caller's connection.
+    ///
+    /// # Errors
+    /// As [`Repository::delete`].
+    pub async fn delete(&mut self, key: &RecordKey) -> Result<bool, Error> {
+        let sql = self.repo.statements();
+        let fut = ops::delete(sql, &mut *self.conn, key);
+        self.repo.timed("delete", fut).await
+    }
+}
+
+/// Exactly-once effects for work inside PostgreSQL: the reservation, the
+/// handler's writes and the completion run in **one transaction**.
+///
+/// [`execute`](Self::execute) begins a transaction, reserves the key in it (the
+/// row stays locked until the end), runs the handler with the transaction's
+/// connection, stores the completion in it and commits — so the business writes
+/// and the idempotency record commit together, or, when the handler fails,
+/// vanish together.
+///
+/// **Duplicates while the transaction is open** wait on the row lock (the
+/// reservation's `INSERT` waits for the uncommitted row, or its
+/// `SELECT … FOR UPDATE` for the lock): when the first transaction commits they
+/// see `Completed` and get [`Outcome::Cached`]; when it rolls back they acquire
+/// the key and run. They never see `Processing` and never get
+/// [`Error::InProgress`] from another transactional attempt. To bound the wait,
+/// set `lock_timeout` for the role or connection (`ALTER ROLE … SET lock_timeout
+/// = '5s'`): an exceeded wait is [`Error::Timeout`]. Keep handlers short: the
+/// transaction holds a pooled connection and the row lock while it runs.
+///
+/// It shares the [`Config`] of the [`IdempotencyManager`](idempotency_core::IdempotencyManager)
+/// (namespace from `key_prefix`, `ttl`, `processing_timeout`, `validate_payload`,
+/// `cache_results`, `max_result_size_bytes`, `failure_policy`, `clock_skew`) and
+/// stores records the manager reads, so both can guard the same keys.
+/// `in_progress`, `on_store_outage` and `lease_extension_interval` do not apply:
+/// nobody waits on a `Processing` record, the handler cannot run without its
+/// transaction, and the lease does not matter while the row is locked.
+///
+/// Handler errors roll the transaction back. Under [`FailurePolicy::Store`] /
+/// [`FailurePolicy::StoreAndRetry`] (or a [`HandlerError::permanent`] error) the
+/// failure is then recorded in a second, short transaction so duplicates get
+/// [`Error::PreviouslyFailed`]; under the default [`FailurePolicy::Release`]
+/// nothing remains and a redelivery runs again. A panicking or cancelled handler
+/// drops the transaction, which rolls back.
+///
+/// ```no_run
+/// use idempotency_core::{Config, HandlerError, Outcome};
+/// use idempotency_postgres::{PgRepository, PgTransactionalManager};
+/// use sqlx::PgConnection;
+///
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// let repo = idempotency_postgres::connect("postgres://app@localhost/shop").await?;
+/// let payments = PgTransactionalManager::new(repo, Config::default())?;
+/// let outcome = payments
+///     .execute("charge:order-42", &serde_json::json!({"amount": 10}), |conn: &mut PgConnection| {
+///         Box::pin(async move {
+///             sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 7")
+///                 .execute(&mut *conn)
+///                 .await
+///                 .map_err(|e| HandlerError::transient(e.to_string()))?;
+///             Ok::<_, HandlerError<String>>("receipt-42".to_owned())
+///         })
+///     })
+///     .await?;
+/// assert!(matches!(outcome, Outcome::Executed(_) | Outcome::Cached(_)));
+/// # Ok(())
+/// # }
+/// ```
+pub struct PgTransactionalManager<C: Codec = JsonCodec> {
+    repo: PgRepository,
+    config: Arc<Config>,
+    namespace: Arc<str>,
+    clock: Arc<dyn Clock>,
+    codec: C,
+}
+
+impl<C: Codec + Clone> Clone for PgTransactionalManager<C> {
+    fn clone(&self) -> Self {
+        PgTransactionalManager {
+            repo: self.repo.clone(),
+            config: self.config.clone(),
+            namespace: self.namespace.clone(),
+            clock: self.clock.clone(),
+            codec: self.codec.clone(),
+        }
+    }
+}
+
+impl<C: Codec> fmt::Debug for PgTransactionalManager<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgTransactionalManager")
+            .field("repo", &self.repo)
+            .field("namespace", &self.namespace)
+            .field("config", &self.config)
+            .field("codec", &self.codec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgTransactionalManager<JsonCodec> {
+    /// A manager over `repo` with the wall clock and the JSON codec.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `config` is inconsistent ([`Config::validate`]).
+    pub fn new(repo: PgRepository, config: Config) -> Result<Self, Error> {
+        config.validate()?;
+        Ok(PgTransactionalManager {
+            repo,
+            namespace: config.key_prefix.as_str().into(),
+            config: Arc::new(config),
+            clock: Arc::new(SystemClock),
+            codec: JsonCodec,
+        })
+    }
+}
+
+impl<C: Codec + Clone> PgTransactionalManager<C> {
+    /// Uses `clock` for every instant (tests use a
+    /// [`ManualClock`](idempotency_core::ManualClock)).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Stores results with `codec` (use the same as any
+    /// [`IdempotencyManager`](idempotency_core::IdempotencyManager) sharing the keys).
+    pub fn with_codec<C2: Codec + Clone>(self, codec: C2) -> PgTransactionalManager<C2> {
+        PgTransactionalManager {
+            repo: self.repo,
+            config: self.config,
+            namespace: self.namespace,
+            clock: self.clock,
+            codec,
+        }
+    }
+
+    /// A manager whose keys live in the sub-namespace `scope`, like
+    /// [`IdempotencyManager::scoped`](idempotency_core::IdempotencyManager::scoped).
+    pub fn scoped(&self, scope: &str) -> Self {
+        PgTransactionalManager {
+            namespace: format!("{}:{scope}", self.namespace).into(),
+            ..self.clone()
+        }
+    }
+
+    /// The namespace of this manager's keys.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The repository.
+    pub fn repository(&self) -> &PgRepository {
+        &self.repo
+    }
+
+    /// The record key of `id` in this manager's namespace.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`].
+    pub fn record_key(&self, id: &str) -> Result<RecordKey, Error> {
+        RecordKey::new(&*self.namespace, id, self.repo.capabilities().max_id_bytes)
+    }
+
+    /// Runs `handler` once per key, in one transaction with the record (see the
+    /// type's documentation).
+    ///
+    /// The handler gets the transaction's connection for its business writes;
+    /// write it as a closure returning a boxed future (the connection is
+    /// borrowed for the future's lifetime):
+    /// `|conn: &mut PgConnection| Box::pin(async move { …; Ok(value) })`. It must
+    /// not commit or roll back itself (nested `begin()` calls are savepoints).
+    ///
+    /// # Errors
+    /// [`ExecuteError::Handler`] with the handler's error (the transaction was
+    /// rolled back), or [`ExecuteError::Idempotency`]:
+    /// [`Error::PayloadMismatch`], [`Error::PreviouslyFailed`],
+    /// [`Error::InProgress`] (a non-transactional attempt holds a live lease),
+    /// [`Error::InvalidKey`], a codec error, or a store error — when `COMMIT`
+    /// itself fails the outcome is unknown to the client: a redelivery finds
+    /// either the committed record or none.
+    pub async fn execute<P, T, E, F>(
+        &self,
+        key: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, HandlerError<E>>>,
+    {
+        let key = self.record_key(key)?;
+        let fingerprint = if self.config.validate_payload {
+            Some(Fingerprint::of_json(payload)?)
+        } else {
+            None
+        };
+        let sql = self.repo.statements();
+        let map = |e| map_sqlx(e, "transaction", Some(&key), &sql.qualified);
+
+        let mut tx = self.repo.pool().begin().await.map_err(map)?;
+        let now = self.clock.now();
+        let owner = OwnerToken::random();
+        let request = self.request(&key, owner, fingerprint, now);
+        let reservation = self.repo.in_transaction(&mut tx).reserve(request).await?;
+        if let Reservation::Existing(record) = reservation {
+            // Only a lock was taken; end the transaction before answering. A
+            // failed rollback means a broken connection, which the server ends
+            // (releasing the lock) anyway.
+            if let Err(e) = tx.rollback().await {
+                tracing::debug!(key = %key, error = %e, "rollback after a duplicate failed");
+            }
+            return self.answer_duplicate(key, record, fingerprint.as_ref(), now);
+        }
+
+        match handler(&mut tx).await {
+            Ok(value) => {
+                let bytes = self.encode_result(&value);
+                let now = self.clock.now();
+                let expires_at = now + self.config.ttl;
+                let mut ops = self.repo.in_transaction(&mut tx);
+                match ops
+                    .complete(&key, owner, bytes.as_deref(), expires_at, now)
+                    .await
+                {
+                    Ok(()) => {}
+                    Err(Error::TooLarge { .. }) => {
+                        ops.complete(&key, owner, None, expires_at, now).await?;
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+                tx.commit().await.map_err(map)?;
+                Ok(Outcome::Executed(value))
+            }
+            Err(err) => {
+                if let Err(e) = tx.rollback().await {
+                    // The connection is closed on error, which rolls back too.
+                    tracing::warn!(key = %key, error = %e, "rollback after a handler error failed");
+                }
+                if failure_action(err.kind(), self.config.failure_policy)
+                    == FailureAction::StoreFailed
+                {
+                    self.store_failure(&key, fingerprint, &err).await;
+                }
+                Err(ExecuteError::Handler(err.into_inner()))
+            }
+        }
+    }
+
+    fn request<'k>(
+        &self,
+        key: &'k RecordKey,
+        owner: OwnerToken,
+        fingerprint: Option<Fingerprint>,
+        now: Timestamp,
+    ) -> ReserveRequest<'k> {
+        ReserveRequest {
+            key,
+            owner,
+            fingerprint,
+            now,
+            lease_until: now + self.config.processing_timeout,
+            expires_at: now + self.config.ttl,
+            retry_failed: self.config.failure_policy == FailurePolicy::StoreAndRetry,
+            clock_skew: self.config.clock_skew,
+        }
+    }
+
+    fn encode_result<T: Serialize>(&self, value: &T) -> Option<Vec<u8>> {
+        if !self.config.cache_results {
+            return None;
+        }
+        match self.codec.encode(value) {
+            Ok(bytes)
+                if should_cache_result(
+                    bytes.len(),
+                    true,
+                    self.config.max_result_size_bytes,
+                    Some(MAX_RESULT_BYTES),
+                ) =>
+            {
+                Some(bytes)
+            }
+            Ok(bytes) => {
+                tracing::debug!(
+                    size = bytes.len(),
+                    "result too large to cache; completing without it"
+                );
+                None
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "result could not be encoded; completing without it");
+                None
+            }
+        }
+    }
+
+    fn answer_duplicate<T: DeserializeOwned, E>(
+        &self,
+        key: RecordKey,
+        record: Record,
+        fingerprint: Option<&Fingerprint>,
+        now: Timestamp,
+    ) -> Result<Outcome<T>, ExecuteError<E>> {
+        match decide_duplicate(record, fingerprint, now, self.config.clock_skew) {
+            DuplicateDecision::Replay(bytes) => Ok(Outcome::Cached(self.codec.decode(&bytes)?)),
+            DuplicateDecision::Duplicate => Ok(Outcome::Duplicate),
+            DuplicateDecision::PayloadMismatch => Err(Error::PayloadMismatch { key }.into()),
+            DuplicateDecision::PreviouslyFailed(error) => {
+                Err(Error::PreviouslyFailed { key, error }.into())
+            }
+            DuplicateDecision::InProgress { retry_after } => {
+                Err(Error::InProgress { key, retry_after }.into())
+            }
+        }
+    }
+
+    /// Records `Failed` after the rollback, in its own short transaction
+    /// (reserve + fail), so duplicates get the stored error. Best effort: a
+    /// failure to record it is logged, and the next delivery runs again.
+    async fn store_failure<E: fmt::Display>(
+        &self,
+        key: &RecordKey,
+        fingerprint: Option<Fingerprint>,
+        err: &HandlerError<E>,
+    ) {
+        let result: Result<(), Error> = async {
+            let sql = self.repo.statements();
+            let map = |e| map_sqlx(e, "fail", Some(key), &sql.qualified);
+            let mut tx = self.repo.pool().begin().await.map_err(map)?;
+            let now = self.clock.now();
+            let owner = OwnerToken::random();
+            let request = self.request(key, owner, fingerprint, now);
+            let mut ops = self.repo.in_transaction(&mut tx);
+            if let Reservation::Acquired { .. } = ops.reserve(request).await? {
+                let limit = self.config.max_result_size_bytes.min(MAX_RESULT_BYTES);
+                let message = truncate_utf8(err.to_string(), limit);
+                ops.fail(
+                    key,
+                    owner,
+                    Some(message.as_bytes()),
+                    now + self.config.ttl,
+                    now,
+                )
+                .await?;
+                tx.commit().await.map_err(map)?;
+            }
+            // Existing: another attempt got there first; leave its record alone.
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            tracing::warn!(key = %key, error = %e, "could not record the handler failure; a redelivery runs again");
+        }
+    }
+}
+
+fn truncate_utf8(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+    s
+}

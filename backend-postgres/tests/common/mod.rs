@@ -1,0 +1,34 @@
+//! Shared helpers of the integration tests. The server comes from the harness
+//! of `idempotency-conformance` (a container, or `IDEMPOTENCY_TEST_POSTGRES_URL`);
+//! without one the tests fail with the harness's instructions.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use idempotency_postgres::PgRepository;
+
+/// The URL of the PostgreSQL server under test.
+pub(crate) async fn server_url() -> String {
+    match idempotency_conformance::containers::postgres().await {
+        Ok(server) => server.url().to_owned(),
+        Err(e) => panic!("no PostgreSQL server for the tests: {e}"),
+    }
+}
+
+/// A random suffix for tables and databases.
+pub(crate) fn unique(prefix: &str) -> String {
+    format!("{prefix}_{:016x}", rand::random::<u64>())
+}
+
+/// A migrated repository on a fresh small pool, on `table`.
+pub(crate) async fn repository(table: &str) -> PgRepository {
+    let repo = PgRepository::builder()
+        .table(table)
+        .max_connections(5)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&server_url().await)
+        .await
+        .expect("connect to the test server");
+    repo.migrate().await.expect("migrate");
+    repo
+}

@@ -1,0 +1,258 @@
+//! Migrations, names and URL options.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::time::Duration;
+
+use idempotency_core::{
+    Error, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, Timestamp,
+};
+use idempotency_postgres::PgRepository;
+
+fn request(key: &RecordKey) -> ReserveRequest<'_> {
+    let now = Timestamp::from_millis(1_000_000);
+    ReserveRequest {
+        key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + Duration::from_secs(30),
+        expires_at: now + Duration::from_secs(3600),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    }
+}
+
+async fn admin() -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&common::server_url().await)
+        .await
+        .unwrap()
+}
+
+async fn drop_schema(schema: &str) {
+    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(&admin().await)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_migrate_applies_once() {
+    let schema = common::unique("idem_mig");
+    let url = common::server_url().await;
+    // Eight "processes" (own pools) start at once on a database without the schema.
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (schema, url) = (schema.clone(), url.clone());
+            tokio::spawn(async move {
+                let repo = PgRepository::builder()
+                    .schema(schema)
+                    .table("records")
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .unwrap();
+                repo.migrate().await
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    let pool = admin().await;
+    let versions: Vec<i32> = sqlx::query_scalar(&format!(
+        "SELECT version FROM \"{schema}\".\"records_migrations\" ORDER BY version"
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, vec![1]);
+
+    // Idempotent: again, and the table works.
+    let repo = PgRepository::builder()
+        .schema(schema.as_str())
+        .table("records")
+        .connect(&url)
+        .await
+        .unwrap();
+    repo.migrate().await.unwrap();
+    repo.migrate().await.unwrap();
+    let key = RecordKey::new("ns", "k", 1024).unwrap();
+    assert_eq!(
+        repo.reserve(request(&key)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
+    drop_schema(&schema).await;
+}
+
+#[tokio::test]
+async fn operations_before_migrate_name_the_table_and_migrate() {
+    let repo = PgRepository::builder()
+        .table(common::unique("idem_unmigrated"))
+        .connect(&common::server_url().await)
+        .await
+        .unwrap();
+    let key = RecordKey::new("ns", "k", 1024).unwrap();
+    match repo.reserve(request(&key)).await {
+        Err(Error::Config { message }) => {
+            assert!(message.contains(repo.table()), "{message}");
+            assert!(message.contains("migrate()"), "{message}");
+        }
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+    assert!(matches!(
+        repo.get(&key, Timestamp::from_millis(1)).await,
+        Err(Error::Config { .. })
+    ));
+}
+
+#[tokio::test]
+async fn hostile_names_are_rejected_not_executed() {
+    let url = common::server_url().await;
+    let pool = admin().await;
+    let victim = common::unique("idem_victim");
+    sqlx::query(&format!("CREATE TABLE {victim} (x int)"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let hostile = [
+        format!("x\"; DROP TABLE {victim}; --"),
+        format!("x; DROP TABLE {victim}"),
+        "records\"".to_owned(),
+        "a.b".to_owned(),
+        "1abc".to_owned(),
+        "with space".to_owned(),
+        "nul\0byte".to_owned(),
+        "é".to_owned(),
+        String::new(),
+        "t".repeat(64),
+    ];
+    for name in &hostile {
+        for builder in [
+            PgRepository::builder().table(name.as_str()),
+            PgRepository::builder().schema(name.as_str()),
+        ] {
+            match builder.clone().connect(&url).await {
+                Err(Error::Config { .. }) => {}
+                other => panic!("{name:?} was accepted: {other:?}"),
+            }
+            assert!(matches!(
+                builder.clone().connect_lazy(&url),
+                Err(Error::Config { .. })
+            ));
+            let pool = sqlx::postgres::PgPoolOptions::new()
+                .connect_lazy(&url)
+                .unwrap();
+            assert!(matches!(
+                builder.build_with_pool(pool),
+                Err(Error::Config { .. })
+            ));
+        }
+        // Through the URL, percent-encoded.
+        let encoded: String = url::form_urlencoded::byte_serialize(name.as_bytes()).collect();
+        let sep = if url.contains('?') { '&' } else { '?' };
+        for option in ["table", "schema"] {
+            match idempotency_postgres::connect(&format!("{url}{sep}{option}={encoded}")).await {
+                Err(Error::Config { .. }) => {}
+                other => panic!("{option}={name:?} was accepted: {other:?}"),
+            }
+        }
+    }
+    let still_there: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&victim)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(still_there);
+    sqlx::query(&format!("DROP TABLE {victim}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn connect_honours_url_options() {
+    let url = common::server_url().await;
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let schema = common::unique("Idem_Url");
+
+    // migrate=false: nothing is created.
+    let repo = idempotency_postgres::connect(&format!(
+        "{url}{sep}schema={schema}&table=MixedCase&migrate=false&max_connections=2&acquire_timeout=3s&application_name=idem-test"
+    ))
+    .await
+    .unwrap();
+    assert_eq!(
+        (repo.schema(), repo.table()),
+        (schema.as_str(), "MixedCase")
+    );
+    let key = RecordKey::new("ns", "k", 1024).unwrap();
+    assert!(matches!(
+        repo.reserve(request(&key)).await,
+        Err(Error::Config { .. })
+    ));
+    let app: String = sqlx::query_scalar("SELECT current_setting('application_name')")
+        .fetch_one(repo.pool())
+        .await
+        .unwrap();
+    assert_eq!(app, "idem-test");
+
+    // Default: connect migrates (mixed-case names are quoted, so kept as given).
+    let postgresql = url.replacen("postgres://", "postgresql://", 1);
+    let repo =
+        idempotency_postgres::connect(&format!("{postgresql}{sep}schema={schema}&table=MixedCase"))
+            .await
+            .unwrap();
+    assert_eq!(
+        repo.reserve(request(&key)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
+    let exists: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = 'MixedCase')",
+    )
+    .bind(&schema)
+    .fetch_one(repo.pool())
+    .await
+    .unwrap();
+    assert!(exists);
+
+    // from_url with migrate=true migrates too; from_pool never does.
+    let repo2 = PgRepository::from_url(&format!(
+        "{url}{sep}schema={schema}&table=other&migrate=true"
+    ))
+    .await
+    .unwrap();
+    assert!(repo2.reserve(request(&key)).await.is_ok());
+    let from_pool = PgRepository::from_pool(repo2.pool().clone());
+    assert_eq!(
+        (from_pool.schema(), from_pool.table()),
+        ("public", "idempotency_records")
+    );
+    drop_schema(&schema).await;
+
+    // Wrong scheme.
+    assert!(matches!(
+        idempotency_postgres::connect("mysql://localhost/db").await,
+        Err(Error::Config { .. })
+    ));
+}
+
+#[tokio::test]
+async fn unreachable_server_is_unavailable() {
+    // A port nobody listens on.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    let started = std::time::Instant::now();
+    let err = PgRepository::builder()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect(&format!("postgres://nobody@127.0.0.1:{port}/db"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(err.is_retryable());
+    assert!(started.elapsed() < Duration::from_secs(10));
+}

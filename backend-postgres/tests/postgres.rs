@@ -1,0 +1,315 @@
+//! PostgreSQL-specific behaviour beyond the conformance suite: storage layout,
+//! corrupt rows, purging from several processes, contention across pools, and
+//! timeouts.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::{
+    Error, OwnerToken, RecordKey, Repository, RepositoryExt, Reservation, ReserveRequest, Timestamp,
+};
+use idempotency_postgres::PgRepository;
+
+const TABLE: &str = "idem_pg_specific";
+
+fn req(key: &RecordKey, now: Timestamp, lease: Duration) -> ReserveRequest<'_> {
+    ReserveRequest {
+        key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + lease,
+        expires_at: now + Duration::from_secs(3600),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    }
+}
+
+fn now() -> Timestamp {
+    idempotency_core::Clock::now(&idempotency_core::SystemClock)
+}
+
+#[tokio::test]
+async fn keys_are_stored_as_their_exact_bytes() {
+    let repo = common::repository(TABLE).await;
+    let ns = format!("{}\0:ns", common::unique("bytes"));
+    let key = RecordKey::new(ns.as_str(), "a\0b:c", 1024).unwrap();
+    repo.reserve(req(&key, now(), Duration::from_secs(30)))
+        .await
+        .unwrap();
+    let (stored_ns, stored_id): (Vec<u8>, Vec<u8>) = sqlx::query_as(&format!(
+        "SELECT namespace, id FROM {TABLE} WHERE namespace = $1"
+    ))
+    .bind(ns.as_bytes())
+    .fetch_one(repo.pool())
+    .await
+    .unwrap();
+    assert_eq!(stored_ns, ns.as_bytes());
+    assert_eq!(stored_id, b"a\0b:c");
+}
+
+#[tokio::test]
+async fn ids_longer_than_the_index_allows_are_refused_before_sql() {
+    let repo = common::repository(TABLE).await;
+    assert_eq!(repo.capabilities().max_id_bytes, 1024);
+    let long = "x".repeat(2000);
+    let key = RecordKey::new("ns", &long, 4096).unwrap();
+    assert!(matches!(
+        repo.reserve(req(&key, now(), Duration::from_secs(30)))
+            .await,
+        Err(Error::InvalidKey { .. })
+    ));
+    // Built with the declared capability, the same id is digested and works.
+    let key = RecordKey::new("ns", &long, repo.capabilities().max_id_bytes).unwrap();
+    assert!(key.is_digested());
+    assert!(repo
+        .reserve(req(&key, now(), Duration::from_secs(30)))
+        .await
+        .is_ok());
+    assert!(repo.delete(&key).await.unwrap());
+}
+
+#[tokio::test]
+async fn corrupt_rows_are_reported_with_their_key() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("corrupt");
+    let corruptions = [
+        ("owner", "owner = '\\x0102'::bytea"),
+        ("fingerprint", "fingerprint = '\\x01'::bytea"),
+        ("attempt", "attempt = 0"),
+        ("created_at", "created_at = -5"),
+    ];
+    for (what, set) in corruptions {
+        let key = RecordKey::new(ns.as_str(), what, 1024).unwrap();
+        let t = now();
+        repo.reserve(req(&key, t, Duration::from_secs(30)))
+            .await
+            .unwrap();
+        sqlx::query(&format!(
+            "UPDATE {TABLE} SET {set} WHERE namespace = $1 AND id = $2"
+        ))
+        .bind(key.namespace().as_bytes())
+        .bind(key.id().as_bytes())
+        .execute(repo.pool())
+        .await
+        .unwrap();
+        for result in [
+            repo.get(&key, t).await.map(|_| ()),
+            repo.reserve(req(&key, t, Duration::from_secs(30)))
+                .await
+                .map(|_| ()),
+        ] {
+            match result {
+                Err(Error::Corrupt {
+                    key: Some(k),
+                    reason,
+                }) => {
+                    assert_eq!(k, key, "{what}: {reason}")
+                }
+                other => panic!("{what}: expected Corrupt, got {other:?}"),
+            }
+        }
+        // The record can still be deleted.
+        assert!(repo.delete(&key).await.unwrap());
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn several_processes_purge_concurrently_without_double_counting() {
+    // A table of its own: the purge sees every expired row of its table.
+    let table = common::unique("idem_purge");
+    let repo = common::repository(&table).await;
+    let t0 = now();
+    let short = Duration::from_secs(10);
+    let n = 300;
+    let ns = common::unique("purge");
+    // Insert expired and live rows in bulk through the repository.
+    let mut expired = Vec::new();
+    for i in 0..n {
+        let key = RecordKey::new(ns.as_str(), format!("dead-{i}"), 1024).unwrap();
+        let r = ReserveRequest {
+            expires_at: t0 + short,
+            ..req(&key, t0, short)
+        };
+        repo.reserve(r).await.unwrap();
+        expired.push(key);
+    }
+    let live = RecordKey::new(ns.as_str(), "live", 1024).unwrap();
+    repo.reserve(req(&live, t0, short)).await.unwrap();
+
+    let purge_at = t0 + short + Duration::from_secs(1);
+    // Before the purge: expired rows are absent to every operation.
+    for key in expired.iter().take(5) {
+        assert!(repo.get(key, purge_at).await.unwrap().is_none());
+        assert!(matches!(
+            repo.complete(key, OwnerToken::random(), None, purge_at, purge_at)
+                .await,
+            Err(Error::LeaseLost { .. })
+        ));
+    }
+    let url = common::server_url().await;
+    let purgers: Vec<_> = (0..4)
+        .map(|_| {
+            let (url, table) = (url.clone(), table.clone());
+            tokio::spawn(async move {
+                let repo = PgRepository::builder()
+                    .table(table)
+                    .max_connections(2)
+                    .connect(&url)
+                    .await
+                    .unwrap();
+                repo.purge_all_expired(purge_at, 25).await
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for p in purgers {
+        total += p.await.unwrap().unwrap();
+    }
+    assert_eq!(total, n, "each expired row is purged exactly once");
+    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{table}\""))
+        .fetch_one(repo.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, 1, "only the live row remains");
+    assert!(repo.get(&live, t0).await.unwrap().is_some());
+    assert_eq!(repo.purge_expired(purge_at, 0).await.unwrap(), 0);
+    let _ = sqlx::raw_sql(&format!(
+        "DROP TABLE IF EXISTS \"{table}\"; DROP TABLE IF EXISTS \"{table}_migrations\"; DROP FUNCTION IF EXISTS \"{table}_reserve\""
+    ))
+    .execute(repo.pool())
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn racing_processes_take_over_one_at_a_time() {
+    // Three "processes" (own pools) × 16 tasks race on one key per round; each
+    // round's lease is stale, so exactly one takes it over.
+    let url = common::server_url().await;
+    let mut repos = Vec::new();
+    for _ in 0..3 {
+        repos.push(Arc::new(
+            PgRepository::builder()
+                .table(TABLE)
+                .max_connections(4)
+                .connect(&url)
+                .await
+                .unwrap(),
+        ));
+    }
+    repos[0].migrate().await.unwrap();
+    let ns = common::unique("race");
+    let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
+    let t0 = now();
+    let lease = Duration::from_millis(10);
+    assert!(matches!(
+        repos[0].reserve(req(&key, t0, lease)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    ));
+    for round in 1..=10u32 {
+        let at = t0 + Duration::from_millis(u64::from(round) * 100);
+        let tasks: Vec<_> = (0..48)
+            .map(|i| {
+                let (repo, key) = (repos[i % 3].clone(), key.clone());
+                tokio::spawn(async move { repo.reserve(req(&key, at, lease)).await })
+            })
+            .collect();
+        let mut winners = Vec::new();
+        for t in tasks {
+            if let Reservation::Acquired { attempt } = t.await.unwrap().unwrap() {
+                winners.push(attempt);
+            }
+        }
+        assert_eq!(winners, vec![round + 1], "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waits_on_row_locks_are_bounded_by_timeouts() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("locked");
+    let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
+    let t = now();
+    // An open transaction holds the key's row lock.
+    let mut tx = repo.pool().begin().await.unwrap();
+    assert!(matches!(
+        repo.in_transaction(&mut tx)
+            .reserve(req(&key, t, Duration::from_secs(30)))
+            .await
+            .unwrap(),
+        Reservation::Acquired { .. }
+    ));
+
+    // The client-side operation timeout.
+    let url = common::server_url().await;
+    let bounded = PgRepository::builder()
+        .table(TABLE)
+        .operation_timeout(Duration::from_millis(300))
+        .connect(&url)
+        .await
+        .unwrap();
+    let err = bounded
+        .reserve(req(&key, t, Duration::from_secs(30)))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Timeout {
+                operation: "reserve",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+
+    // The server-side lock_timeout, passed through the URL to sqlx.
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let locked = PgRepository::from_url(&format!(
+        "{url}{sep}table={TABLE}&options=-c%20lock_timeout%3D200"
+    ))
+    .await
+    .unwrap();
+    let err = locked
+        .reserve(req(&key, t, Duration::from_secs(30)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert!(err.is_retryable());
+
+    tx.rollback().await.unwrap();
+    // Released: the key is free again.
+    assert!(matches!(
+        locked
+            .reserve(req(&key, t, Duration::from_secs(30)))
+            .await
+            .unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    ));
+}
+
+#[tokio::test]
+async fn far_future_instants_keep_their_order() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("far");
+    let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
+    let t = now();
+    let r = ReserveRequest {
+        lease_until: Timestamp::MAX,
+        expires_at: Timestamp::MAX,
+        ..req(&key, t, Duration::ZERO)
+    };
+    repo.reserve(r).await.unwrap();
+    // Stored clamped to the largest bigint, still after every representable `now`.
+    let stored = repo
+        .get(&key, Timestamp::from_millis(i64::MAX as u64 - 1))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.expires_at, Timestamp::from_millis(i64::MAX as u64));
+    assert_eq!(stored.lease_until, stored.expires_at);
+    assert!(repo.delete(&key).await.unwrap());
+}

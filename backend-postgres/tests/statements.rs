@@ -1,0 +1,581 @@
+//! Proves the round trips and statements of every operation.
+//!
+//! 1. Client → server protocol messages, counted by a TCP proxy in front of the
+//!    server: once a connection has prepared the statements, every operation
+//!    sends exactly one `Bind`, one `Execute`, one `Close` (of the unnamed
+//!    portal) and one `Sync`, pipelined — one statement in one round trip, no
+//!    `Parse`, no simple `Query`.
+//! 2. Server side: `pg_stat_database.xact_commit` of a database created for the
+//!    test. In autocommit every statement is its own transaction, so N more
+//!    operations must cost exactly N more transactions.
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use idempotency_core::{
+    Clock, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock, Timestamp,
+};
+use idempotency_postgres::PgRepository;
+use sqlx::{Connection, PgConnection};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+const TABLE: &str = "idem_statements";
+
+// ------------------------------------------------------------------ proxy
+
+/// Counts the messages clients send, by type byte.
+#[derive(Clone, Default)]
+struct Counts(Arc<Mutex<BTreeMap<char, u64>>>);
+
+impl Counts {
+    fn snapshot(&self) -> BTreeMap<char, u64> {
+        self.0.lock().unwrap().clone()
+    }
+
+    fn since(&self, before: &BTreeMap<char, u64>) -> BTreeMap<char, u64> {
+        self.snapshot()
+            .into_iter()
+            .map(|(k, v)| (k, v - before.get(&k).copied().unwrap_or(0)))
+            .filter(|(_, v)| *v > 0)
+            .collect()
+    }
+}
+
+/// Incremental parser of the frontend side of the protocol.
+struct Parser {
+    started: bool,
+    buf: Vec<u8>,
+    counts: Counts,
+}
+
+impl Parser {
+    fn feed(&mut self, data: &[u8]) {
+        self.buf.extend_from_slice(data);
+        loop {
+            if !self.started {
+                // Untyped: SSLRequest / GSSENCRequest / StartupMessage.
+                if self.buf.len() < 8 {
+                    return;
+                }
+                let len = u32::from_be_bytes(self.buf[0..4].try_into().unwrap()) as usize;
+                if self.buf.len() < len {
+                    return;
+                }
+                let code = u32::from_be_bytes(self.buf[4..8].try_into().unwrap());
+                self.started = code == 196_608; // protocol 3.0
+                self.buf.drain(..len);
+            } else {
+                if self.buf.len() < 5 {
+                    return;
+                }
+                let len = u32::from_be_bytes(self.buf[1..5].try_into().unwrap()) as usize;
+                if self.buf.len() < 1 + len {
+                    return;
+                }
+                *self
+                    .counts
+                    .0
+                    .lock()
+                    .unwrap()
+                    .entry(char::from(self.buf[0]))
+                    .or_default() += 1;
+                self.buf.drain(..=len);
+            }
+        }
+    }
+}
+
+/// Starts a counting proxy to `target`; returns its port.
+async fn start_proxy(target: (String, u16), counts: Counts) -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        loop {
+            let Ok((client, _)) = listener.accept().await else {
+                return;
+            };
+            let target = target.clone();
+            let counts = counts.clone();
+            tokio::spawn(async move {
+                let Ok(server) = TcpStream::connect((target.0.as_str(), target.1)).await else {
+                    return;
+                };
+                let (mut cr, mut cw) = client.into_split();
+                let (mut sr, mut sw) = server.into_split();
+                let upstream = async move {
+                    let mut parser = Parser {
+                        started: false,
+                        buf: Vec::new(),
+                        counts,
+                    };
+                    let mut chunk = vec![0u8; 64 * 1024];
+                    loop {
+                        let n = match cr.read(&mut chunk).await {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        parser.feed(&chunk[..n]);
+                        if sw.write_all(&chunk[..n]).await.is_err() {
+                            break;
+                        }
+                    }
+                    let _ = sw.shutdown().await;
+                };
+                let downstream = async move {
+                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                    let _ = cw.shutdown().await;
+                };
+                tokio::join!(upstream, downstream);
+            });
+        }
+    });
+    port
+}
+
+/// The server URL and the same URL through a new counting proxy.
+async fn proxied() -> (String, String, Counts) {
+    let direct = common::server_url().await;
+    let parsed = url::Url::parse(&direct).unwrap();
+    let host = parsed.host_str().unwrap_or("localhost").to_owned();
+    let port = parsed.port().unwrap_or(5432);
+    let counts = Counts::default();
+    let proxy_port = start_proxy((host, port), counts.clone()).await;
+    let mut via = parsed.clone();
+    via.set_host(Some("127.0.0.1")).unwrap();
+    via.set_port(Some(proxy_port)).unwrap();
+    // Plain text, so the proxy can read the messages.
+    via.query_pairs_mut().append_pair("sslmode", "disable");
+    (direct, via.to_string(), counts)
+}
+
+fn request(key: &RecordKey, now: Timestamp, lease: Duration) -> ReserveRequest<'_> {
+    ReserveRequest {
+        key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + lease,
+        expires_at: now + Duration::from_secs(3600),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    }
+}
+
+/// What sqlx pipelines for a prepared statement: `Bind`, `Execute`, `Close`
+/// (the unnamed portal) and one `Sync` — the only message it then waits on.
+fn one_round_trip() -> BTreeMap<char, u64> {
+    [('B', 1), ('E', 1), ('C', 1), ('S', 1)]
+        .into_iter()
+        .collect()
+}
+
+/// Runs `$e` and asserts the messages it sent.
+macro_rules! measured {
+    ($counts:expr, $name:expr, $expected:expr, $e:expr) => {{
+        let before = $counts.snapshot();
+        let out = $e;
+        let delta = $counts.since(&before);
+        assert_eq!(delta, $expected, "{}: messages sent {:?}", $name, delta);
+        out
+    }};
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_operation_is_one_statement_in_one_round_trip() {
+    let (_, via, counts) = proxied().await;
+    let repo = common::repository(TABLE).await;
+    let mut conn = PgConnection::connect(&via).await.unwrap();
+    let ns = common::unique("rt");
+    let t = SystemClock.now();
+    let key = |id: &str| RecordKey::new(ns.as_str(), id, 1024).unwrap();
+    let lease = Duration::from_secs(30);
+    let one = one_round_trip();
+
+    // Warm-up: prepare every statement on this connection.
+    {
+        let mut ops = repo.in_transaction(&mut conn);
+        let w = key("warm");
+        let owner = OwnerToken::random();
+        ops.reserve(ReserveRequest {
+            owner,
+            ..request(&w, t, lease)
+        })
+        .await
+        .unwrap();
+        ops.extend(&w, owner, t + lease, t).await.unwrap();
+        ops.get(&w, t).await.unwrap();
+        ops.complete(&w, owner, None, t + lease, t).await.unwrap();
+        ops.delete(&w).await.unwrap();
+        let owner = OwnerToken::random();
+        ops.reserve(ReserveRequest {
+            owner,
+            ..request(&w, t, lease)
+        })
+        .await
+        .unwrap();
+        ops.fail(&w, owner, None, t + lease, t).await.unwrap();
+        ops.release(&w, owner, t).await.unwrap_err();
+        ops.delete(&w).await.unwrap();
+        ops.purge_expired(Timestamp::EPOCH, 1).await.unwrap();
+    }
+
+    let k1 = key("k1");
+    let owner = OwnerToken::random();
+    let req = ReserveRequest {
+        owner,
+        ..request(&k1, t, Duration::from_millis(10))
+    };
+    let r = measured!(
+        counts,
+        "reserve (fresh key)",
+        one,
+        repo.in_transaction(&mut conn).reserve(req).await.unwrap()
+    );
+    assert_eq!(r, Reservation::Acquired { attempt: 1 });
+
+    let r = measured!(
+        counts,
+        "reserve (duplicate)",
+        one,
+        repo.in_transaction(&mut conn)
+            .reserve(request(&k1, t, lease))
+            .await
+            .unwrap()
+    );
+    assert!(matches!(r, Reservation::Existing(_)));
+
+    let t2 = t + Duration::from_secs(1);
+    let owner2 = OwnerToken::random();
+    let req = ReserveRequest {
+        owner: owner2,
+        ..request(&k1, t2, lease)
+    };
+    let r = measured!(
+        counts,
+        "reserve (takeover)",
+        one,
+        repo.in_transaction(&mut conn).reserve(req).await.unwrap()
+    );
+    assert_eq!(r, Reservation::Acquired { attempt: 2 });
+
+    measured!(
+        counts,
+        "extend",
+        one,
+        repo.in_transaction(&mut conn)
+            .extend(&k1, owner2, t2 + lease, t2)
+            .await
+            .unwrap()
+    );
+    measured!(
+        counts,
+        "complete",
+        one,
+        repo.in_transaction(&mut conn)
+            .complete(&k1, owner2, Some(b"r"), t2 + Duration::from_secs(5), t2)
+            .await
+            .unwrap()
+    );
+    measured!(
+        counts,
+        "complete (lease lost)",
+        one,
+        repo.in_transaction(&mut conn)
+            .complete(&k1, owner2, None, t2 + lease, t2)
+            .await
+            .unwrap_err()
+    );
+    let got = measured!(
+        counts,
+        "get",
+        one,
+        repo.in_transaction(&mut conn).get(&k1, t2).await.unwrap()
+    );
+    assert_eq!(got.unwrap().result.as_deref(), Some(&b"r"[..]));
+
+    // Expired at t2 + 5 s: reserved afresh over the old row.
+    let t3 = t2 + Duration::from_secs(10);
+    let r = measured!(
+        counts,
+        "reserve (expired row)",
+        one,
+        repo.in_transaction(&mut conn)
+            .reserve(request(&k1, t3, lease))
+            .await
+            .unwrap()
+    );
+    assert_eq!(r, Reservation::Acquired { attempt: 1 });
+
+    let k2 = key("k2");
+    let owner3 = OwnerToken::random();
+    repo.in_transaction(&mut conn)
+        .reserve(ReserveRequest {
+            owner: owner3,
+            ..request(&k2, t, lease)
+        })
+        .await
+        .unwrap();
+    measured!(
+        counts,
+        "fail",
+        one,
+        repo.in_transaction(&mut conn)
+            .fail(&k2, owner3, Some(b"e"), t + lease, t)
+            .await
+            .unwrap()
+    );
+    let k3 = key("k3");
+    let owner4 = OwnerToken::random();
+    repo.in_transaction(&mut conn)
+        .reserve(ReserveRequest {
+            owner: owner4,
+            ..request(&k3, t, lease)
+        })
+        .await
+        .unwrap();
+    measured!(
+        counts,
+        "release",
+        one,
+        repo.in_transaction(&mut conn)
+            .release(&k3, owner4, t)
+            .await
+            .unwrap()
+    );
+    let existed = measured!(
+        counts,
+        "delete",
+        one,
+        repo.in_transaction(&mut conn).delete(&k2).await.unwrap()
+    );
+    assert!(existed);
+    measured!(
+        counts,
+        "purge_expired",
+        one,
+        repo.in_transaction(&mut conn)
+            .purge_expired(Timestamp::EPOCH, 100)
+            .await
+            .unwrap()
+    );
+    repo.in_transaction(&mut conn).delete(&k1).await.unwrap();
+    conn.close().await.unwrap();
+}
+
+/// Waits until the pool's only connection is back (sqlx checks it on release).
+async fn settled(repo: &PgRepository) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while repo.pool().num_idle() < 1 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(repo.pool().num_idle(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_operations_execute_one_statement_each() {
+    let (_, via, counts) = proxied().await;
+    common::repository(TABLE).await; // migrated
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .max_connections(1)
+        .connect(&via)
+        .await
+        .unwrap();
+    let ns = common::unique("pool");
+    let t = SystemClock.now();
+    let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
+    let fresh = RecordKey::new(ns.as_str(), "fresh", 1024).unwrap();
+    let lease = Duration::from_secs(30);
+
+    // Warm-up.
+    let owner = OwnerToken::random();
+    repo.reserve(ReserveRequest {
+        owner,
+        ..request(&key, t, lease)
+    })
+    .await
+    .unwrap();
+    repo.reserve(request(&key, t, lease)).await.unwrap();
+    repo.complete(&key, owner, None, t + lease, t)
+        .await
+        .unwrap();
+    repo.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
+    settled(&repo).await;
+
+    // One Bind/Execute/Sync for the statement, plus the Sync of sqlx's check of
+    // the connection when it returns to the pool (after the operation answered).
+    let expected: BTreeMap<char, u64> = [('B', 1), ('E', 1), ('C', 1), ('S', 2)]
+        .into_iter()
+        .collect();
+    let r = measured!(counts, "pooled reserve (fresh key)", expected, {
+        let r = repo.reserve(request(&fresh, t, lease)).await.unwrap();
+        settled(&repo).await;
+        r
+    });
+    assert!(matches!(r, Reservation::Acquired { .. }));
+    let r = measured!(counts, "pooled reserve (duplicate)", expected, {
+        let r = repo.reserve(request(&key, t, lease)).await.unwrap();
+        settled(&repo).await;
+        r
+    });
+    assert!(matches!(r, Reservation::Existing(_)));
+    measured!(counts, "pooled purge_expired", expected, {
+        repo.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
+        settled(&repo).await;
+    });
+    repo.delete(&key).await.unwrap();
+    repo.delete(&fresh).await.unwrap();
+}
+
+// ------------------------------------------------------------- server side
+
+#[derive(Clone, Copy, Debug)]
+enum Op {
+    ReserveFresh,
+    ReserveDuplicate,
+    Complete,
+    Get,
+    Purge,
+}
+
+/// Opens a connection to `db_url`, does the same setup every time, then `n`
+/// operations of `op`, and closes the connection.
+async fn session(repo: &PgRepository, db_url: &str, op: Op, n: usize, ns: &str) {
+    let mut conn = PgConnection::connect(db_url).await.unwrap();
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let mut ops = repo.in_transaction(&mut conn);
+    let mut owners = Vec::new();
+    for i in 0..25 {
+        let key = RecordKey::new(ns, format!("setup-{i}"), 1024).unwrap();
+        let owner = OwnerToken::random();
+        ops.reserve(ReserveRequest {
+            owner,
+            ..request(&key, t, lease)
+        })
+        .await
+        .unwrap();
+        owners.push((key, owner));
+    }
+    for (i, (key, owner)) in owners.iter().enumerate().take(n) {
+        match op {
+            Op::ReserveFresh => {
+                let fresh =
+                    RecordKey::new(ns, format!("fresh-{i}-{}", rand::random::<u64>()), 1024)
+                        .unwrap();
+                ops.reserve(request(&fresh, t, lease)).await.unwrap();
+            }
+            Op::ReserveDuplicate => {
+                ops.reserve(request(key, t, lease)).await.unwrap();
+            }
+            Op::Complete => ops
+                .complete(key, *owner, Some(b"r"), t + lease, t)
+                .await
+                .unwrap(),
+            Op::Get => {
+                ops.get(key, t).await.unwrap();
+            }
+            Op::Purge => {
+                // Nothing of this session is expired: the statement alone.
+                ops.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
+            }
+        }
+    }
+    // Same cleanup every time.
+    for (key, _) in &owners {
+        ops.delete(key).await.unwrap();
+    }
+    conn.close().await.unwrap();
+}
+
+/// `xact_commit` of `db` once no backend is connected to it (a backend flushes
+/// its statistics when it exits).
+async fn commits(admin: &sqlx::PgPool, db: &str) -> i64 {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (backends, commits): (i32, i64) = sqlx::query_as(
+            "SELECT numbackends, xact_commit FROM pg_stat_database WHERE datname = $1",
+        )
+        .bind(db)
+        .fetch_one(admin)
+        .await
+        .unwrap();
+        if backends == 0 {
+            return commits;
+        }
+        assert!(Instant::now() < deadline, "backends of {db} did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_counts_one_transaction_per_operation() {
+    let url = common::server_url().await;
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    let db = common::unique("idem_stmt");
+    sqlx::query(&format!("CREATE DATABASE {db}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let mut db_url = url::Url::parse(&url).unwrap();
+    db_url.set_path(&format!("/{db}"));
+    let db_url = db_url.to_string();
+
+    {
+        let setup = PgRepository::builder()
+            .table(TABLE)
+            .connect(&db_url)
+            .await
+            .unwrap();
+        setup.migrate().await.unwrap();
+        setup.pool().close().await;
+    }
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .connect_lazy(&db_url)
+        .unwrap();
+
+    let (small, large) = (5usize, 25usize);
+    for op in [
+        Op::ReserveFresh,
+        Op::ReserveDuplicate,
+        Op::Complete,
+        Op::Get,
+        Op::Purge,
+    ] {
+        let mut seen = Vec::new();
+        // Autovacuum may visit the new database and add commits of its own:
+        // noise only adds, so one exact measurement out of three proves the count.
+        for attempt in 0..3 {
+            let ns = format!("{}-{attempt}", common::unique("xact"));
+            let c0 = commits(&admin, &db).await;
+            session(&repo, &db_url, op, small, &ns).await;
+            let c1 = commits(&admin, &db).await;
+            session(&repo, &db_url, op, large, &ns).await;
+            let c2 = commits(&admin, &db).await;
+            let per_extra = (c2 - c1) - (c1 - c0);
+            seen.push(per_extra);
+            if per_extra == (large - small) as i64 {
+                break;
+            }
+        }
+        assert!(
+            seen.contains(&((large - small) as i64)),
+            "{op:?}: {} more operations cost {seen:?} more transactions",
+            large - small
+        );
+    }
+    sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
+        .execute(&admin)
+        .await
+        .unwrap();
+}

@@ -1,0 +1,233 @@
+//! The stored record format (version 1): one binary-safe Redis string.
+//!
+//! ```text
+//! offset len  field
+//!      0   1  format version (1)
+//!      1   1  status: b'P' processing, b'C' completed, b'F' failed
+//!      2   4  attempt            (u32, big-endian)
+//!      6   8  created_at         (u64 ms since the epoch, big-endian)
+//!     14  16  owner token        (u128, big-endian)
+//!     30   8  lease_until        (u64 ms, big-endian)
+//!     38   8  expires_at         (u64 ms, big-endian)
+//!     46   8  updated_at         (u64 ms, big-endian)
+//!     54   1  flags: bit 0 fingerprint, bit 1 result, bit 2 error
+//!     55  32  fingerprint        (only when bit 0 is set)
+//!      …   …  result or error    (the rest of the string, when bit 1 or 2 is set)
+//! ```
+//!
+//! The Lua scripts read the same offsets (1-based there); `attempt` and
+//! `created_at` are adjacent so a takeover splices both from the old record in one
+//! substring. Timestamps are compared in Lua as (high, low) 32-bit halves, so they
+//! stay exact over the whole `u64` range.
+
+use idempotency_core::{Fingerprint, OwnerToken, Record, Status, Timestamp};
+
+/// The format version written in byte 0.
+pub(crate) const FORMAT_VERSION: u8 = 1;
+/// Bytes before the optional fingerprint.
+pub(crate) const HEADER_LEN: usize = 55;
+/// Bytes of the fingerprint, when present.
+pub(crate) const FINGERPRINT_LEN: usize = 32;
+
+const FLAG_FINGERPRINT: u8 = 1;
+const FLAG_RESULT: u8 = 2;
+const FLAG_ERROR: u8 = 4;
+
+/// Encodes a record. The store never writes a record carrying both a result and
+/// an error; should one be given, only the result is kept.
+pub(crate) fn encode(record: &Record) -> Vec<u8> {
+    let payload = record.result.as_deref().or(record.error.as_deref());
+    let mut out = Vec::with_capacity(HEADER_LEN + FINGERPRINT_LEN + payload.map_or(0, <[u8]>::len));
+    out.push(FORMAT_VERSION);
+    out.push(record.status.code());
+    out.extend_from_slice(&record.attempt.to_be_bytes());
+    out.extend_from_slice(&record.created_at.as_millis().to_be_bytes());
+    out.extend_from_slice(&record.owner.to_bytes());
+    out.extend_from_slice(&record.lease_until.as_millis().to_be_bytes());
+    out.extend_from_slice(&record.expires_at.as_millis().to_be_bytes());
+    out.extend_from_slice(&record.updated_at.as_millis().to_be_bytes());
+    let mut flags = 0;
+    if record.fingerprint.is_some() {
+        flags |= FLAG_FINGERPRINT;
+    }
+    if record.result.is_some() {
+        flags |= FLAG_RESULT;
+    } else if record.error.is_some() {
+        flags |= FLAG_ERROR;
+    }
+    out.push(flags);
+    if let Some(fp) = &record.fingerprint {
+        out.extend_from_slice(fp.as_bytes());
+    }
+    if let Some(p) = payload {
+        out.extend_from_slice(p);
+    }
+    out
+}
+
+/// Decodes a stored record; the error says what does not parse.
+pub(crate) fn decode(bytes: &[u8]) -> Result<Record, String> {
+    if bytes.len() < HEADER_LEN {
+        return Err(format!(
+            "{} bytes is shorter than the {HEADER_LEN}-byte record header",
+            bytes.len()
+        ));
+    }
+    if bytes[0] != FORMAT_VERSION {
+        return Err(format!("unknown record format version {}", bytes[0]));
+    }
+    let status = Status::from_code(bytes[1])
+        .ok_or_else(|| format!("unknown status byte {:#04x}", bytes[1]))?;
+    let attempt = u32::from_be_bytes(array(bytes, 2)?);
+    let created_at = timestamp(bytes, 6)?;
+    let owner = OwnerToken::from_bytes(array(bytes, 14)?);
+    let lease_until = timestamp(bytes, 30)?;
+    let expires_at = timestamp(bytes, 38)?;
+    let updated_at = timestamp(bytes, 46)?;
+    let flags = bytes[54];
+    if flags & !(FLAG_FINGERPRINT | FLAG_RESULT | FLAG_ERROR) != 0 {
+        return Err(format!("unknown flags {flags:#04x}"));
+    }
+    if flags & FLAG_RESULT != 0 && flags & FLAG_ERROR != 0 {
+        return Err("both a result and an error are flagged".to_owned());
+    }
+    let mut rest = &bytes[HEADER_LEN..];
+    let fingerprint = if flags & FLAG_FINGERPRINT != 0 {
+        if rest.len() < FINGERPRINT_LEN {
+            return Err("the fingerprint is truncated".to_owned());
+        }
+        let (fp, tail) = rest.split_at(FINGERPRINT_LEN);
+        rest = tail;
+        Some(Fingerprint::try_from_slice(fp).map_err(|e| e.to_string())?)
+    } else {
+        None
+    };
+    let (result, error) = match (flags & FLAG_RESULT != 0, flags & FLAG_ERROR != 0) {
+        (true, _) => (Some(rest.to_vec()), None),
+        (_, true) => (None, Some(rest.to_vec())),
+        _ if rest.is_empty() => (None, None),
+        _ => return Err(format!("{} unexpected trailing bytes", rest.len())),
+    };
+    Ok(Record {
+        status,
+        owner,
+        attempt,
+        fingerprint,
+        result,
+        error,
+        lease_until,
+        expires_at,
+        created_at,
+        updated_at,
+    })
+}
+
+fn array<const N: usize>(bytes: &[u8], at: usize) -> Result<[u8; N], String> {
+    bytes
+        .get(at..at + N)
+        .and_then(|s| <[u8; N]>::try_from(s).ok())
+        .ok_or_else(|| format!("field at offset {at} is truncated"))
+}
+
+fn timestamp(bytes: &[u8], at: usize) -> Result<Timestamp, String> {
+    Ok(Timestamp::from_millis(u64::from_be_bytes(array(
+        bytes, at,
+    )?)))
+}
+
+/// The 8 big-endian bytes of a timestamp, as the scripts take them.
+pub(crate) fn ts_bytes(t: Timestamp) -> [u8; 8] {
+    t.as_millis().to_be_bytes()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Record {
+        Record {
+            status: Status::Completed,
+            owner: OwnerToken::from_u128(0x0102_0304_0506_0708_090a_0b0c_0d0e_0f10),
+            attempt: 7,
+            fingerprint: Some(Fingerprint::of_bytes(b"payload")),
+            result: Some(vec![0, 159, 146, 150, 0, b'\n']),
+            error: None,
+            lease_until: Timestamp::from_millis(1_700_000_000_123),
+            expires_at: Timestamp::MAX,
+            created_at: Timestamp::from_millis(1),
+            updated_at: Timestamp::from_millis(u64::from(u32::MAX) + 1),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let mut r = sample();
+        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        r.result = Some(Vec::new());
+        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        r.result = None;
+        r.fingerprint = None;
+        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        r.status = Status::Failed;
+        r.error = Some(b"\0boom\xff".to_vec());
+        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        r.error = Some(Vec::new());
+        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        r.status = Status::Processing;
+        r.error = None;
+        let bytes = encode(&r);
+        assert_eq!(bytes.len(), HEADER_LEN);
+        assert_eq!(decode(&bytes).unwrap(), r);
+    }
+
+    #[test]
+    fn layout_is_stable() {
+        let bytes = encode(&sample());
+        assert_eq!(bytes[0], FORMAT_VERSION);
+        assert_eq!(bytes[1], b'C');
+        assert_eq!(&bytes[2..6], &7u32.to_be_bytes());
+        assert_eq!(&bytes[6..14], &1u64.to_be_bytes());
+        assert_eq!(&bytes[14..30], &sample().owner.to_bytes());
+        assert_eq!(&bytes[38..46], &[0xff; 8]);
+        assert_eq!(bytes[54], FLAG_FINGERPRINT | FLAG_RESULT);
+        assert_eq!(bytes.len(), HEADER_LEN + FINGERPRINT_LEN + 6);
+    }
+
+    #[test]
+    fn rejects_garbage_without_panicking() {
+        let good = encode(&sample());
+        let mut cases: Vec<Vec<u8>> = vec![
+            Vec::new(),
+            b"hello".to_vec(),
+            vec![0; HEADER_LEN],
+            good[..HEADER_LEN - 1].to_vec(),
+            good[..HEADER_LEN + 10].to_vec(),
+        ];
+        let mut bad_version = good.clone();
+        bad_version[0] = 2;
+        cases.push(bad_version);
+        let mut bad_status = good.clone();
+        bad_status[1] = b'X';
+        cases.push(bad_status);
+        let mut bad_flags = good.clone();
+        bad_flags[54] = 0x80;
+        cases.push(bad_flags);
+        let mut both = good.clone();
+        both[54] = FLAG_RESULT | FLAG_ERROR;
+        cases.push(both);
+        let mut trailing = encode(&Record {
+            result: None,
+            status: Status::Processing,
+            ..sample()
+        });
+        trailing.push(1);
+        cases.push(trailing);
+        for case in cases {
+            assert!(decode(&case).is_err(), "{case:?}");
+        }
+        // Every prefix of a valid record either parses or fails cleanly.
+        for n in 0..good.len() {
+            let _ = decode(&good[..n]);
+        }
+    }
+}

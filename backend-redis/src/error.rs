@@ -1,0 +1,130 @@
+//! Mapping the `redis` crate's errors onto the core [`Error`].
+
+use idempotency_core::{Error, RecordKey};
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+/// The backend's name, in capabilities and errors.
+pub(crate) const BACKEND: &str = "redis";
+
+/// The error code the scripts answer for a stored value they cannot read.
+pub(crate) const CORRUPT_CODE: &str = "IDEMPOTENCY_CORRUPT";
+
+/// Whether the error is `NOSCRIPT` (script cache empty: restart, `SCRIPT FLUSH`,
+/// failover to a replica that never saw the script).
+pub(crate) fn is_noscript(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) || err.code() == Some("NOSCRIPT")
+}
+
+/// Whether the server rejected `SET … NX … GET` as a syntax error (Redis < 7.0).
+pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
+    err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+        && err.detail().is_some_and(|d| d.contains("syntax error"))
+}
+
+/// A TLS failure that retrying cannot fix (certificate not trusted, no common
+/// protocol), found in the error's source chain.
+#[cfg(feature = "tls")]
+fn tls_misconfiguration(err: &RedisError) -> Option<String> {
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    fn as_rustls<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+        // The `redis` crate keeps I/O errors as `Arc<dyn Error>`, whose `source`
+        // skips the I/O error itself: look inside.
+        let e: &(dyn std::error::Error + 'static) = match e.downcast_ref::<Shared>() {
+            Some(shared) => &**shared,
+            None => e,
+        };
+        e.downcast_ref::<rustls::Error>().or_else(|| {
+            e.downcast_ref::<std::io::Error>()
+                .and_then(|io| io.get_ref())
+                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        })
+    }
+    let mut source = std::error::Error::source(err);
+    while let Some(e) = source {
+        if let Some(tls) = as_rustls(e) {
+            return matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::NoCertificatesPresented
+                    | rustls::Error::UnsupportedNameType
+                    | rustls::Error::PeerIncompatible(_)
+            )
+            .then(|| tls.to_string());
+        }
+        source = e.source();
+    }
+    None
+}
+
+/// Maps a client error of `operation` on `key`.
+///
+/// Connection trouble (I/O, refused, reset, dropped), server states that pass
+/// (`LOADING`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`
+/// during a failover, redirections the cluster client gave up on) →
+/// [`Error::Unavailable`]; an I/O timeout → [`Error::Timeout`]; a value of the
+/// wrong type or format under the key → [`Error::Corrupt`]; bad credentials or
+/// an untrusted TLS certificate → [`Error::Config`]; anything else →
+/// [`Error::Backend`].
+pub(crate) fn map_redis_error(
+    err: RedisError,
+    key: Option<&RecordKey>,
+    operation: &'static str,
+) -> Error {
+    if err.is_timeout() {
+        return Error::Timeout {
+            backend: BACKEND,
+            operation,
+        };
+    }
+    #[cfg(feature = "tls")]
+    if let Some(problem) = tls_misconfiguration(&err) {
+        return Error::config(format!("redis TLS: {problem}"));
+    }
+    let code = err.code().map(str::to_owned);
+    let unavailable = err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || matches!(
+            err.kind(),
+            ErrorKind::Server(
+                ServerErrorKind::BusyLoading
+                    | ServerErrorKind::TryAgain
+                    | ServerErrorKind::ClusterDown
+                    | ServerErrorKind::MasterDown
+                    | ServerErrorKind::ReadOnly
+                    | ServerErrorKind::Moved
+                    | ServerErrorKind::Ask
+            ) | ErrorKind::ClusterConnectionNotFound
+        )
+        || matches!(
+            code.as_deref(),
+            Some("BUSY" | "LOADING" | "TRYAGAIN" | "CLUSTERDOWN")
+        );
+    if unavailable {
+        return Error::unavailable(BACKEND, err);
+    }
+    match code.as_deref() {
+        Some(CORRUPT_CODE) | Some("WRONGTYPE") => {
+            let reason = match code.as_deref() {
+                Some("WRONGTYPE") => "the key holds a value that is not a string".to_owned(),
+                _ => err
+                    .detail()
+                    .map_or_else(|| "unreadable record".to_owned(), str::to_owned),
+            };
+            return Error::Corrupt {
+                key: key.cloned(),
+                reason,
+            };
+        }
+        Some("NOAUTH" | "WRONGPASS" | "NOPERM") => {
+            return Error::config(format!("redis refused the credentials or command: {err}"));
+        }
+        _ => {}
+    }
+    match err.kind() {
+        ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => {
+            Error::config(format!("redis: {err}"))
+        }
+        _ => Error::backend(BACKEND, err),
+    }
+}

@@ -1,0 +1,203 @@
+//! Redis backend of [idempotency-rs](idempotency_core): every decision in one
+//! round trip, on a standalone server or a Redis Cluster.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use idempotency_core::{Config, HandlerError, IdempotencyManager, Outcome};
+//!
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! // `rediss://…` with the `tls` feature, `redis+cluster://h1:6379,h2:6379` with `cluster`.
+//! let repo = idempotency_redis::connect("redis://127.0.0.1:6379").await?;
+//! let manager = IdempotencyManager::new(Arc::new(repo), Config::default())?;
+//!
+//! // The broker delivers the same message twice: the handler runs once.
+//! for _ in 0..2 {
+//!     let outcome = manager
+//!         .execute("ProcessPayment:evt-42", &serde_json::json!({"amount": 10}), || async {
+//!             Ok::<_, HandlerError<String>>("receipt-1".to_string())
+//!         })
+//!         .await?;
+//!     assert!(matches!(outcome, Outcome::Executed(_) | Outcome::Cached(_)));
+//! }
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Build a [`RedisRepository`] from a URL ([`connect`], [`RedisRepository::connect`],
+//! [`RedisRepository::from_env`]), or from your own [`redis::Client`],
+//! [`ConnectionManager`](redis::aio::ConnectionManager) or cluster client
+//! ([`RedisRepository::from_client`], [`RedisRepository::from_connection_manager`],
+//! `from_cluster_client`, `from_cluster_connection`). The standalone connection
+//! reconnects by itself after a connection loss; meanwhile calls fail fast with
+//! [`Error::Unavailable`](idempotency_core::Error::Unavailable) (retryable).
+//!
+//! # What it guarantees
+//!
+//! | | |
+//! |---|---|
+//! | Atomicity | every operation is one `SET`/`GET`/`DEL` or one Lua script on one key: exactly one `reserve` wins a key, exactly one wins a takeover |
+//! | Fencing | `complete`, `fail`, `release`, `extend` are scripts that compare the stored owner token byte for byte; a lost lease leaves the record untouched ([`LeaseLost`](idempotency_core::Error::LeaseLost)) |
+//! | Expiry | logical expiry (`expires_at <= now`, the caller's `now`) is checked by every operation; the key's physical TTL is `PX = expires_at - now` (at least 1 ms), so the server evicts a record when the caller's clock reaches its expiry, never before |
+//! | Bytes | results and errors are opaque: NUL, non-UTF-8 and empty values round-trip; `Some(empty)` ≠ `None` |
+//! | Keys | the Redis key is [`RecordKey::encode`](idempotency_core::RecordKey::encode), injective over (namespace, id); braces in namespaces are escaped, so records spread over all cluster slots |
+//! | Foreign data | a value under our key that is not a record (wrong type, unknown format) is [`Corrupt { key }`](idempotency_core::Error::Corrupt), never a panic |
+//! | Cluster | each script touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`) |
+//!
+//! # Commands per operation
+//!
+//! | operation | round trips | commands |
+//! |---|---|---|
+//! | `reserve`, new key | 1 | `SET key record NX PX ttl GET` |
+//! | `reserve`, live record (duplicate, in progress, other payload) | 1 | `SET … NX … GET`, which returns the stored record |
+//! | `reserve`, logically expired record, or a takeover (stale lease, `Failed` + retry) | 2 | `SET … NX … GET`, then `EVALSHA reserve` decides again atomically |
+//! | `complete` / `fail` | 1 | `EVALSHA finish` (runs `GET` + `SET … PX`) |
+//! | `release` | 1 | `EVALSHA release` (runs `GET` + `DEL`) |
+//! | `extend` | 1 | `EVALSHA extend` (runs `GET` + `SET … KEEPTTL`) |
+//! | `get` | 1 | `GET` |
+//! | `delete` | 1 | `DEL` |
+//! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
+//!
+//! So a **fresh execution** through the manager costs **2 commands** (reserve +
+//! complete) and a **duplicate 1**; the test `commands_per_operation` (in
+//! `tests/redis.rs`) proves every row with `INFO commandstats` on a server of its
+//! own. With [`ReserveStrategy::Script`] every `reserve` is one `EVALSHA reserve`,
+//! takeovers included.
+//!
+//! Scripts are loaded once (`SCRIPT LOAD` when connecting; on a cluster, on every
+//! primary). When a server has lost its script cache (restart, `SCRIPT FLUSH`,
+//! failover) the call that meets `NOSCRIPT` resends that script once with `EVAL`,
+//! which caches it again — transparently, one extra command per script and server.
+//!
+//! # Why `SET … NX PX … GET` and not one script
+//!
+//! Both reserve in one round trip. Measured with `examples/reserve_bench.rs`
+//! (Redis 7.0.15 on localhost, one multiplexed connection, 64 reservations in
+//! flight, 20 000 keys per phase, on a busy 2-core machine; two runs):
+//!
+//! | strategy | phase | ops/s | server µs per reserve |
+//! |---|---|---|---|
+//! | `set-nx-get` | new keys | 122 000 – 132 000 | 1.5 – 2.1 |
+//! | `set-nx-get` | duplicates | 120 000 – 164 000 | 0.7 – 1.1 |
+//! | `script` | new keys | 59 000 – 79 000 | 6.1 – 8.1 |
+//! | `script` | duplicates | 77 000 – 84 000 | 5.4 – 6.0 |
+//!
+//! The native command costs the single-threaded server 4–8 times less CPU per
+//! reservation (no script invocation, no Lua string handling) and nearly doubles
+//! throughput, on exactly the two paths that matter: new keys and duplicates.
+//! Its price is a second round trip in the rare takeover case (a consumer
+//! crashed, or a stored failure is retried), where the script re-decides
+//! atomically, so correctness never rests on the first read.
+//! [`ReserveStrategy::SetNxGet`] is therefore the default; it needs Redis ≥ 7.0
+//! (`NX` with `GET`), and on an older server the repository falls back to
+//! [`ReserveStrategy::Script`] by itself (the scripts need Redis ≥ 6.0; only
+//! 7.0 is tested).
+//!
+//! # Record format (version 1)
+//!
+//! One binary-safe Redis string, so that `SET … NX … GET` can return it and the
+//! scripts can read it with `string.sub`/`struct.unpack`:
+//!
+//! | offset | bytes | field |
+//! |---|---|---|
+//! | 0 | 1 | format version, `1` |
+//! | 1 | 1 | status: `P` processing, `C` completed, `F` failed |
+//! | 2 | 4 | attempt (u32, big-endian) |
+//! | 6 | 8 | `created_at`, ms since the Unix epoch (u64, big-endian) |
+//! | 14 | 16 | owner token (u128, big-endian) |
+//! | 30 | 8 | `lease_until` (u64 ms) |
+//! | 38 | 8 | `expires_at` (u64 ms) |
+//! | 46 | 8 | `updated_at` (u64 ms) |
+//! | 54 | 1 | flags: bit 0 fingerprint, bit 1 result, bit 2 error |
+//! | 55 | 32 | fingerprint (SHA-256), only with bit 0 |
+//! | 55 or 87 | rest | the result (bit 1) or the error (bit 2), verbatim |
+//!
+//! The scripts compare instants as (high, low) 32-bit halves, exact over the
+//! whole `u64` range (Lua numbers are doubles), and owner tokens and fingerprints
+//! as byte strings. A later format gets a new version byte; readers reject
+//! versions they do not know as corrupt instead of misreading them.
+//!
+//! # Limits
+//!
+//! - Results and stored errors: [`DEFAULT_MAX_RESULT_BYTES`] (16 MiB) by
+//!   default, configurable up to [`REDIS_HARD_MAX_RESULT_BYTES`] (Redis's
+//!   512 MB string limit); larger ones get
+//!   [`TooLarge`](idempotency_core::Error::TooLarge) and the manager completes
+//!   without caching them.
+//! - Ids up to [`MAX_ID_BYTES`] bytes are stored verbatim; the manager digests
+//!   longer ones (SHA-256).
+//! - Options in the URL's query string: see [`RedisOptions`]
+//!   (`?reserve=script&response_timeout=2s&max_result_bytes=1048576`).
+//!
+//! # Persistence caveat
+//!
+//! A record is only as durable as Redis makes it. A server without AOF
+//! (`appendonly no`, the default) loses every record written since its last RDB
+//! snapshot when it restarts or crashes; with `appendfsync everysec` up to about
+//! a second of writes is at risk; an asynchronous replica promoted by a failover
+//! can miss the last acknowledged writes. For idempotency that means:
+//!
+//! - a **duplicate** delivered after the loss finds no record and **runs the
+//!   handler again** — for those keys the guarantee degrades to at-least-once;
+//! - a lost `Processing` record lets a second consumer start the same work while
+//!   the first still runs; the first one's `complete` then answers
+//!   [`LeaseLost`](idempotency_core::Error::LeaseLost) (the manager reports it,
+//!   carrying the handler's value), so the double execution is visible, not
+//!   silent.
+//!
+//! Where a repeated side effect is unacceptable, run Redis with `appendonly yes`
+//! and `appendfsync always` (or accept the `everysec` window), and
+//! `maxmemory-policy noeviction`: with an eviction policy Redis may drop records
+//! (all of which carry a TTL) before they expire, with the same effect as a loss;
+//! under `noeviction` a full server refuses writes instead, and `reserve` fails
+//! (fail-closed by default) rather than forgetting.
+//!
+//! # Features
+//!
+//! - `tls`: `rediss://` and `rediss+cluster://` with rustls (ring, installed as
+//!   the process default unless the application installed a provider) and the
+//!   platform's root certificates. For a private CA, pass a client built with
+//!   `redis::Client::build_with_tls` to [`RedisRepository::from_client`]. An
+//!   untrusted certificate is a [`Config`](idempotency_core::Error::Config)
+//!   error; so is `#insecure` (no verification) unless the application enables
+//!   the `redis` crate's `tls-rustls-insecure` feature itself. Without `tls`,
+//!   TLS URLs are a `Config` error naming the feature.
+//! - `cluster`: `redis+cluster://[user:pass@]host:port,host:port,…` and the
+//!   `from_cluster_*` constructors, with the `redis` crate's async cluster
+//!   client.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod codec;
+mod error;
+mod options;
+mod repository;
+mod scripts;
+
+pub use options::{
+    RedisOptions, ReserveStrategy, DEFAULT_MAX_RESULT_BYTES, REDIS_HARD_MAX_RESULT_BYTES,
+};
+pub use repository::{RedisRepository, MAX_ID_BYTES};
+
+/// The `redis` crate this backend is built on, for building clients and
+/// connection managers of the same version.
+pub use redis;
+
+/// Connects to `url` and loads the scripts (see [`RedisRepository::connect`] for
+/// the schemes and options): what `idempotency::connect` calls for Redis URLs.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// // URL errors are configuration errors, found before any connection attempt.
+/// let err = idempotency_redis::connect("redis://127.0.0.1:6379?reserve=sometimes")
+///     .await
+///     .unwrap_err();
+/// assert!(matches!(err, idempotency_core::Error::Config { .. }));
+/// # });
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// # Errors
+/// As [`RedisRepository::connect`].
+pub async fn connect(url: &str) -> Result<RedisRepository, idempotency_core::Error> {
+    RedisRepository::connect(url).await
+}

@@ -1,0 +1,653 @@
+//! [`RedisRepository`]: the repository over a standalone server or a cluster.
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
+use idempotency_core::{
+    Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
+    Status, Timestamp,
+};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, RedisError, Value};
+
+use crate::codec::{self, ts_bytes};
+use crate::error::{is_noscript, is_syntax_error, map_redis_error, BACKEND};
+use crate::options::{
+    parse_url_with, redact, RedisOptions, ReserveStrategy, Target, REDIS_HARD_MAX_RESULT_BYTES,
+};
+use crate::scripts::{LuaScript, Scripts};
+
+/// The longest id stored verbatim; longer ids are digested by
+/// [`RecordKey::new`].
+pub const MAX_ID_BYTES: usize = 1024;
+
+/// A physical TTL never exceeds this (about 146 million years), so
+/// `now + PX` cannot overflow on the server.
+const MAX_PX: u64 = 1 << 62;
+
+/// The connection: a reconnecting standalone connection or a cluster connection.
+#[derive(Clone)]
+enum Conn {
+    Standalone(ConnectionManager),
+    #[cfg(feature = "cluster")]
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Conn {
+    async fn query(&self, cmd: &Cmd) -> Result<Value, RedisError> {
+        match self {
+            Conn::Standalone(c) => cmd.query_async(&mut c.clone()).await,
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(c) => cmd.query_async(&mut c.clone()).await,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Conn::Standalone(_) => "standalone",
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) => "cluster",
+        }
+    }
+}
+
+/// A [`Repository`] on Redis, standalone or Redis Cluster (feature `cluster`).
+/// [`ReserveStrategy::SetNxGet`] needs Redis ≥ 7.0 (or Valkey); the scripts
+/// use nothing newer than Redis 6.0 (`KEEPTTL`), and on a server that rejects
+/// `SET … NX … GET` the repository switches to [`ReserveStrategy::Script`] by
+/// itself (the tests run against Redis 7.0). Every decision is one round trip; see the crate docs for the
+/// commands per operation, the record format and the persistence caveat.
+///
+/// Cloning is cheap and shares the connection; calls from many tasks are
+/// multiplexed over it. After a connection loss the connection is re-established
+/// in the background; calls made meanwhile fail with [`Error::Unavailable`] (or
+/// [`Error::Timeout`]) instead of hanging or panicking, and later calls succeed
+/// again on the same repository.
+#[derive(Clone)]
+pub struct RedisRepository {
+    conn: Conn,
+    scripts: Arc<Scripts>,
+    strategy: ReserveStrategy,
+    /// Cleared when the server rejects `SET … NX … GET` (Redis < 7.0).
+    set_nx_get_supported: Arc<AtomicBool>,
+    max_result_bytes: usize,
+}
+
+impl fmt::Debug for RedisRepository {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisRepository")
+            .field("connection", &self.conn.kind())
+            .field("reserve_strategy", &self.effective_strategy())
+            .field("max_result_bytes", &self.max_result_bytes)
+            .finish()
+    }
+}
+
+impl RedisRepository {
+    /// Connects to the server or cluster at `url` and loads the scripts.
+    ///
+    /// Schemes: `redis://[user:pass@]host[:port][/db]`, `rediss://…` (feature
+    /// `tls`), `redis+cluster://[user:pass@]host:port,host:port,…` and
+    /// `rediss+cluster://…` (feature `cluster`), `redis+unix:///path`. The query
+    /// string takes the options of [`RedisOptions`]
+    /// (`?reserve=script&response_timeout=2s`) and the `redis` crate's
+    /// `protocol=resp3`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] for a malformed URL, an unknown option or a scheme whose
+    /// feature is off; [`Error::Unavailable`] when the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// [`RedisRepository::connect`] with `options` as the defaults; options in
+    /// the URL's query string override them.
+    ///
+    /// # Errors
+    /// As [`RedisRepository::connect`].
+    pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self, Error> {
+        let (target, options) = parse_url_with(url, options)?;
+        let repo = match target {
+            Target::Standalone(url) => {
+                let client = open_client(&url)?;
+                Self::from_client_with_options(client, &options).await?
+            }
+            Target::Cluster(nodes) => connect_cluster(nodes, &options).await?,
+        };
+        let repo = repo.with_options(&options);
+        repo.preload_scripts().await?;
+        Ok(repo)
+    }
+
+    /// Connects to the URL in `IDEMPOTENCY_REDIS_URL`, or else `REDIS_URL` (see
+    /// [`RedisRepository::connect`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when neither variable is set; otherwise as
+    /// [`RedisRepository::connect`].
+    pub async fn from_env() -> Result<Self, Error> {
+        let url = std::env::var("IDEMPOTENCY_REDIS_URL")
+            .or_else(|_| std::env::var("REDIS_URL"))
+            .map_err(|_| {
+                Error::config("set IDEMPOTENCY_REDIS_URL (or REDIS_URL) to a redis:// URL")
+            })?;
+        Self::connect(&url).await
+    }
+
+    /// Connects with an existing client (your TLS, credentials, RESP3 settings),
+    /// through a reconnecting [`ConnectionManager`] with this crate's default
+    /// timeouts and retries, and loads the scripts.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the server cannot be reached.
+    pub async fn from_client(client: redis::Client) -> Result<Self, Error> {
+        #[cfg(feature = "tls")]
+        install_crypto_provider();
+        let repo = Self::from_client_with_options(client, &RedisOptions::default()).await?;
+        repo.preload_scripts().await?;
+        Ok(repo)
+    }
+
+    /// Uses an existing connection manager as it is (its timeouts and retries).
+    /// Scripts are loaded on first use (`NOSCRIPT` → `EVAL`), or call
+    /// [`RedisRepository::load_scripts`].
+    pub fn from_connection_manager(manager: ConnectionManager) -> Self {
+        Self::new(Conn::Standalone(manager))
+    }
+
+    /// Connects with an existing cluster client and loads the scripts on every
+    /// primary.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the cluster cannot be reached.
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
+    pub async fn from_cluster_client(client: redis::cluster::ClusterClient) -> Result<Self, Error> {
+        #[cfg(feature = "tls")]
+        install_crypto_provider();
+        let conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| map_redis_error(e, None, "connect"))?;
+        let repo = Self::from_cluster_connection(conn);
+        repo.preload_scripts().await?;
+        Ok(repo)
+    }
+
+    /// Uses an existing async cluster connection as it is. Scripts are loaded on
+    /// first use on each node (`NOSCRIPT` → `EVAL`), or call
+    /// [`RedisRepository::load_scripts`].
+    #[cfg(feature = "cluster")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "cluster")))]
+    pub fn from_cluster_connection(conn: redis::cluster_async::ClusterConnection) -> Self {
+        Self::new(Conn::Cluster(conn))
+    }
+
+    fn new(conn: Conn) -> Self {
+        RedisRepository {
+            conn,
+            scripts: Arc::new(Scripts::new()),
+            strategy: ReserveStrategy::default(),
+            set_nx_get_supported: Arc::new(AtomicBool::new(true)),
+            max_result_bytes: RedisOptions::default().max_result_bytes,
+        }
+    }
+
+    async fn from_client_with_options(
+        client: redis::Client,
+        options: &RedisOptions,
+    ) -> Result<Self, Error> {
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(options.connect_timeout))
+            .set_response_timeout(Some(options.response_timeout))
+            .set_number_of_retries(options.reconnect_retries)
+            .set_min_delay(Duration::from_millis(100))
+            .set_max_delay(Duration::from_secs(2));
+        let manager = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(|e| map_redis_error(e, None, "connect"))?;
+        Ok(Self::from_connection_manager(manager).with_options(options))
+    }
+
+    fn with_options(self, options: &RedisOptions) -> Self {
+        self.with_reserve_strategy(options.reserve_strategy)
+            .with_max_result_bytes(options.max_result_bytes)
+    }
+
+    /// Sets how `reserve` talks to Redis (default [`ReserveStrategy::SetNxGet`]).
+    pub fn with_reserve_strategy(mut self, strategy: ReserveStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// Sets the largest result or stored error accepted (default
+    /// [`DEFAULT_MAX_RESULT_BYTES`](crate::DEFAULT_MAX_RESULT_BYTES); clamped to
+    /// [`REDIS_HARD_MAX_RESULT_BYTES`]).
+    pub fn with_max_result_bytes(mut self, max: usize) -> Self {
+        self.max_result_bytes = max.min(REDIS_HARD_MAX_RESULT_BYTES);
+        self
+    }
+
+    /// The strategy `reserve` uses now: the configured one, or
+    /// [`ReserveStrategy::Script`] once the server rejected `SET … NX … GET`.
+    pub fn effective_strategy(&self) -> ReserveStrategy {
+        if self.strategy == ReserveStrategy::SetNxGet
+            && self.set_nx_get_supported.load(Ordering::Relaxed)
+        {
+            ReserveStrategy::SetNxGet
+        } else {
+            ReserveStrategy::Script
+        }
+    }
+
+    /// The Redis key a record is stored under: [`RecordKey::encode`], verbatim.
+    ///
+    /// ```
+    /// use idempotency_core::RecordKey;
+    /// use idempotency_redis::RedisRepository;
+    ///
+    /// let key = RecordKey::new("idempotency:payments", "order-{42}", 1024)?;
+    /// // The namespace's `:` and braces are escaped; the id follows the first `:`.
+    /// assert_eq!(RedisRepository::redis_key(&key), "idempotency%3Apayments:order-{42}");
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn redis_key(key: &RecordKey) -> String {
+        key.encode()
+    }
+
+    /// Loads every script into the server's script cache (`SCRIPT LOAD`; on a
+    /// cluster, on every primary), so that no call meets `NOSCRIPT` until the
+    /// cache is emptied again (restart, `SCRIPT FLUSH`, failover) — after which
+    /// calls reload transparently.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when the server cannot be reached.
+    pub async fn load_scripts(&self) -> Result<(), Error> {
+        for script in self.scripts.all() {
+            let mut cmd = redis::cmd("SCRIPT");
+            cmd.arg("LOAD").arg(script.source.as_bytes());
+            self.conn
+                .query(&cmd)
+                .await
+                .map_err(|e| map_redis_error(e, None, "load_scripts"))?;
+        }
+        Ok(())
+    }
+
+    /// [`load_scripts`](Self::load_scripts) when connecting: an outage is an
+    /// error, anything else (e.g. an ACL without `SCRIPT`) only a warning, as
+    /// calls load their scripts with `EVAL` when they need them.
+    async fn preload_scripts(&self) -> Result<(), Error> {
+        match self.load_scripts().await {
+            Err(e) if e.is_store_outage() => Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not preload the Lua scripts; they will be sent with EVAL on first use");
+                Ok(())
+            }
+            Ok(()) => Ok(()),
+        }
+    }
+
+    async fn query(
+        &self,
+        cmd: &Cmd,
+        key: &RecordKey,
+        operation: &'static str,
+    ) -> Result<Value, Error> {
+        self.conn
+            .query(cmd)
+            .await
+            .map_err(|e| map_redis_error(e, Some(key), operation))
+    }
+
+    /// `EVALSHA`; after `NOSCRIPT`, `EVAL` with the source (which also caches it).
+    async fn eval(
+        &self,
+        script: &LuaScript,
+        key: &RecordKey,
+        args: &[&[u8]],
+        operation: &'static str,
+    ) -> Result<Value, Error> {
+        let redis_key = Self::redis_key(key);
+        let build = |verb: &str, body: &[u8]| {
+            let mut cmd = redis::cmd(verb);
+            cmd.arg(body).arg(1).arg(redis_key.as_bytes());
+            for a in args {
+                cmd.arg(*a);
+            }
+            cmd
+        };
+        match self
+            .conn
+            .query(&build("EVALSHA", script.sha.as_bytes()))
+            .await
+        {
+            Ok(v) => Ok(v),
+            Err(e) if is_noscript(&e) => {
+                tracing::debug!(
+                    script = script.name,
+                    "NOSCRIPT: reloading the script with EVAL"
+                );
+                self.query(&build("EVAL", script.source.as_bytes()), key, operation)
+                    .await
+            }
+            Err(e) => Err(map_redis_error(e, Some(key), operation)),
+        }
+    }
+
+    fn decode(key: &RecordKey, bytes: &[u8]) -> Result<Record, Error> {
+        codec::decode(bytes).map_err(|reason| Error::corrupt(key, reason))
+    }
+
+    fn check_size(&self, what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
+        match value {
+            Some(v) if v.len() > self.max_result_bytes => Err(Error::TooLarge {
+                what,
+                size: v.len(),
+                max: self.max_result_bytes,
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    async fn reserve_with_script(
+        &self,
+        req: &ReserveRequest<'_>,
+        fresh: &[u8],
+        px: &[u8],
+    ) -> Result<Reservation, Error> {
+        let now = ts_bytes(req.now);
+        let cutoff = ts_bytes(req.lease_cutoff());
+        let retry: &[u8] = if req.retry_failed { b"1" } else { b"0" };
+        let reply = self
+            .eval(
+                &self.scripts.reserve,
+                req.key,
+                &[fresh, &now, &cutoff, retry, px],
+                "reserve",
+            )
+            .await?;
+        match reply {
+            Value::Array(items) => match items.as_slice() {
+                [Value::Int(1), Value::Int(attempt)] => u32::try_from(*attempt)
+                    .map(|attempt| Reservation::Acquired { attempt })
+                    .map_err(|_| unexpected("reserve", "an attempt out of range")),
+                [Value::Int(0), Value::BulkString(bytes)] => {
+                    Ok(Reservation::Existing(Self::decode(req.key, bytes)?))
+                }
+                _ => Err(unexpected("reserve", "an unexpected array")),
+            },
+            _ => Err(unexpected("reserve", "a reply that is not an array")),
+        }
+    }
+
+    async fn finish(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        status: Status,
+        value: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let operation = if status == Status::Completed {
+            "complete"
+        } else {
+            "fail"
+        };
+        self.check_size(
+            if status == Status::Completed {
+                "result"
+            } else {
+                "error"
+            },
+            value,
+        )?;
+        let owner = owner.to_bytes();
+        let now_b = ts_bytes(now);
+        let expires = ts_bytes(expires_at);
+        let px = px(now, expires_at);
+        let code = [status.code()];
+        let has: &[u8] = if value.is_some() { b"1" } else { b"0" };
+        let reply = self
+            .eval(
+                &self.scripts.finish,
+                key,
+                &[
+                    &owner,
+                    &now_b,
+                    &expires,
+                    &px,
+                    &code,
+                    has,
+                    value.unwrap_or_default(),
+                ],
+                operation,
+            )
+            .await?;
+        owned_reply(reply, key, operation)
+    }
+}
+
+/// `PX` for a record expiring at `expires_at`, seen at `now`: at least 1 ms.
+fn px(now: Timestamp, expires_at: Timestamp) -> Vec<u8> {
+    expires_at
+        .as_millis()
+        .saturating_sub(now.as_millis())
+        .clamp(1, MAX_PX)
+        .to_string()
+        .into_bytes()
+}
+
+fn unexpected(operation: &str, what: &str) -> Error {
+    Error::Backend {
+        backend: BACKEND,
+        message: format!("{operation}: the server answered {what}"),
+        source: None,
+    }
+}
+
+/// The answer of an owner-checked script: 1 applied, 0 lease lost.
+fn owned_reply(reply: Value, key: &RecordKey, operation: &'static str) -> Result<(), Error> {
+    match reply {
+        Value::Int(1) => Ok(()),
+        Value::Int(0) => Err(Error::LeaseLost { key: key.clone() }),
+        _ => Err(unexpected(operation, "neither 0 nor 1")),
+    }
+}
+
+fn open_client(url: &str) -> Result<redis::Client, Error> {
+    #[cfg(feature = "tls")]
+    install_crypto_provider();
+    redis::Client::open(url)
+        .map_err(|e| Error::config(format!("invalid Redis URL {}: {e}", redact(url))))
+}
+
+/// rustls needs a process-wide crypto provider; install ring's unless the
+/// application installed one already.
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Losing a race with another installer is fine: one provider is set.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
+#[cfg(feature = "cluster")]
+async fn connect_cluster(
+    nodes: Vec<String>,
+    options: &RedisOptions,
+) -> Result<RedisRepository, Error> {
+    #[cfg(feature = "tls")]
+    install_crypto_provider();
+    let client = redis::cluster::ClusterClient::builder(nodes)
+        .connection_timeout(options.connect_timeout)
+        .response_timeout(options.response_timeout)
+        .build()
+        .map_err(|e| Error::config(format!("invalid Redis Cluster URL: {e}")))?;
+    let conn = client
+        .get_async_connection()
+        .await
+        .map_err(|e| map_redis_error(e, None, "connect"))?;
+    Ok(RedisRepository::from_cluster_connection(conn))
+}
+
+#[cfg(not(feature = "cluster"))]
+async fn connect_cluster(
+    _nodes: Vec<String>,
+    _options: &RedisOptions,
+) -> Result<RedisRepository, Error> {
+    Err(Error::config(
+        "Redis Cluster URLs need the `cluster` feature of idempotency-redis \
+         (`redis-cluster` of the idempotency crate)",
+    ))
+}
+
+#[async_trait]
+impl Repository for RedisRepository {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new(BACKEND)
+            .with_max_result_bytes(Some(self.max_result_bytes))
+            .with_max_id_bytes(MAX_ID_BYTES)
+            .with_native_expiry(true)
+    }
+
+    async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
+        let fresh = codec::encode(&reserved_record(None, &req, 1));
+        let px = px(req.now, req.expires_at);
+        if self.effective_strategy() == ReserveStrategy::SetNxGet {
+            let mut cmd = redis::cmd("SET");
+            cmd.arg(Self::redis_key(req.key).as_bytes())
+                .arg(&fresh)
+                .arg("NX")
+                .arg("PX")
+                .arg(&px)
+                .arg("GET");
+            match self.conn.query(&cmd).await {
+                Ok(Value::Nil) => return Ok(Reservation::Acquired { attempt: 1 }),
+                Ok(Value::BulkString(bytes)) => {
+                    let record = Self::decode(req.key, &bytes)?;
+                    if reserve_transition(Some(&record), &req) == ReserveTransition::Existing {
+                        return Ok(Reservation::Existing(record));
+                    }
+                    // Expired or open to takeover: decide again, atomically, in
+                    // the script (the record may have changed since).
+                }
+                Ok(_) => return Err(unexpected("reserve", "an unexpected reply to SET")),
+                Err(e) if is_syntax_error(&e) => {
+                    tracing::warn!(
+                        "the Redis server rejects `SET … NX … GET` (Redis < 7.0); \
+                         reserving with the script from now on"
+                    );
+                    self.set_nx_get_supported.store(false, Ordering::Relaxed);
+                }
+                Err(e) => return Err(map_redis_error(e, Some(req.key), "reserve")),
+            }
+        }
+        self.reserve_with_script(&req, &fresh, &px).await
+    }
+
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.finish(key, owner, Status::Completed, result, expires_at, now)
+            .await
+    }
+
+    async fn fail(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        error: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.finish(key, owner, Status::Failed, error, expires_at, now)
+            .await
+    }
+
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let reply = self
+            .eval(
+                &self.scripts.release,
+                key,
+                &[&owner.to_bytes(), &ts_bytes(now)],
+                "release",
+            )
+            .await?;
+        owned_reply(reply, key, "release")
+    }
+
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let reply = self
+            .eval(
+                &self.scripts.extend,
+                key,
+                &[&owner.to_bytes(), &ts_bytes(now), &ts_bytes(lease_until)],
+                "extend",
+            )
+            .await?;
+        owned_reply(reply, key, "extend")
+    }
+
+    async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
+        let mut cmd = redis::cmd("GET");
+        cmd.arg(Self::redis_key(key).as_bytes());
+        match self.query(&cmd, key, "get").await? {
+            Value::Nil => Ok(None),
+            Value::BulkString(bytes) => {
+                let record = Self::decode(key, &bytes)?;
+                Ok((!record.is_expired(now)).then_some(record))
+            }
+            _ => Err(unexpected("get", "an unexpected reply to GET")),
+        }
+    }
+
+    async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
+        let mut cmd = redis::cmd("DEL");
+        cmd.arg(Self::redis_key(key).as_bytes());
+        match self.query(&cmd, key, "delete").await? {
+            Value::Int(n) => Ok(n > 0),
+            _ => Err(unexpected("delete", "an unexpected reply to DEL")),
+        }
+    }
+
+    /// Redis removes expired keys by itself (`PX`), so this removes nothing.
+    async fn purge_expired(&self, _now: Timestamp, _limit: usize) -> Result<usize, Error> {
+        Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn px_is_positive_and_bounded() {
+        let t = Timestamp::from_millis;
+        assert_eq!(px(t(1_000), t(4_000)), b"3000");
+        assert_eq!(px(t(5_000), t(4_000)), b"1");
+        assert_eq!(px(t(5_000), t(5_000)), b"1");
+        assert_eq!(px(t(0), Timestamp::MAX), MAX_PX.to_string().into_bytes());
+    }
+}

@@ -1,0 +1,824 @@
+//! Backend-specific tests beyond the conformance suite.
+//!
+//! - On the harness's shared server: foreign values under our keys, physical TTLs
+//!   against logical expiry, binary values.
+//! - On dedicated harness containers (`RedisServer::dedicated`): counting
+//!   commands (`INFO commandstats` is server-wide), `SCRIPT FLUSH`, stopping and
+//!   restarting the server.
+//! - On a three-master Redis Cluster of local `redis-server` processes (feature
+//!   `cluster`; see `support`).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[cfg(any(feature = "cluster", feature = "tls"))]
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use idempotency_conformance::containers::{self, RedisServer};
+use idempotency_core::{
+    Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken, RecordKey,
+    Repository, Reservation, ReserveRequest, SharedRepository, Status,
+};
+use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
+#[cfg(feature = "cluster")]
+use support::RedisCluster;
+
+const TTL: Duration = Duration::from_secs(3600);
+const LEASE: Duration = Duration::from_secs(30);
+
+async fn admin(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// `INFO commandstats` as command → calls, without the test's own INFO/CONFIG.
+async fn command_calls(admin: &mut redis::aio::MultiplexedConnection) -> BTreeMap<String, u64> {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    info.lines()
+        .filter_map(|line| line.strip_prefix("cmdstat_")?.split_once(':'))
+        .filter(|(name, _)| !name.starts_with("info") && !name.starts_with("config"))
+        .map(|(name, rest)| {
+            let calls = rest
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0);
+            (name.to_owned(), calls)
+        })
+        .collect()
+}
+
+async fn reset_stats(admin: &mut redis::aio::MultiplexedConnection) {
+    let _: () = redis::cmd("CONFIG")
+        .arg("RESETSTAT")
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+/// Runs `op` between two resets and returns the commands the server executed:
+/// top-level commands and, listed separately by Redis too, those run inside a
+/// script.
+async fn commands_of<F: std::future::Future<Output = ()>>(
+    admin: &mut redis::aio::MultiplexedConnection,
+    op: F,
+) -> BTreeMap<String, u64> {
+    reset_stats(admin).await;
+    op.await;
+    command_calls(admin).await
+}
+
+fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    pairs.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect()
+}
+
+fn request<'a>(key: &'a RecordKey, owner: OwnerToken, clock: &ManualClock) -> ReserveRequest<'a> {
+    let now = clock.now();
+    ReserveRequest {
+        key,
+        owner,
+        fingerprint: None,
+        now,
+        lease_until: now + LEASE,
+        expires_at: now + TTL,
+        retry_failed: true,
+        clock_skew: Duration::ZERO,
+    }
+}
+
+fn key(id: &str) -> RecordKey {
+    RecordKey::new(format!("dedicated-{:x}", rand::random::<u32>()), id, 256).unwrap()
+}
+
+/// The support table of the crate docs, command by command. Redis lists the
+/// commands a script runs under their own names, so each `evalsha` brings its
+/// inner `get` and `set`/`del`; the round trips are the top-level commands
+/// (`set` with `NX … GET`, `get`, `del`, `evalsha`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commands_per_operation() {
+    let server = dedicated().await;
+    let mut admin = admin(server.url()).await;
+    let repo = RedisRepository::connect(server.url()).await.unwrap();
+    assert_eq!(repo.effective_strategy(), ReserveStrategy::SetNxGet);
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+
+    // Manager level: N fresh executions and N duplicates.
+    let manager = IdempotencyManager::new(Arc::new(repo.clone()), Config::default())
+        .unwrap()
+        .with_clock(Arc::new(clock.clone()));
+    const N: u64 = 25;
+    let fresh = commands_of(&mut admin, async {
+        for i in 0..N {
+            let out = manager
+                .execute(&format!("fresh-{i}"), &i, || async {
+                    Ok::<_, HandlerError<String>>(i)
+                })
+                .await
+                .unwrap();
+            assert!(matches!(out, Outcome::Executed(_)));
+        }
+    })
+    .await;
+    // Per fresh execution: SET NX PX GET (reserve) + EVALSHA (complete, which
+    // runs GET + SET inside).
+    assert_eq!(
+        fresh,
+        counts(&[("set", 2 * N), ("evalsha", N), ("get", N)]),
+        "fresh executions"
+    );
+    let top_level_fresh = fresh["set"] - fresh["get"] + fresh["evalsha"];
+    assert_eq!(top_level_fresh, 2 * N, "2 round trips per fresh execution");
+
+    let duplicates = commands_of(&mut admin, async {
+        for i in 0..N {
+            let out = manager
+                .execute(&format!("fresh-{i}"), &i, || async {
+                    Ok::<_, HandlerError<String>>(0)
+                })
+                .await
+                .unwrap();
+            assert!(matches!(out, Outcome::Cached(v) if v == i));
+        }
+    })
+    .await;
+    // Per duplicate: one SET NX PX GET, which returns the stored record.
+    assert_eq!(duplicates, counts(&[("set", N)]), "1 command per duplicate");
+
+    // Repository level, operation by operation.
+    let k = key("ops");
+    let owner = OwnerToken::random();
+    let got = commands_of(&mut admin, async {
+        assert_eq!(
+            repo.reserve(request(&k, owner, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+    })
+    .await;
+    assert_eq!(got, counts(&[("set", 1)]), "reserve (new)");
+    let got = commands_of(&mut admin, async {
+        repo.extend(&k, owner, now + LEASE * 2, now).await.unwrap();
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 1), ("get", 1), ("set", 1)]),
+        "extend"
+    );
+    let got = commands_of(&mut admin, async {
+        assert!(repo.get(&k, now).await.unwrap().is_some());
+    })
+    .await;
+    assert_eq!(got, counts(&[("get", 1)]), "get");
+    let got = commands_of(&mut admin, async {
+        repo.fail(&k, owner, Some(b"boom"), now + TTL, now)
+            .await
+            .unwrap();
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 1), ("get", 1), ("set", 1)]),
+        "fail"
+    );
+    // Takeover of the failed record: SET NX GET sees it, the reserve script takes over.
+    let taker = OwnerToken::random();
+    let got = commands_of(&mut admin, async {
+        assert_eq!(
+            repo.reserve(request(&k, taker, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 2 }
+        );
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("set", 2), ("evalsha", 1), ("get", 1)]),
+        "reserve (takeover)"
+    );
+    let got = commands_of(&mut admin, async {
+        repo.release(&k, taker, now).await.unwrap();
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 1), ("get", 1), ("del", 1)]),
+        "release"
+    );
+    let got = commands_of(&mut admin, async {
+        assert!(!repo.delete(&k).await.unwrap());
+    })
+    .await;
+    assert_eq!(got, counts(&[("del", 1)]), "delete");
+    let got = commands_of(&mut admin, async {
+        let lost = repo.complete(&k, owner, None, now + TTL, now).await;
+        assert!(matches!(lost, Err(Error::LeaseLost { .. })), "{lost:?}");
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 1), ("get", 1)]),
+        "complete (lease lost)"
+    );
+    let got = commands_of(&mut admin, async {
+        assert_eq!(repo.purge_expired(now, 100).await.unwrap(), 0);
+    })
+    .await;
+    assert_eq!(got, counts(&[]), "purge_expired");
+
+    // The script strategy: one EVALSHA per reserve, whatever the outcome.
+    let script = repo.clone().with_reserve_strategy(ReserveStrategy::Script);
+    let k = key("script");
+    let got = commands_of(&mut admin, async {
+        script
+            .reserve(request(&k, OwnerToken::random(), &clock))
+            .await
+            .unwrap();
+        script
+            .reserve(request(&k, OwnerToken::random(), &clock))
+            .await
+            .unwrap();
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 2), ("get", 2), ("set", 1)]),
+        "script reserve: new + duplicate"
+    );
+}
+
+/// After `SCRIPT FLUSH` (or a restart) every operation reloads its script with
+/// one `EVAL` and goes on; the next call is back to `EVALSHA`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn script_flush_reloads_transparently() {
+    let server = dedicated().await;
+    let mut admin = admin(server.url()).await;
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(server.url())
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        let clock = ManualClock::starting_now();
+        let now = clock.now();
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let k = key("flush");
+        let owner = OwnerToken::random();
+        let got = commands_of(&mut admin, async {
+            assert_eq!(
+                repo.reserve(request(&k, owner, &clock)).await.unwrap(),
+                Reservation::Acquired { attempt: 1 }
+            );
+            repo.extend(&k, owner, now + LEASE * 2, now).await.unwrap();
+            repo.complete(&k, owner, Some(b"\0ok\xff"), now + TTL, now)
+                .await
+                .unwrap();
+        })
+        .await;
+        let reloads = got.get("eval").copied().unwrap_or(0);
+        let expected_reloads = if strategy == ReserveStrategy::Script {
+            3
+        } else {
+            2
+        };
+        assert_eq!(
+            reloads, expected_reloads,
+            "{strategy:?}: one EVAL per flushed script: {got:?}"
+        );
+        let rec = repo.get(&k, now).await.unwrap().unwrap();
+        assert_eq!(rec.status, Status::Completed);
+        assert_eq!(rec.result.as_deref(), Some(&b"\0ok\xff"[..]));
+        // Cached again: the same calls use EVALSHA only.
+        let k2 = key("after-flush");
+        let owner2 = OwnerToken::random();
+        let got = commands_of(&mut admin, async {
+            repo.reserve(request(&k2, owner2, &clock)).await.unwrap();
+            repo.extend(&k2, owner2, now + LEASE * 2, now)
+                .await
+                .unwrap();
+            repo.complete(&k2, owner2, None, now + TTL, now)
+                .await
+                .unwrap();
+        })
+        .await;
+        assert!(
+            !got.contains_key("eval"),
+            "{strategy:?}: reloaded twice: {got:?}"
+        );
+        // Release and fail go through the reload path too.
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let k3 = key("flush-release");
+        let owner3 = OwnerToken::random();
+        repo.reserve(request(&k3, owner3, &clock)).await.unwrap();
+        repo.release(&k3, owner3, now).await.unwrap();
+        let k4 = key("flush-fail");
+        let owner4 = OwnerToken::random();
+        repo.reserve(request(&k4, owner4, &clock)).await.unwrap();
+        repo.fail(&k4, owner4, None, now + TTL, now).await.unwrap();
+        assert_eq!(
+            repo.get(&k4, now).await.unwrap().unwrap().status,
+            Status::Failed
+        );
+    }
+}
+
+async fn dedicated() -> containers::Dedicated<RedisServer> {
+    RedisServer::dedicated()
+        .await
+        .expect("a dedicated Redis container from the harness (see docs/testing.md)")
+}
+
+fn is_outage(e: &Error) -> bool {
+    matches!(e, Error::Unavailable { .. } | Error::Timeout { .. })
+}
+
+/// The server dies mid-run: calls fail with a typed, retryable error (no panic,
+/// no hang); once it is back, the same repository works again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn outage_and_recovery() {
+    let server = dedicated().await;
+    let repo = Arc::new(
+        RedisRepository::connect(&format!(
+            "{}?connect_timeout=500ms&response_timeout=2s",
+            server.url()
+        ))
+        .await
+        .unwrap(),
+    );
+    let clock = ManualClock::starting_now();
+    let manager = Arc::new(
+        IdempotencyManager::new(repo.clone() as SharedRepository, Config::default())
+            .unwrap()
+            .with_clock(Arc::new(clock.clone())),
+    );
+
+    // A load of executions running while the server is killed.
+    let load = {
+        let manager = manager.clone();
+        tokio::spawn(async move {
+            let (mut ok, mut outages) = (0u32, 0u32);
+            for i in 0..400u32 {
+                match manager
+                    .execute(&format!("load-{i}"), &i, || async {
+                        Ok::<_, HandlerError<String>>(i)
+                    })
+                    .await
+                {
+                    Ok(_) => ok += 1,
+                    Err(e) => {
+                        let e = e
+                            .as_idempotency()
+                            .expect("a store error, not a handler error");
+                        assert!(
+                            is_outage(e),
+                            "an outage must be Unavailable/Timeout, got {e:?}"
+                        );
+                        outages += 1;
+                    }
+                }
+                if i % 50 == 49 {
+                    tokio::task::yield_now().await;
+                }
+            }
+            (ok, outages)
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    server.stop().await.expect("stop the container");
+    let (ok, outages) = load.await.expect("no panic in the load task");
+    println!("executions during the stop: {ok} ok, {outages} Unavailable/Timeout");
+    assert_eq!(ok + outages, 400);
+    assert!(outages > 0, "the server stopped while the load ran");
+
+    // While the server is down, every operation answers a typed error, quickly.
+    let k = key("outage");
+    let owner = OwnerToken::random();
+    let now = clock.now();
+    let started = Instant::now();
+    let r = repo.reserve(request(&k, owner, &clock)).await;
+    assert!(
+        matches!(&r, Err(e) if is_outage(e)),
+        "reserve during the outage: {r:?}"
+    );
+    let r = repo.complete(&k, owner, None, now + TTL, now).await;
+    assert!(
+        matches!(&r, Err(e) if is_outage(e)),
+        "complete during the outage: {r:?}"
+    );
+    let r = repo.get(&k, now).await;
+    assert!(
+        matches!(&r, Err(e) if is_outage(e)),
+        "get during the outage: {r:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "outage errors took {:?}",
+        started.elapsed()
+    );
+    let e = manager
+        .execute("during-outage", &(), || async {
+            Ok::<_, HandlerError<String>>(1)
+        })
+        .await
+        .unwrap_err();
+    assert!(
+        e.as_idempotency().is_some_and(is_outage),
+        "fail-closed execute: {e:?}"
+    );
+
+    // Back up (empty: no persistence): the same repository recovers by itself.
+    server.start().await.expect("start the container again");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let acquired = loop {
+        match repo.reserve(request(&k, owner, &clock)).await {
+            Ok(r) => break r,
+            Err(e) if is_outage(&e) && Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Err(e) => panic!("the repository did not recover: {e:?}"),
+        }
+    };
+    assert_eq!(acquired, Reservation::Acquired { attempt: 1 });
+    repo.complete(&k, owner, Some(b"after"), now + TTL, now)
+        .await
+        .unwrap();
+    let out = manager
+        .execute("after-outage", &(), || async {
+            Ok::<_, HandlerError<String>>(7)
+        })
+        .await
+        .unwrap();
+    assert!(matches!(out, Outcome::Executed(7)));
+}
+
+/// Connecting to a closed port is `Unavailable`, not a hang or a panic.
+#[tokio::test]
+async fn connect_to_a_closed_port_is_unavailable() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let started = Instant::now();
+    let r = RedisRepository::connect(&format!(
+        "redis://127.0.0.1:{port}?connect_timeout=500ms&reconnect_retries=1"
+    ))
+    .await;
+    assert!(
+        matches!(
+            r,
+            Err(Error::Unavailable {
+                backend: "redis",
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// The whole conformance suite, both strategies, against a three-master Redis
+/// Cluster of local processes; then the cluster-specific facts: records spread
+/// over the masters, and a `SCRIPT FLUSH` on every node is survived.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cluster_conformance() {
+    let cluster = RedisCluster::start();
+    let url = cluster.url();
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(&url)
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        let report = idempotency_conformance::run_all(Arc::new(repo)).await;
+        println!("cluster, {strategy:?}: {} checks passed", report.passed());
+        report.assert_all_passed();
+    }
+
+    let repo = RedisRepository::connect(&url).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let keys: Vec<RecordKey> = (0..30).map(|i| key(&format!("spread-{i}"))).collect();
+    for k in &keys {
+        let owner = OwnerToken::random();
+        repo.reserve(request(k, owner, &clock)).await.unwrap();
+        repo.complete(k, owner, Some(b"v"), now + TTL, now)
+            .await
+            .unwrap();
+    }
+    let mut masters_with_keys = 0;
+    for node in &cluster.nodes {
+        let mut admin = admin(&node.url()).await;
+        let size: u64 = redis::cmd("DBSIZE").query_async(&mut admin).await.unwrap();
+        masters_with_keys += usize::from(size > 0);
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    }
+    assert!(
+        masters_with_keys >= 2,
+        "records of one namespace stay on one master"
+    );
+    for k in &keys {
+        let owner = OwnerToken::random();
+        let taken = repo
+            .reserve(ReserveRequest {
+                retry_failed: true,
+                ..request(k, owner, &clock)
+            })
+            .await
+            .unwrap();
+        assert!(matches!(taken, Reservation::Existing(ref r) if r.status == Status::Completed));
+        assert!(repo.delete(k).await.unwrap());
+        assert_eq!(
+            repo.reserve(request(k, owner, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        repo.fail(k, owner, None, now + TTL, now).await.unwrap();
+        assert_eq!(
+            repo.reserve(request(k, OwnerToken::random(), &clock))
+                .await
+                .unwrap(),
+            Reservation::Acquired { attempt: 2 }
+        );
+    }
+}
+
+#[cfg(not(feature = "cluster"))]
+#[test]
+fn cluster_urls_need_the_feature() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let r = rt.block_on(RedisRepository::connect(
+        "redis+cluster://127.0.0.1:7000,127.0.0.1:7001",
+    ));
+    match r {
+        Err(Error::Config { message }) => assert!(message.contains("`cluster`"), "{message}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+async fn shared() -> RedisServer {
+    containers::redis()
+        .await
+        .expect("a Redis server from the harness (see docs/testing.md)")
+}
+
+fn shared_key(id: &str) -> RecordKey {
+    RecordKey::new(containers::unique_namespace("redis-backend"), id, 256).unwrap()
+}
+
+async fn pttl(admin: &mut redis::aio::MultiplexedConnection, k: &RecordKey) -> i64 {
+    redis::cmd("PTTL")
+        .arg(RedisRepository::redis_key(k))
+        .query_async(admin)
+        .await
+        .unwrap()
+}
+
+/// Values someone else wrote under our keys are `Corrupt { key }` for every
+/// operation, with both strategies, and never a panic; `delete` clears them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn foreign_values_are_corrupt() {
+    let server = shared().await;
+    let mut admin = admin(server.url()).await;
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let mut header = vec![1u8, b'P'];
+    header.resize(55, 0);
+    let mut bad_version = header.clone();
+    bad_version[0] = 2;
+    let mut bad_status = header.clone();
+    bad_status[1] = b'X';
+    let mut truncated_fingerprint = header.clone();
+    truncated_fingerprint[54] = 1;
+    truncated_fingerprint.extend_from_slice(&[7; 10]);
+    let strings: Vec<(&str, Vec<u8>)> = vec![
+        ("garbage", b"\0\xffnot a record".to_vec()),
+        ("empty", Vec::new()),
+        ("short", header[..40].to_vec()),
+        ("bad-version", bad_version),
+        ("bad-status", bad_status),
+        ("truncated-fingerprint", truncated_fingerprint),
+    ];
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(server.url())
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        let mut keys = Vec::new();
+        for (id, value) in &strings {
+            let k = shared_key(id);
+            let _: () = redis::cmd("SET")
+                .arg(RedisRepository::redis_key(&k))
+                .arg(value.as_slice())
+                .arg("EX")
+                .arg(600)
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+            keys.push(k);
+        }
+        let hash = shared_key("a-hash");
+        let _: () = redis::cmd("HSET")
+            .arg(RedisRepository::redis_key(&hash))
+            .arg("status")
+            .arg("processing")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        keys.push(hash);
+        for k in &keys {
+            let owner = OwnerToken::random();
+            let corrupt = |what: &str, r: Result<(), Error>| match r {
+                Err(Error::Corrupt {
+                    key: Some(ref got), ..
+                }) if got == k => {}
+                other => panic!(
+                    "{strategy:?} {what} on {k}: expected Corrupt naming the key, got {other:?}"
+                ),
+            };
+            corrupt(
+                "reserve",
+                repo.reserve(request(k, owner, &clock)).await.map(|_| ()),
+            );
+            corrupt("get", repo.get(k, now).await.map(|_| ()));
+            corrupt(
+                "complete",
+                repo.complete(k, owner, Some(b"r"), now + TTL, now).await,
+            );
+            corrupt("fail", repo.fail(k, owner, None, now + TTL, now).await);
+            corrupt("release", repo.release(k, owner, now).await);
+            corrupt("extend", repo.extend(k, owner, now + LEASE, now).await);
+            assert!(
+                repo.delete(k).await.unwrap(),
+                "delete removes the foreign value"
+            );
+            assert_eq!(
+                repo.reserve(request(k, owner, &clock)).await.unwrap(),
+                Reservation::Acquired { attempt: 1 }
+            );
+            assert!(repo.delete(k).await.unwrap());
+        }
+    }
+}
+
+/// `PX` follows `expires_at - now`; `complete` moves it, `extend` keeps it; a
+/// record logically expired by the caller's clock is absent although the server
+/// still holds it, and `reserve` creates over it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn physical_ttl_and_logical_expiry() {
+    let server = shared().await;
+    let mut admin = admin(server.url()).await;
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(server.url())
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        let clock = ManualClock::starting_now();
+        let now = clock.now();
+        let k = shared_key("ttl");
+        let owner = OwnerToken::random();
+        let req = ReserveRequest {
+            expires_at: now + Duration::from_secs(100),
+            ..request(&k, owner, &clock)
+        };
+        assert_eq!(
+            repo.reserve(req).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        let t = pttl(&mut admin, &k).await;
+        assert!((90_000..=100_000).contains(&t), "PTTL after reserve: {t}");
+
+        // The stored value is the documented format, under RecordKey::encode().
+        let raw: Vec<u8> = redis::cmd("GET")
+            .arg(k.encode())
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        assert_eq!((raw[0], raw[1], raw.len()), (1, b'P', 55));
+
+        repo.extend(&k, owner, now + Duration::from_secs(60), now)
+            .await
+            .unwrap();
+        let t = pttl(&mut admin, &k).await;
+        assert!((90_000..=100_000).contains(&t), "extend keeps the TTL: {t}");
+        repo.complete(
+            &k,
+            owner,
+            Some(b"\0\x01\xfe\xff"),
+            now + Duration::from_secs(200),
+            now,
+        )
+        .await
+        .unwrap();
+        let t = pttl(&mut admin, &k).await;
+        assert!((190_000..=200_000).contains(&t), "PTTL after complete: {t}");
+
+        // Logically expired at the caller's clock, physically still there.
+        clock.advance(Duration::from_secs(200));
+        let later = clock.now();
+        assert_eq!(repo.get(&k, later).await.unwrap(), None);
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg(k.encode())
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        assert_eq!(exists, 1, "the server has not evicted it yet");
+        let again = OwnerToken::random();
+        assert_eq!(
+            repo.reserve(request(&k, again, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        let rec = repo.get(&k, later).await.unwrap().unwrap();
+        assert_eq!((rec.owner, rec.attempt, rec.created_at), (again, 1, later));
+        let t = pttl(&mut admin, &k).await;
+        assert!(
+            (3_590_000..=3_600_000).contains(&t),
+            "PTTL of the new record: {t}"
+        );
+
+        // A record whose expiry already passed still gets a positive PX (1 ms).
+        let gone = shared_key("already-expired");
+        let req = ReserveRequest {
+            expires_at: later,
+            ..request(&gone, OwnerToken::random(), &clock)
+        };
+        assert_eq!(
+            repo.reserve(req).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        assert_eq!(repo.get(&gone, later).await.unwrap(), None);
+        assert!(repo.delete(&k).await.unwrap());
+    }
+}
+
+/// `rediss://` against a local TLS-only `redis-server` with a throw-away CA
+/// (made with the `openssl` CLI): verified with the CA through `from_client`; an
+/// unknown CA is refused with an error, not a panic; `#insecure` (no
+/// verification) is a configuration error unless the application enables
+/// `redis/tls-rustls-insecure` itself.
+#[cfg(feature = "tls")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_connections() {
+    let tls = support::TlsRedis::start();
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let client = redis::Client::build_with_tls(
+        format!("rediss://127.0.0.1:{}", tls.tls_port),
+        redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(tls.ca_pem.clone()),
+        },
+    )
+    .unwrap();
+    let repo = RedisRepository::from_client(client).await.unwrap();
+    let k = key("tls");
+    let owner = OwnerToken::random();
+    assert_eq!(
+        repo.reserve(request(&k, owner, &clock)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
+    repo.complete(&k, owner, Some(b"\0secret\xff"), now + TTL, now)
+        .await
+        .unwrap();
+    let r = repo.get(&k, now).await.unwrap().unwrap();
+    assert_eq!(r.result.as_deref(), Some(&b"\0secret\xff"[..]));
+
+    let untrusted = RedisRepository::connect(&format!(
+        "rediss://127.0.0.1:{}?reconnect_retries=0",
+        tls.tls_port
+    ))
+    .await;
+    println!("unknown CA: {:?}", untrusted.as_ref().err());
+    assert!(
+        matches!(&untrusted, Err(Error::Config { message }) if message.contains("UnknownIssuer")),
+        "a certificate from an unknown CA is a configuration error"
+    );
+
+    let insecure =
+        RedisRepository::connect(&format!("rediss://127.0.0.1:{}/#insecure", tls.tls_port)).await;
+    assert!(
+        matches!(insecure, Err(Error::Config { .. })),
+        "{insecure:?}"
+    );
+}

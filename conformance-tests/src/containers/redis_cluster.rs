@@ -1,0 +1,241 @@
+//! Redis Cluster: three masters, each in its own container.
+//!
+//! Cluster nodes tell clients where slots live (`MOVED 127.0.0.1:PORT`), so the
+//! addresses they announce must be reachable from the tests. The nodes therefore
+//! run in the host's network namespace, bound to `127.0.0.1` on free ports
+//! (Linux Docker engines; Docker Desktop's host network is the VM's).
+
+use std::time::{Duration, Instant};
+
+use super::docker::{
+    free_port, keep_for_process, on_harness, ready_timeout, start_ready, Kind, Origin,
+    StartOptions, Started,
+};
+use super::error::HarnessError;
+use super::redis::{probe, send_command, RedisReply};
+
+/// The variable naming an existing cluster: comma-separated node URLs.
+const CLUSTER_VARIABLE: &str = "IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS";
+const NODES: usize = 3;
+const SLOTS: u32 = 16384;
+
+/// Connection details of a Redis Cluster handed out by the harness.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisClusterServer {
+    urls: Vec<String>,
+    origins: Vec<Origin>,
+}
+
+impl RedisClusterServer {
+    /// One `redis://127.0.0.1:PORT` URL per master (or the URLs of
+    /// `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`); any of them is a seed for a
+    /// cluster client.
+    pub fn urls(&self) -> &[String] {
+        &self.urls
+    }
+
+    /// Where each node comes from, in the order of [`urls`](Self::urls).
+    pub fn origins(&self) -> &[Origin] {
+        &self.origins
+    }
+}
+
+/// A Redis Cluster of three masters (no replicas) shared by every test of this
+/// test binary, all 16384 slots assigned; or the cluster named by
+/// `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS` (comma-separated node URLs).
+///
+/// The nodes run `IDEMPOTENCY_TEST_REDIS_IMAGE` (Redis 7 or later) in the
+/// host's network namespace, bound to `127.0.0.1`.
+///
+/// # Errors
+///
+/// [`HarnessError`] when there is neither Docker nor the variable, or when the
+/// cluster does not become healthy.
+pub async fn redis_cluster() -> Result<RedisClusterServer, HarnessError> {
+    static SHARED: tokio::sync::OnceCell<Result<RedisClusterServer, HarnessError>> =
+        tokio::sync::OnceCell::const_new();
+    on_harness(async {
+        SHARED
+            .get_or_init(|| async {
+                match std::env::var(CLUSTER_VARIABLE) {
+                    Ok(value) if !value.trim().is_empty() => external_cluster(&value),
+                    _ => start_cluster().await,
+                }
+            })
+            .await
+            .clone()
+    })
+    .await
+}
+
+fn external_cluster(value: &str) -> Result<RedisClusterServer, HarnessError> {
+    let urls: Vec<String> = value
+        .split(',')
+        .map(|url| url.trim().to_owned())
+        .filter(|url| !url.is_empty())
+        .collect();
+    if urls.is_empty() {
+        return Err(HarnessError::External {
+            variable: CLUSTER_VARIABLE,
+            value: value.to_owned(),
+            reason: "expected comma-separated node URLs, e.g. redis://127.0.0.1:7000,redis://127.0.0.1:7001".to_owned(),
+        });
+    }
+    eprintln!(
+        "[idempotency-harness] redis cluster: using the nodes from {CLUSTER_VARIABLE} ({value})"
+    );
+    let origins = urls
+        .iter()
+        .map(|_| Origin::External {
+            variable: CLUSTER_VARIABLE,
+        })
+        .collect();
+    Ok(RedisClusterServer { urls, origins })
+}
+
+async fn start_cluster() -> Result<RedisClusterServer, HarnessError> {
+    let begun = Instant::now();
+    let mut nodes: Vec<(u16, u16, Started)> = Vec::new();
+    for _ in 0..NODES {
+        match start_node().await {
+            Ok(node) => nodes.push(node),
+            Err(e) => {
+                for (_, _, started) in nodes {
+                    let _ = started.container.rm().await;
+                }
+                return Err(e);
+            }
+        }
+    }
+    let ports: Vec<(u16, u16)> = nodes.iter().map(|(port, bus, _)| (*port, *bus)).collect();
+    if let Err(e) = form_cluster(&ports).await {
+        for (_, _, started) in nodes {
+            let _ = started.container.rm().await;
+        }
+        return Err(e);
+    }
+    let mut urls = Vec::new();
+    let mut origins = Vec::new();
+    for (port, _, started) in nodes {
+        urls.push(format!("redis://127.0.0.1:{port}"));
+        origins.push(started.origin.clone());
+        keep_for_process(started.container);
+    }
+    for (url, origin) in urls.iter().zip(&origins) {
+        eprintln!("[idempotency-harness] redis cluster node: {origin}, listening on {url}");
+    }
+    eprintln!(
+        "[idempotency-harness] redis cluster (shared): {NODES} masters ready after {:.1}s",
+        begun.elapsed().as_secs_f64()
+    );
+    Ok(RedisClusterServer { urls, origins })
+}
+
+async fn start_node() -> Result<(u16, u16, Started), HarnessError> {
+    let port = free_port()?;
+    let bus = free_port()?;
+    let cmd = [
+        "redis-server".to_owned(),
+        "--port".to_owned(),
+        port.to_string(),
+        "--bind".to_owned(),
+        "127.0.0.1".to_owned(),
+        "--cluster-enabled".to_owned(),
+        "yes".to_owned(),
+        "--cluster-port".to_owned(),
+        bus.to_string(),
+        "--cluster-config-file".to_owned(),
+        format!("nodes-{port}.conf"),
+        "--cluster-node-timeout".to_owned(),
+        "5000".to_owned(),
+        "--save".to_owned(),
+        String::new(),
+        "--appendonly".to_owned(),
+        "no".to_owned(),
+    ]
+    .to_vec();
+    let options = StartOptions {
+        cmd,
+        host_port: Some(port),
+        host_network: true,
+        ..StartOptions::default()
+    };
+    let (started, _) = start_ready(Kind::Redis, options, probe).await?;
+    Ok((port, bus, started))
+}
+
+async fn command(port: u16, args: &[String]) -> Result<RedisReply, HarnessError> {
+    let reply = send_command("127.0.0.1", port, args)
+        .await
+        .map_err(|e| HarnessError::operation(format!("redis cluster node {port}: {args:?}"), e))?;
+    match reply {
+        RedisReply::Error(e) => Err(HarnessError::operation(
+            format!("redis cluster node {port}: {args:?}"),
+            e,
+        )),
+        other => Ok(other),
+    }
+}
+
+/// Splits the slots evenly, introduces the nodes, and waits until every node
+/// sees a healthy cluster.
+async fn form_cluster(ports: &[(u16, u16)]) -> Result<(), HarnessError> {
+    let count = u32::try_from(ports.len()).unwrap_or(1).max(1);
+    for (index, (port, _)) in (0u32..).zip(ports) {
+        let first = index * SLOTS / count;
+        let last = (index + 1) * SLOTS / count - 1;
+        let args = [
+            "CLUSTER",
+            "ADDSLOTSRANGE",
+            &first.to_string(),
+            &last.to_string(),
+        ]
+        .map(str::to_owned);
+        command(*port, &args).await?;
+    }
+    if let Some(((seed, _), others)) = ports.split_first() {
+        for (port, bus) in others {
+            let args = [
+                "CLUSTER",
+                "MEET",
+                "127.0.0.1",
+                &port.to_string(),
+                &bus.to_string(),
+            ]
+            .map(str::to_owned);
+            command(*seed, &args).await?;
+        }
+    }
+    let deadline = Instant::now() + ready_timeout();
+    loop {
+        let mut last = String::new();
+        let mut healthy = true;
+        for (port, _) in ports {
+            let info = command(*port, &["CLUSTER".to_owned(), "INFO".to_owned()]).await?;
+            let text = match info {
+                RedisReply::Bulk(Some(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+                other => format!("{other:?}"),
+            };
+            let ok = text.contains("cluster_state:ok")
+                && text.contains(&format!("cluster_known_nodes:{}", ports.len()))
+                && text.contains(&format!("cluster_slots_ok:{SLOTS}"));
+            if !ok {
+                healthy = false;
+                last = format!("node {port}: {}", text.replace("\r\n", " "));
+                break;
+            }
+        }
+        if healthy {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(HarnessError::NotReady {
+                kind: "redis cluster",
+                target: format!("{} nodes on 127.0.0.1", ports.len()),
+                waited: ready_timeout(),
+                last_error: last,
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
