@@ -6,7 +6,8 @@ pub(crate) const BACKEND: &str = "postgres";
 
 /// Maps a sqlx error of `operation` (on `key`, when there is one).
 ///
-/// - connection problems (I/O, TLS, closed or exhausted pool, SQLSTATE class 08,
+/// - connection problems (I/O, TLS, protocol errors of a connection cut during the
+///   handshake, closed or exhausted pool, SQLSTATE class 08,
 ///   `57P01`/`57P02`/`57P03` shutdowns, class 53 insufficient resources) and
 ///   serialization failures / deadlocks (`40001`, `40P01`, retryable by
 ///   definition) → [`Error::Unavailable`];
@@ -30,6 +31,11 @@ pub(crate) fn map_sqlx(
     use sqlx::Error as E;
     match err {
         E::Io(_) | E::Tls(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
+        // A peer that accepts the TCP connection and closes it mid-handshake
+        // (a proxy or load balancer in front of a server that is down or
+        // starting, e.g. Docker's port proxy) surfaces as a protocol error such as
+        // "unexpected response from SSLRequest": the server is unreachable.
+        E::Protocol(_) => unavailable(operation, err),
         E::PoolTimedOut => Error::Unavailable {
             backend: BACKEND,
             message: format!(
@@ -86,6 +92,9 @@ mod tests {
         assert!(map_sqlx(io, "reserve", None, "t").is_store_outage());
         assert!(map_sqlx(sqlx::Error::PoolTimedOut, "get", None, "t").is_store_outage());
         assert!(map_sqlx(sqlx::Error::PoolClosed, "get", None, "t").is_store_outage());
+        // What a connection cut during the handshake by a proxy looks like.
+        let cut = sqlx::Error::Protocol("unexpected response from SSLRequest: 0x00".into());
+        assert!(map_sqlx(cut, "reserve", None, "t").is_store_outage());
     }
 
     #[test]

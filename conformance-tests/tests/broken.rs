@@ -98,9 +98,10 @@ impl Repository for Fixture {
             }
         }
         if self.flaw == Flaw::NonAtomicReserve {
-            for _ in 0..20 {
-                tokio::task::yield_now().await;
-            }
+            // The gap between read and write that a network round trip makes:
+            // long enough for every concurrent reserver to read the same state,
+            // so the race the suite must catch happens on every run.
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         }
         let mut map = self.map.lock();
         if self.flaw != Flaw::NonAtomicReserve {

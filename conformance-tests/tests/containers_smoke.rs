@@ -259,6 +259,51 @@ async fn a_dedicated_dynamodb_is_reachable_again_after_a_restart() {
     assert_eq!(response.status, 200, "{}", response.body);
 }
 
+#[tokio::test]
+async fn a_redis_cluster_has_three_masters_and_redirects_to_reachable_nodes() {
+    let cluster = containers::redis_cluster()
+        .await
+        .expect("a Redis Cluster for the smoke test");
+    assert_eq!(cluster.nodes().len(), 3);
+    for node in cluster.nodes() {
+        describe("redis cluster node", node.url(), node.origin());
+        let RedisReply::Bulk(Some(info)) = node.command(&["CLUSTER", "INFO"]).await.unwrap() else {
+            panic!("CLUSTER INFO is a bulk string");
+        };
+        let info = String::from_utf8_lossy(&info);
+        assert!(info.contains("cluster_state:ok"), "{info}");
+        assert!(info.contains("cluster_slots_assigned:16384"), "{info}");
+    }
+    // Keys land on different masters; a MOVED redirection names an address the
+    // tests can reach.
+    let key = containers::unique_namespace("cluster");
+    let first = &cluster.nodes()[0];
+    let reply = first.command(&["SET", &key, "v"]).await.unwrap();
+    let owner = match reply {
+        RedisReply::Status(ok) if ok == "OK" => first.clone(),
+        RedisReply::Error(moved) if moved.starts_with("MOVED") => {
+            let address = moved
+                .split_whitespace()
+                .nth(2)
+                .expect("MOVED <slot> <host:port>");
+            cluster
+                .nodes()
+                .iter()
+                .find(|node| address == format!("{}:{}", node.host(), node.port()))
+                .unwrap_or_else(|| panic!("{address} is none of the harness's nodes"))
+                .clone()
+        }
+        other => panic!("unexpected SET reply {other:?}"),
+    };
+    if owner.port() != first.port() {
+        assert_eq!(
+            owner.command(&["SET", &key, "v"]).await.unwrap(),
+            RedisReply::Status("OK".into())
+        );
+    }
+    assert_eq!(owner.command(&["GET", &key]).await.unwrap(), bulk("v"));
+}
+
 /// Runs one of this binary's tests in a child process whose Docker is
 /// unreachable and which has no server variables: it must fail, and say how to
 /// provide a server.

@@ -324,14 +324,16 @@ fn start_watchdog() {
     static WATCHDOG: OnceLock<Option<Mutex<ChildStdin>>> = OnceLock::new();
     WATCHDOG.get_or_init(|| {
         if std::env::var("TESTCONTAINERS_COMMAND").is_ok_and(|v| v == "keep") {
-            eprintln!("[idempotency-harness] TESTCONTAINERS_COMMAND=keep: containers are kept after the tests");
+            notice(format_args!(
+                "TESTCONTAINERS_COMMAND=keep: containers are kept after the tests"
+            ));
             return None;
         }
         if !on_path("docker") || !on_path("sh") {
-            eprintln!(
-                "[idempotency-harness] no `docker` CLI on PATH: this process's containers are removed \
+            notice(format_args!(
+                "no `docker` CLI on PATH: this process's containers are removed \
                  by the next test process instead of at exit"
-            );
+            ));
             return None;
         }
         let mut command = Command::new("sh");
@@ -352,7 +354,7 @@ fn start_watchdog() {
         match command.spawn() {
             Ok(mut child) => child.stdin.take().map(Mutex::new),
             Err(e) => {
-                eprintln!("[idempotency-harness] cannot start the clean-up watchdog: {e}");
+                notice(format_args!("cannot start the clean-up watchdog: {e}"));
                 None
             }
         }
@@ -397,7 +399,9 @@ async fn reap_orphans(docker: &Docker) {
                 .build();
             if docker.remove_container(&id, Some(options)).await.is_ok() {
                 let short = id.get(..12).unwrap_or(&id);
-                eprintln!("[idempotency-harness] removed container {short} left by dead test process {pid}");
+                notice(format_args!(
+                    "removed container {short} left by dead test process {pid}"
+                ));
             }
         }
     }
@@ -563,12 +567,20 @@ pub(crate) fn keep_for_process(container: ContainerAsync<GenericImage>) {
     }
 }
 
+/// Writes a line of the harness to the process's stderr directly: unlike
+/// `eprintln!`, this is not captured by the test harness, so which images and
+/// ports the tests use shows up in every `cargo test` output.
+pub(crate) fn notice(args: fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr().lock(), "[idempotency-harness] {args}");
+}
+
 pub(crate) fn announce(kind: Kind, role: &str, origin: &Origin, address: &str, took: Duration) {
-    eprintln!(
-        "[idempotency-harness] {} ({role}): {origin}, listening on {address}, ready after {:.1}s",
+    notice(format_args!(
+        "{} ({role}): {origin}, listening on {address}, ready after {:.1}s",
         kind.name(),
         took.as_secs_f64()
-    );
+    ));
 }
 
 // ---------------------------------------------------------------------------

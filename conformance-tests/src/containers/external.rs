@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
-use super::docker::{ready_timeout, wait_ready, Kind, Origin, Probe};
+use super::docker::{notice, ready_timeout, wait_ready, Kind, Origin, Probe};
 use super::error::HarnessError;
 
 /// A server from `IDEMPOTENCY_TEST_<KIND>_URL` / `_ENDPOINT`.
@@ -73,12 +73,12 @@ impl External {
                 value: self.value.clone(),
                 reason: e.to_string(),
             })?;
-        eprintln!(
-            "[idempotency-harness] {}: using the server from {} ({})",
+        notice(format_args!(
+            "{}: using the server from {} ({})",
             self.kind.name(),
             self.kind.external_variable(),
             self.value
-        );
+        ));
         Ok(())
     }
 

@@ -82,7 +82,16 @@ pub async fn redis() -> Result<RedisServer, HarnessError> {
 }
 
 impl RedisServer {
-    fn local(port: u16, origin: Origin) -> Self {
+    pub(crate) fn new(url: String, host: String, port: u16, origin: Origin) -> Self {
+        RedisServer {
+            url,
+            host,
+            port,
+            origin,
+        }
+    }
+
+    pub(crate) fn local(port: u16, origin: Origin) -> Self {
         RedisServer {
             url: format!("redis://127.0.0.1:{port}"),
             host: "127.0.0.1".to_owned(),
@@ -307,7 +316,7 @@ mod tests {
                     RedisReply::Integer(1),
                     RedisReply::Bulk(Some(b"hi".to_vec()))
                 ])),
-                17
+                16
             )))
         );
         assert_eq!(parse_reply(b"*2\r\n:1\r\n"), Ok(None));

@@ -8,11 +8,11 @@
 use std::time::{Duration, Instant};
 
 use super::docker::{
-    free_port, keep_for_process, on_harness, ready_timeout, start_ready, Kind, Origin,
+    free_port, keep_for_process, notice, on_harness, ready_timeout, start_ready, Kind, Origin,
     StartOptions, Started,
 };
 use super::error::HarnessError;
-use super::redis::{probe, send_command, RedisReply};
+use super::redis::{probe, send_command, RedisReply, RedisServer};
 
 /// The variable naming an existing cluster: comma-separated node URLs.
 const CLUSTER_VARIABLE: &str = "IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS";
@@ -22,21 +22,19 @@ const SLOTS: u32 = 16384;
 /// Connection details of a Redis Cluster handed out by the harness.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisClusterServer {
-    urls: Vec<String>,
-    origins: Vec<Origin>,
+    nodes: Vec<RedisServer>,
 }
 
 impl RedisClusterServer {
-    /// One `redis://127.0.0.1:PORT` URL per master (or the URLs of
-    /// `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`); any of them is a seed for a
-    /// cluster client.
-    pub fn urls(&self) -> &[String] {
-        &self.urls
+    /// The masters (or the nodes of `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`);
+    /// [`RedisServer::command`] talks to one node, without following `MOVED`.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
     }
 
-    /// Where each node comes from, in the order of [`urls`](Self::urls).
-    pub fn origins(&self) -> &[Origin] {
-        &self.origins
+    /// One `redis://127.0.0.1:PORT` URL per node; any of them seeds a cluster client.
+    pub fn urls(&self) -> Vec<&str> {
+        self.nodes.iter().map(RedisServer::url).collect()
     }
 }
 
@@ -81,16 +79,30 @@ fn external_cluster(value: &str) -> Result<RedisClusterServer, HarnessError> {
             reason: "expected comma-separated node URLs, e.g. redis://127.0.0.1:7000,redis://127.0.0.1:7001".to_owned(),
         });
     }
-    eprintln!(
-        "[idempotency-harness] redis cluster: using the nodes from {CLUSTER_VARIABLE} ({value})"
-    );
-    let origins = urls
-        .iter()
-        .map(|_| Origin::External {
+    let mut nodes = Vec::new();
+    for url in urls {
+        let invalid = |reason: String| HarnessError::External {
             variable: CLUSTER_VARIABLE,
-        })
-        .collect();
-    Ok(RedisClusterServer { urls, origins })
+            value: value.to_owned(),
+            reason,
+        };
+        let parsed = url::Url::parse(&url).map_err(|e| invalid(format!("{url}: {e}")))?;
+        let host = match parsed.host() {
+            Some(url::Host::Domain(domain)) => domain.to_owned(),
+            Some(url::Host::Ipv4(address)) => address.to_string(),
+            Some(url::Host::Ipv6(address)) => address.to_string(),
+            None => return Err(invalid(format!("{url}: no host"))),
+        };
+        let port = parsed.port().unwrap_or(6379);
+        let origin = Origin::External {
+            variable: CLUSTER_VARIABLE,
+        };
+        nodes.push(RedisServer::new(url, host, port, origin));
+    }
+    notice(format_args!(
+        "redis cluster: using the nodes from {CLUSTER_VARIABLE} ({value})"
+    ));
+    Ok(RedisClusterServer { nodes })
 }
 
 async fn start_cluster() -> Result<RedisClusterServer, HarnessError> {
@@ -114,21 +126,22 @@ async fn start_cluster() -> Result<RedisClusterServer, HarnessError> {
         }
         return Err(e);
     }
-    let mut urls = Vec::new();
-    let mut origins = Vec::new();
+    let mut servers = Vec::new();
     for (port, _, started) in nodes {
-        urls.push(format!("redis://127.0.0.1:{port}"));
-        origins.push(started.origin.clone());
+        let server = RedisServer::local(port, started.origin.clone());
+        notice(format_args!(
+            "redis cluster node: {}, listening on {}",
+            server.origin(),
+            server.url()
+        ));
+        servers.push(server);
         keep_for_process(started.container);
     }
-    for (url, origin) in urls.iter().zip(&origins) {
-        eprintln!("[idempotency-harness] redis cluster node: {origin}, listening on {url}");
-    }
-    eprintln!(
-        "[idempotency-harness] redis cluster (shared): {NODES} masters ready after {:.1}s",
+    notice(format_args!(
+        "redis cluster (shared): {NODES} masters ready after {:.1}s",
         begun.elapsed().as_secs_f64()
-    );
-    Ok(RedisClusterServer { urls, origins })
+    ));
+    Ok(RedisClusterServer { nodes: servers })
 }
 
 async fn start_node() -> Result<(u16, u16, Started), HarnessError> {

@@ -1,0 +1,452 @@
+#!/usr/bin/env bash
+# Bakes the test-server images locally, from Debian packages, for machines that
+# have a Docker engine but no reachable image registry.
+#
+#   scripts/bake-images.sh            # bake what is missing or outdated
+#   scripts/bake-images.sh --print-env  # only print the IDEMPOTENCY_TEST_*_IMAGE lines
+#   scripts/bake-images.sh --force    # rebuild even when up to date
+#
+# Produces (TAG = the Debian suite, `bookworm` by default) three images that
+# share one layer — a debootstrapped root holding all three servers, imported
+# once — each with its own command, user and port:
+#   idempotency-test/redis:TAG     redis-server on 6379  (drop-in for `redis`)
+#   idempotency-test/postgres:TAG  PostgreSQL on 5432    (drop-in for `postgres`: same env vars)
+#   idempotency-test/dynamodb:TAG  moto's DynamoDB API on 8000 (drop-in for `amazon/dynamodb-local`)
+#
+# The packages come from the mirror the host's apt already uses (asked from
+# `apt-get indextargets`, so sources.list, deb822 .sources files and proxies are
+# honoured); nothing here names a mirror. Every image carries the label
+# org.idempotency-rs.recipe=<hash of this script + suite>; an image with the
+# current hash is never rebuilt. The temporary root and its /proc mount are
+# removed on every exit path, including Ctrl-C and SIGTERM.
+#
+# Environment:
+#   IDEMPOTENCY_BAKE_PREFIX   image name prefix            (default: idempotency-test)
+#   IDEMPOTENCY_BAKE_SUITE    Debian suite to bootstrap    (default: the host's codename, else bookworm)
+#   IDEMPOTENCY_BAKE_MOTO     pip requirement for moto     (default: moto[server])
+#   TMPDIR                    where the temporary root goes (default: /var/tmp)
+set -euo pipefail
+
+readonly SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
+readonly PREFIX="${IDEMPOTENCY_BAKE_PREFIX:-idempotency-test}"
+readonly MOTO_REQUIREMENT="${IDEMPOTENCY_BAKE_MOTO:-moto[server]}"
+readonly LABEL_KEY="org.idempotency-rs.recipe"
+
+host_codename() {
+    local id="" codename=""
+    if [ -r /etc/os-release ]; then
+        id="$(. /etc/os-release && echo "${ID:-}")"
+        codename="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
+    fi
+    if [ "$id" = debian ] && [ -n "$codename" ]; then echo "$codename"; else echo bookworm; fi
+}
+readonly SUITE="${IDEMPOTENCY_BAKE_SUITE:-$(host_codename)}"
+readonly TAG="$SUITE"
+readonly RECIPE="$({ cat "$SCRIPT_PATH"; echo "suite=$SUITE moto=$MOTO_REQUIREMENT"; } | sha256sum | cut -c1-16)"
+
+readonly REDIS_IMAGE="$PREFIX/redis:$TAG"
+readonly POSTGRES_IMAGE="$PREFIX/postgres:$TAG"
+readonly DYNAMODB_IMAGE="$PREFIX/dynamodb:$TAG"
+
+log() { printf '[bake %3ds] %s\n' "$SECONDS" "$*" >&2; }
+die() { printf '[bake] error: %s\n' "$*" >&2; exit 1; }
+
+print_env() {
+    echo "IDEMPOTENCY_TEST_REDIS_IMAGE=$REDIS_IMAGE"
+    echo "IDEMPOTENCY_TEST_POSTGRES_IMAGE=$POSTGRES_IMAGE"
+    echo "IDEMPOTENCY_TEST_DYNAMODB_IMAGE=$DYNAMODB_IMAGE"
+}
+
+FORCE=0
+case "${1:-}" in
+    --print-env) print_env; exit 0 ;;
+    --force) FORCE=1 ;;
+    "") ;;
+    -h | --help) sed -n '2,30p' "$SCRIPT_PATH"; exit 0 ;;
+    *) die "unknown argument: $1 (try --help)" ;;
+esac
+
+command -v docker >/dev/null || die "the docker CLI is required"
+docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is it running, may this user use it?)"
+
+image_recipe() { docker image inspect --format "{{ index .Config.Labels \"$LABEL_KEY\" }}" "$1" 2>/dev/null || true; }
+is_current() { [ "$FORCE" = 0 ] && [ "$(image_recipe "$1")" = "$RECIPE" ]; }
+
+if is_current "$REDIS_IMAGE" && is_current "$POSTGRES_IMAGE" && is_current "$DYNAMODB_IMAGE"; then
+    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE"
+    exit 0
+fi
+
+START_SECONDS=$SECONDS
+WORK=""
+ROOTFS=""
+CHILD=""
+
+# Runs a long step in its own process group and waits for it interruptibly, so
+# that a signal reaches the trap at once and the trap can stop the whole step.
+run() {
+    setsid "$@" &
+    CHILD=$!
+    local status=0
+    wait "$CHILD" || status=$?
+    CHILD=""
+    return "$status"
+}
+
+# Unmounts everything below the temporary root (deepest first), then deletes it.
+# Never deletes while something is still mounted there.
+cleanup() {
+    local status=$?
+    trap - EXIT INT TERM HUP
+    if [ -n "$CHILD" ]; then
+        kill -TERM -- "-$CHILD" 2>/dev/null || true
+        wait "$CHILD" 2>/dev/null || true
+    fi
+    if [ -n "$ROOTFS" ] && [ -d "$ROOTFS" ]; then
+        local mounts
+        mounts="$(awk -v root="$ROOTFS" '$2 == root || index($2, root "/") == 1 { print $2 }' /proc/self/mounts | sort -r)"
+        if [ -n "$mounts" ]; then
+            while IFS= read -r m; do umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true; done <<<"$mounts"
+        fi
+    fi
+    if [ -n "$WORK" ] && [ -d "$WORK" ]; then
+        if awk -v root="$WORK" 'index($2, root "/") == 1 { found = 1 } END { exit !found }' /proc/self/mounts; then
+            log "warning: something is still mounted below $WORK; not deleting it"
+        else
+            rm -rf --one-file-system "$WORK"
+            log "removed $WORK"
+        fi
+    fi
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+
+# Mirror URIs of the host's apt configuration for a given release, as apt itself sees them.
+repo_uri_for() {
+    apt-get indextargets --format '$(RELEASE) $(REPO_URI)' 'Identifier: Packages' 2>/dev/null |
+        awk -v want="$1" '$1 == want { print $2; exit }'
+}
+
+bake_root() {
+    [ "$(id -u)" = 0 ] || die "baking runs debootstrap and chroot: run this script as root"
+    command -v apt-get >/dev/null || die "apt-get is required (the packages come from the host's apt sources)"
+    if ! command -v debootstrap >/dev/null; then
+        log "installing debootstrap with apt-get"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends debootstrap >/dev/null
+    fi
+
+    local mirror security updates
+    mirror="$(repo_uri_for "$SUITE")"
+    [ -n "$mirror" ] || die "no apt source of the host serves suite '$SUITE' (checked with apt-get indextargets; run apt-get update?)"
+    security="$(repo_uri_for "$SUITE-security")"
+    updates="$(repo_uri_for "$SUITE-updates")"
+    log "suite $SUITE from $mirror${security:+ (+ $security $SUITE-security)}"
+
+    # Proxy settings of the host's apt, for debootstrap (wget), apt in the chroot and pip.
+    local APT_HTTP_PROXY="" APT_HTTPS_PROXY=""
+    eval "$(apt-config shell APT_HTTP_PROXY Acquire::http::Proxy APT_HTTPS_PROXY Acquire::https::Proxy)"
+    if [ -n "$APT_HTTP_PROXY" ] && [ -z "${http_proxy:-}" ]; then export http_proxy="$APT_HTTP_PROXY"; fi
+    if [ -n "$APT_HTTPS_PROXY" ] && [ -z "${https_proxy:-}" ]; then export https_proxy="$APT_HTTPS_PROXY"; fi
+
+    WORK="$(mktemp -d "${TMPDIR:-/var/tmp}/idempotency-bake.XXXXXX")"
+    ROOTFS="$WORK/rootfs"
+    mkdir -p "$ROOTFS"
+
+    log "debootstrap (minbase) into $ROOTFS"
+    # First stage only unpacks; dpkg may then skip fsync in the second stage.
+    run debootstrap --foreign --variant=minbase --arch="$(dpkg --print-architecture)" \
+        "$SUITE" "$ROOTFS" "$mirror" >"$WORK/debootstrap.log" 2>&1 ||
+        { tail -n 30 "$WORK/debootstrap.log" >&2; die "debootstrap (first stage) failed"; }
+    mkdir -p "$ROOTFS/etc/dpkg/dpkg.cfg.d"
+    cat >"$ROOTFS/etc/dpkg/dpkg.cfg.d/idempotency-bake" <<'EOF'
+force-unsafe-io
+path-exclude=/usr/share/doc/*
+path-exclude=/usr/share/man/*
+path-exclude=/usr/share/info/*
+path-exclude=/usr/share/locale/*
+path-include=/usr/share/locale/locale.alias
+EOF
+    run chroot "$ROOTFS" /debootstrap/debootstrap --second-stage >>"$WORK/debootstrap.log" 2>&1 ||
+        { tail -n 30 "$WORK/debootstrap.log" >&2; die "debootstrap (second stage) failed"; }
+
+    mount -t proc proc "$ROOTFS/proc"
+    cp /etc/resolv.conf "$ROOTFS/etc/resolv.conf"
+    printf '#!/bin/sh\nexit 101\n' >"$ROOTFS/usr/sbin/policy-rc.d"
+    chmod 755 "$ROOTFS/usr/sbin/policy-rc.d"
+    {
+        echo "deb $mirror $SUITE main"
+        if [ -n "$updates" ]; then echo "deb $updates $SUITE-updates main"; fi
+        if [ -n "$security" ]; then echo "deb $security $SUITE-security main"; fi
+    } >"$ROOTFS/etc/apt/sources.list"
+    {
+        if [ -n "${http_proxy:-}" ]; then echo "Acquire::http::Proxy \"$http_proxy\";"; fi
+        if [ -n "${https_proxy:-}" ]; then echo "Acquire::https::Proxy \"$https_proxy\";"; fi
+        echo 'APT::Install-Recommends "false";'
+        echo 'Acquire::Languages "none";'
+    } >"$ROOTFS/etc/apt/apt.conf.d/90idempotency-bake"
+    # The images initialise their own data directory at first start, like the official one.
+    mkdir -p "$ROOTFS/etc/postgresql-common"
+    echo "create_main_cluster = false" >"$ROOTFS/etc/postgresql-common/createcluster.conf"
+
+    # The host's TLS trust (e.g. a company proxy's CA) is lent to apt and pip for the
+    # bake only; it does not stay in the image.
+    local host_ca="" ca
+    for ca in "${PIP_CERT:-}" "${REQUESTS_CA_BUNDLE:-}" "${SSL_CERT_FILE:-}" /etc/ssl/certs/ca-certificates.crt; do
+        if [ -n "$ca" ] && [ -f "$ca" ]; then host_ca="$ca"; break; fi
+    done
+    local pip_env=()
+    if [ -n "$host_ca" ]; then
+        cp "$host_ca" "$ROOTFS/tmp/idempotency-bake-ca.pem"
+        pip_env+=(PIP_CERT=/tmp/idempotency-bake-ca.pem)
+        echo 'Acquire::https::CaInfo "/tmp/idempotency-bake-ca.pem";' >>"$ROOTFS/etc/apt/apt.conf.d/90idempotency-bake"
+    fi
+    local var
+    for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_TRUSTED_HOST PIP_DEFAULT_TIMEOUT; do
+        if [ -n "${!var:-}" ]; then pip_env+=("$var=${!var}"); fi
+    done
+
+    in_root() { run chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
+        DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 \
+        ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} "$@"; }
+
+    log "apt-get install redis-server postgresql python3-venv"
+    in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
+    in_root apt-get install -y -qq redis-server postgresql python3-venv >>"$WORK/apt.log" 2>&1 ||
+        { tail -n 30 "$WORK/apt.log" >&2; die "apt-get install failed"; }
+
+    log "python venv with $MOTO_REQUIREMENT"
+    in_root python3 -m venv /opt/moto
+    in_root /usr/bin/env "${pip_env[@]+"${pip_env[@]}"}" /opt/moto/bin/pip install --quiet --no-cache-dir --disable-pip-version-check \
+        "$MOTO_REQUIREMENT" >"$WORK/pip.log" 2>&1 || { tail -n 30 "$WORK/pip.log" >&2; die "pip install failed"; }
+
+    install_entrypoints "$ROOTFS"
+
+    local pg_bin
+    pg_bin="$(cd "$ROOTFS" && ls -d usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
+    [ -n "$pg_bin" ] || die "no PostgreSQL server binaries found in the root"
+    ln -sfn "/$pg_bin" "$ROOTFS/usr/local/lib/postgresql-bin"
+
+    in_root useradd --system --home-dir /nonexistent --shell /usr/sbin/nologin dynamodb
+    mkdir -p "$ROOTFS/data" "$ROOTFS/var/lib/postgresql/data" "$ROOTFS/run/postgresql"
+    in_root chown redis:redis /data
+    in_root chown postgres:postgres /var/lib/postgresql/data /run/postgresql
+    chmod 700 "$ROOTFS/var/lib/postgresql/data"
+    chmod 2775 "$ROOTFS/run/postgresql"
+
+    in_root apt-get clean
+    umount "$ROOTFS/proc"
+    rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/log/*.log \
+        "$ROOTFS"/root/.cache "$ROOTFS"/tmp/* "$ROOTFS/debootstrap" \
+        "$ROOTFS/etc/apt/apt.conf.d/90idempotency-bake"
+    : >"$ROOTFS/etc/resolv.conf"
+    echo 'APT::Install-Recommends "false";' >"$ROOTFS/etc/apt/apt.conf.d/90no-recommends"
+
+}
+
+root_tar() { tar --numeric-owner -C "$ROOTFS" -c .; }
+
+# The root is imported once; each image is then that same layer with its own
+# configuration (command, user, port, environment). Importing the root three
+# times would make Docker unpack and discard 700 MB twice, so the images are
+# made with `docker load` of a tar holding only an image config and a manifest:
+# Docker skips layers it already has. Should an engine refuse that (e.g. one
+# with the containerd image store), each image is imported on its own instead.
+LAYER=""
+ARCH=""
+import_root() {
+    log "importing the root"
+    local id
+    id="$(root_tar | docker import --change "LABEL $LABEL_KEY=$RECIPE" -)"
+    LAYER="$(docker image inspect --format '{{index .RootFS.Layers 0}}' "$id")"
+    ARCH="$(docker image inspect --format '{{.Architecture}}' "$id")"
+    ROOT_IMAGE_ID="$id"
+}
+
+# make_image NAME USER WORKDIR PORT ENTRYPOINT-JSON CMD-JSON|null [ENV=VALUE...]
+make_image() {
+    local name="$1" user="$2" workdir="$3" port="$4" entrypoint="$5" cmd="$6"
+    shift 6
+    local envs=("$@")
+    case " $* " in
+        *" PATH="*) ;;
+        *) envs=("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" "$@") ;;
+    esac
+    local env_json="" e now dir
+    for e in "${envs[@]}"; do env_json+="${env_json:+,}\"$e\""; done
+    now="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    dir="$WORK/image-${name//[^a-z0-9]/-}"
+    mkdir -p "$dir"
+    printf '{"architecture":"%s","os":"linux","created":"%s","config":{"User":"%s","WorkingDir":"%s","ExposedPorts":{"%s/tcp":{}},"Env":[%s],"Entrypoint":%s,"Cmd":%s,"Labels":{"%s":"%s"}},"rootfs":{"type":"layers","diff_ids":["%s"]},"history":[{"created":"%s","created_by":"scripts/bake-images.sh"}]}' \
+        "$ARCH" "$now" "$user" "$workdir" "$port" "$env_json" "$entrypoint" "$cmd" "$LABEL_KEY" "$RECIPE" "$LAYER" "$now" \
+        >"$dir/config.json"
+    printf '[{"Config":"config.json","RepoTags":["%s"],"Layers":["root.tar"]}]' "$name" >"$dir/manifest.json"
+    if tar -C "$dir" -c manifest.json config.json | docker load >/dev/null 2>"$dir/load.log"; then
+        log "tagged $name"
+        return 0
+    fi
+    log "docker load refused a config-only image ($(head -c 200 "$dir/load.log")); importing $name"
+    local changes=(--change "LABEL $LABEL_KEY=$RECIPE" --change "USER $user" --change "WORKDIR $workdir"
+        --change "EXPOSE $port" --change "ENTRYPOINT $entrypoint")
+    if [ "$cmd" != null ]; then changes+=(--change "CMD $cmd"); fi
+    for e in "${envs[@]}"; do changes+=(--change "ENV $e"); done
+    root_tar | docker import "${changes[@]}" - "$name" >/dev/null
+}
+
+install_entrypoints() {
+    local root="$1"
+    mkdir -p "$root/usr/local/bin" "$root/usr/local/lib"
+
+    # Same conventions as the official redis image: bare options go to redis-server,
+    # and protected mode is off (clients reach the server through Docker's port mapping).
+    cat >"$root/usr/local/bin/idem-redis-entrypoint" <<'EOF'
+#!/bin/sh
+set -e
+if [ "${1#-}" != "$1" ] || [ "${1%.conf}" != "$1" ]; then
+    set -- redis-server "$@"
+fi
+if [ "$1" = redis-server ]; then
+    shift
+    if [ "${1%.conf}" != "${1:-}" ] && [ -n "${1:-}" ]; then
+        conf="$1"; shift
+        set -- redis-server "$conf" --protected-mode no "$@"
+    else
+        set -- redis-server --protected-mode no "$@"
+    fi
+fi
+exec "$@"
+EOF
+
+    # Same environment as the official postgres image: POSTGRES_PASSWORD,
+    # POSTGRES_USER, POSTGRES_DB, POSTGRES_HOST_AUTH_METHOD, PGDATA; extra
+    # arguments (e.g. `-c fsync=off`) go to the server.
+    cat >"$root/usr/local/bin/idem-postgres-entrypoint" <<'EOF'
+#!/bin/sh
+set -eu
+if [ "${1#-}" != "$1" ]; then
+    set -- postgres "$@"
+fi
+if [ "$1" = postgres ]; then
+    shift
+    : "${PGDATA:=/var/lib/postgresql/data}"
+    if [ ! -s "$PGDATA/PG_VERSION" ]; then
+        user="${POSTGRES_USER:-postgres}"
+        password="${POSTGRES_PASSWORD:-}"
+        method="${POSTGRES_HOST_AUTH_METHOD:-}"
+        if [ -z "$method" ]; then
+            if [ -z "$password" ]; then
+                echo "error: database is uninitialized and POSTGRES_PASSWORD is not set;" >&2
+                echo "       set POSTGRES_PASSWORD, or POSTGRES_HOST_AUTH_METHOD=trust" >&2
+                exit 1
+            fi
+            method=scram-sha-256
+        fi
+        mkdir -p "$PGDATA"
+        chmod 700 "$PGDATA"
+        if [ -n "$password" ]; then
+            pwfile="$(mktemp)"
+            printf '%s\n' "$password" >"$pwfile"
+            initdb -D "$PGDATA" --username="$user" --pwfile="$pwfile" --encoding=UTF8 \
+                --locale=C.UTF-8 --auth-local=trust --auth-host="$method" --no-sync >/dev/null
+            rm -f "$pwfile"
+        else
+            initdb -D "$PGDATA" --username="$user" --encoding=UTF8 \
+                --locale=C.UTF-8 --auth-local=trust --auth-host="$method" --no-sync >/dev/null
+        fi
+        printf 'host all all all %s\n' "$method" >>"$PGDATA/pg_hba.conf"
+        printf "listen_addresses = '*'\n" >>"$PGDATA/postgresql.conf"
+        db="${POSTGRES_DB:-$user}"
+        if [ "$db" != postgres ]; then
+            echo "CREATE DATABASE \"$db\";" | postgres --single -D "$PGDATA" -j postgres >/dev/null
+        fi
+        echo "PostgreSQL init process complete; ready for start up."
+    fi
+    # `docker stop` sends SIGTERM (an import cannot set STOPSIGNAL); turn it into
+    # SIGINT, PostgreSQL's fast shutdown, like the official image's STOPSIGNAL.
+    postgres "$@" &
+    pid=$!
+    trap 'kill -INT "$pid" 2>/dev/null || true' TERM INT
+    status=0
+    while :; do
+        wait "$pid" && status=0 || status=$?
+        kill -0 "$pid" 2>/dev/null || break
+    done
+    exit "$status"
+fi
+exec "$@"
+EOF
+
+    # moto's server on 0.0.0.0:8000 (like amazon/dynamodb-local), one request at a time:
+    # serialising requests gives conditional writes the per-item atomicity DynamoDB
+    # guarantees; moto's threaded server alone could interleave a check and its write.
+    cat >"$root/usr/local/bin/idem-dynamodb-server" <<'EOF'
+#!/opt/moto/bin/python
+import os
+import signal
+import sys
+import threading
+
+from werkzeug.serving import run_simple
+from moto.moto_server.werkzeug_app import (
+    DomainDispatcherApplication,
+    MotoRequestHandler,
+    create_backend_app,
+)
+
+
+def main() -> None:
+    host = os.environ.get("MOTO_HOST", "0.0.0.0")
+    port = int(os.environ.get("MOTO_PORT", "8000"))
+    os.environ["MOTO_PORT"] = str(port)
+    app = DomainDispatcherApplication(create_backend_app)
+    lock = threading.Lock()
+
+    def serialised(environ, start_response):
+        with lock:
+            return list(app(environ, start_response))
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    print(f"moto DynamoDB endpoint listening on {host}:{port}", flush=True)
+    run_simple(host, port, serialised, threaded=True, request_handler=MotoRequestHandler)
+
+
+if __name__ == "__main__":
+    main()
+EOF
+    chmod 755 "$root/usr/local/bin/idem-redis-entrypoint" \
+        "$root/usr/local/bin/idem-postgres-entrypoint" "$root/usr/local/bin/idem-dynamodb-server"
+}
+
+old_ids=()
+for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE"; do
+    id="$(docker image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
+    if [ -n "$id" ]; then old_ids+=("$id"); fi
+done
+
+bake_root
+
+ROOT_IMAGE_ID=""
+import_root
+
+make_image "$REDIS_IMAGE" redis /data 6379 \
+    '["/usr/local/bin/idem-redis-entrypoint"]' '["redis-server"]'
+
+make_image "$POSTGRES_IMAGE" postgres /var/lib/postgresql 5432 \
+    '["/usr/local/bin/idem-postgres-entrypoint"]' '["postgres"]' \
+    PATH=/usr/local/lib/postgresql-bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PGDATA=/var/lib/postgresql/data
+
+make_image "$DYNAMODB_IMAGE" dynamodb /tmp 8000 \
+    '["/usr/local/bin/idem-dynamodb-server"]' null
+
+# The bare import (its layer lives on in the three images), and images replaced
+# by this run; ignore those still used by a container.
+for id in "$ROOT_IMAGE_ID" "${old_ids[@]+"${old_ids[@]}"}"; do
+    docker image rm "$id" >/dev/null 2>&1 || true
+done
+
+log "done in $((SECONDS - START_SECONDS)) s (recipe $RECIPE)"
+print_env >&2

@@ -1,0 +1,204 @@
+#!/usr/bin/env bash
+# The one test command: lints, test servers, every test of the workspace (unit,
+# integration, doc tests, the standalone examples/custom-backend crate), and a
+# final `N passed, M failed` line. Exits non-zero on any failure.
+#
+# Test servers (see docs/testing.md):
+#   - IDEMPOTENCY_TEST_{REDIS_URL,POSTGRES_URL,DYNAMODB_ENDPOINT} set: those servers are used.
+#   - else, with a Docker engine: the official images (or IDEMPOTENCY_TEST_*_IMAGE) when
+#     present or pullable; when a registry is unreachable, images are baked from Debian
+#     packages (scripts/bake-images.sh) and IDEMPOTENCY_TEST_*_IMAGE point at them.
+#
+# Environment:
+#   CARGO_TARGET_DIR          build directory, reused between runs
+#                             (default: $HOME/.cache/idempotency-rs/target)
+#   SKIP_LINT=1               skip `cargo fmt --check` and clippy
+#   IDEMPOTENCY_TEST_IMAGES   auto (default) | official (never bake) | baked (always baked images)
+#   IDEMPOTENCY_TEST_LOG      where the full output goes (default: $CARGO_TARGET_DIR/idempotency-test.log)
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/idempotency-rs/target}"
+mkdir -p "$CARGO_TARGET_DIR"
+LOG="${IDEMPOTENCY_TEST_LOG:-$CARGO_TARGET_DIR/idempotency-test.log}"
+: >"$LOG"
+IMAGES_MODE="${IDEMPOTENCY_TEST_IMAGES:-auto}"
+# Labels every container the harness starts in this run (see conformance-tests/src/containers).
+export IDEMPOTENCY_TEST_RUN_ID="test-sh-$$-$(date +%s)"
+
+say() { printf '==> %s\n' "$*" | tee -a "$LOG" >&2; }
+
+DOCKER_OK=0
+if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then
+    DOCKER_OK=1
+fi
+
+# Removes what is left of this run's containers: the harness's exit watchdogs
+# normally do it within seconds of each test binary's exit.
+sweep_containers() {
+    [ "$DOCKER_OK" = 1 ] || return 0
+    local filter="label=org.idempotency-rs.run=$IDEMPOTENCY_TEST_RUN_ID" ids="" i
+    for i in $(seq 1 30); do
+        ids="$(docker ps -aq --filter "$filter" 2>/dev/null || true)"
+        [ -n "$ids" ] || return 0
+        sleep 1
+    done
+    say "removing containers the watchdogs left behind: $(echo $ids)"
+    # shellcheck disable=SC2086
+    docker rm -fv $ids >/dev/null 2>&1 || true
+}
+trap sweep_containers EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# --- lints (fast failure) ---------------------------------------------------
+if [ "${SKIP_LINT:-0}" != 1 ]; then
+    say "cargo fmt --check"
+    cargo fmt --all --check 2>&1 | tee -a "$LOG"
+    if [ -f examples/custom-backend/Cargo.toml ]; then
+        cargo fmt --manifest-path examples/custom-backend/Cargo.toml --check 2>&1 | tee -a "$LOG"
+    fi
+    say "cargo clippy --workspace --all-targets --all-features -- -D warnings"
+    cargo clippy --workspace --all-targets --all-features -- -D warnings 2>&1 | tee -a "$LOG"
+fi
+
+# --- test servers -------------------------------------------------------------
+# kind  image-variable  official-image  external-variable
+KINDS=(
+    "redis IDEMPOTENCY_TEST_REDIS_IMAGE redis:7 IDEMPOTENCY_TEST_REDIS_URL"
+    "postgres IDEMPOTENCY_TEST_POSTGRES_IMAGE postgres:16 IDEMPOTENCY_TEST_POSTGRES_URL"
+    "dynamodb IDEMPOTENCY_TEST_DYNAMODB_IMAGE amazon/dynamodb-local:latest IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT"
+)
+
+bake() {
+    local runner=()
+    if [ "$(id -u)" != 0 ]; then
+        command -v sudo >/dev/null || { say "baking images needs root (debootstrap, chroot) and there is no sudo"; exit 1; }
+        runner=(sudo --preserve-env=http_proxy,https_proxy,PIP_INDEX_URL,PIP_CERT,TMPDIR)
+    fi
+    say "baking test images from Debian packages (scripts/bake-images.sh)"
+    "${runner[@]+"${runner[@]}"}" bash scripts/bake-images.sh 2>&1 | tee -a "$LOG"
+}
+
+if [ "$DOCKER_OK" = 1 ]; then
+    registry_reachable=""  # unknown until the first pull
+    need_bake=()
+    for entry in "${KINDS[@]}"; do
+        read -r kind image_var official external_var <<<"$entry"
+        if [ -n "${!external_var:-}" ]; then
+            say "$kind: using $external_var=${!external_var}"
+            continue
+        fi
+        image="${!image_var:-$official}"
+        if [ "$IMAGES_MODE" = baked ]; then
+            need_bake+=("$kind $image_var")
+            continue
+        fi
+        if docker image inspect "$image" >/dev/null 2>&1; then
+            say "$kind: image $image is present"
+            continue
+        fi
+        if [ "$registry_reachable" != no ]; then
+            say "$kind: pulling $image"
+            if timeout 120 docker pull --quiet "$image" >>"$LOG" 2>&1; then
+                registry_reachable=yes
+                continue
+            fi
+            # Tell "no registry" from "no such image" with the first failure only.
+            [ "$registry_reachable" = yes ] || registry_reachable=no
+        fi
+        if [ "$IMAGES_MODE" = official ]; then
+            say "$kind: $image is not available and IDEMPOTENCY_TEST_IMAGES=official: its tests will fail"
+            continue
+        fi
+        need_bake+=("$kind $image_var")
+    done
+    if [ "${#need_bake[@]}" -gt 0 ]; then
+        bake
+        baked_env="$(bash scripts/bake-images.sh --print-env)"
+        for entry in "${need_bake[@]}"; do
+            read -r kind image_var <<<"$entry"
+            value="$(printf '%s\n' "$baked_env" | sed -n "s/^$image_var=//p")"
+            export "$image_var=$value"
+            say "$kind: using baked image $value"
+        done
+    fi
+else
+    say "no reachable Docker engine: backend tests fail unless IDEMPOTENCY_TEST_REDIS_URL, \
+IDEMPOTENCY_TEST_POSTGRES_URL and IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT name servers"
+fi
+
+# --- host tools ------------------------------------------------------------------
+# The Redis Cluster and TLS tests of backend-redis start local `redis-server`
+# processes (formed into a cluster with `redis-cli`) and make a CA with `openssl`.
+# Installed from Debian packages when missing; services are not started.
+need_pkgs=()
+command -v redis-server >/dev/null 2>&1 || need_pkgs+=(redis-server)
+command -v redis-cli >/dev/null 2>&1 || need_pkgs+=(redis-tools)
+command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)
+if [ "${#need_pkgs[@]}" -gt 0 ]; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        say "installing ${need_pkgs[*]} (Debian packages) for the Redis cluster and TLS tests"
+        policy_added=0
+        if [ ! -e /usr/sbin/policy-rc.d ]; then
+            # Keep the package scripts from starting a system Redis.
+            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
+            chmod +x /usr/sbin/policy-rc.d
+            policy_added=1
+        fi
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"; } >>"$LOG" 2>&1 \
+            || say "could not install ${need_pkgs[*]}: the Redis cluster/TLS tests will fail and say what is missing"
+        [ "$policy_added" = 1 ] && rm -f /usr/sbin/policy-rc.d
+    else
+        say "missing ${need_pkgs[*]} and cannot apt-get install them: the Redis cluster/TLS tests will fail and say what is missing"
+    fi
+fi
+
+# --- tests ---------------------------------------------------------------------
+status=0
+failed_runs=0
+run_tests() {
+    say "$*"
+    local rc=0
+    "$@" 2>&1 | tee -a "$LOG" || rc=$?
+    if [ "$rc" != 0 ]; then
+        status=1
+        failed_runs=$((failed_runs + 1))
+    fi
+    return 0
+}
+
+START=$SECONDS
+run_tests cargo test --workspace --all-features --no-fail-fast
+if [ -f examples/custom-backend/Cargo.toml ]; then
+    run_tests cargo test --manifest-path examples/custom-backend/Cargo.toml --no-fail-fast
+fi
+# The README's quickstart command must stay true: it exits non-zero unless every
+# event's side effect was applied exactly once.
+say "cargo run --example quickstart"
+if ! cargo run --quiet --example quickstart 2>&1 | tee -a "$LOG"; then
+    status=1
+    failed_runs=$((failed_runs + 1))
+    say "the quickstart failed"
+fi
+sweep_containers
+
+read -r passed failed ignored < <(
+    grep -E '^test result: ' "$LOG" | awk '{
+        for (i = 1; i <= NF; i++) {
+            if ($(i + 1) ~ /^passed;?$/) p += $i
+            if ($(i + 1) ~ /^failed;?$/) f += $i
+            if ($(i + 1) ~ /^ignored;?$/) g += $i
+        }
+    } END { printf "%d %d %d\n", p, f, g }'
+)
+if [ "$status" != 0 ] && [ "$failed" = 0 ]; then
+    # cargo failed without a failing test: a build error or a crashed test binary.
+    say "cargo test failed $failed_runs time(s) without a failing test (build error? see $LOG)"
+    failed=$failed_runs
+fi
+say "tests took $((SECONDS - START)) s; $ignored ignored; full output in $LOG"
+echo "$passed passed, $failed failed"
+[ "$status" = 0 ] && [ "$failed" = 0 ]
