@@ -62,6 +62,8 @@ if [ "${SKIP_LINT:-0}" != 1 ]; then
     fi
     say "cargo clippy --workspace --all-targets --all-features -- -D warnings"
     cargo clippy --workspace --all-targets --all-features -- -D warnings 2>&1 | tee -a "$LOG"
+    say "cargo doc --workspace --all-features --no-deps (warnings are errors)"
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --all-features --no-deps --quiet 2>&1 | tee -a "$LOG"
 fi
 
 # --- test servers -------------------------------------------------------------

@@ -12,7 +12,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 ///
 /// Store failures are split by what a caller should do: [`Error::Unavailable`] and
 /// [`Error::Timeout`] are retryable ([`Error::is_retryable`]);
-/// [`Error::Corrupt`], [`Error::Config`] and [`Error::ResultTooLarge`] are not.
+/// [`Error::Corrupt`], [`Error::Config`] and [`Error::TooLarge`] are not.
 /// Outcomes of the state machine that are not the handler's (a duplicate in
 /// flight, a reused key) are variants too, so one `match` covers them.
 #[derive(Debug, thiserror::Error)]
