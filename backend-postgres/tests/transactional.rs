@@ -70,6 +70,26 @@ impl World {
             .map(|r| r.status)
     }
 
+    /// Waits (bounded, polling the server) until some session is blocked on a
+    /// lock held by the backend `holder`: the duplicate is queued behind the open
+    /// transaction, not answered and not running.
+    async fn wait_until_blocked_by(&self, holder: i32) {
+        for _ in 0..2000 {
+            let (waiting,): (i64,) = sqlx::query_as(
+                "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))",
+            )
+            .bind(holder)
+            .fetch_one(self.repo.pool())
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        panic!("no session queued behind backend {holder} within 10 s");
+    }
+
     async fn drop_orders(&self) {
         sqlx::query(&format!("DROP TABLE {}", self.orders))
             .execute(self.repo.pool())
@@ -79,6 +99,15 @@ impl World {
 }
 
 /// A handler that inserts an order and counts its runs.
+/// The server process id of the handler's connection (its transaction's owner).
+async fn backend_pid(conn: &mut PgConnection) -> i32 {
+    let (pid,): (i32,) = sqlx::query_as("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    pid
+}
+
 fn insert_order(
     table: String,
     id: &'static str,
@@ -269,7 +298,7 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
     let w = World::new().await;
     let m = w.manager(Config::default());
     let runs = Arc::new(AtomicUsize::new(0));
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<i32>();
     let (finish_tx, finish_rx) = tokio::sync::oneshot::channel::<()>();
 
     let first = {
@@ -284,7 +313,7 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
                     .execute(&mut *conn)
                     .await
                     .map_err(|e| HandlerError::transient(e.to_string()))?;
-                    started_tx.send(()).unwrap();
+                    started_tx.send(backend_pid(conn).await).unwrap();
                     finish_rx.await.unwrap();
                     Ok::<_, HandlerError<String>>("receipt-o4".to_owned())
                 })
@@ -292,7 +321,7 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
             .await
         })
     };
-    started_rx.await.unwrap();
+    let holder = started_rx.await.unwrap();
 
     let second = {
         let (m, orders, runs) = (m.clone(), w.orders.clone(), runs.clone());
@@ -303,7 +332,7 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
     };
     // The duplicate is blocked on the row lock while the first transaction is open
     // (it neither runs the handler nor answers InProgress).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.wait_until_blocked_by(holder).await;
     assert!(
         !second.is_finished(),
         "the duplicate did not wait for the open transaction"
@@ -331,14 +360,14 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
 async fn duplicate_runs_after_the_open_transaction_rolls_back() {
     let w = World::new().await;
     let m = w.manager(Config::default());
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<i32>();
     let (finish_tx, finish_rx) = tokio::sync::oneshot::channel::<()>();
     let first = {
         let m = m.clone();
         tokio::spawn(async move {
-            m.execute("order-5", &5, move |_conn: &mut PgConnection| {
+            m.execute("order-5", &5, move |conn: &mut PgConnection| {
                 Box::pin(async move {
-                    started_tx.send(()).unwrap();
+                    started_tx.send(backend_pid(conn).await).unwrap();
                     finish_rx.await.unwrap();
                     Err::<String, _>(HandlerError::new("boom".to_owned()))
                 })
@@ -346,7 +375,7 @@ async fn duplicate_runs_after_the_open_transaction_rolls_back() {
             .await
         })
     };
-    started_rx.await.unwrap();
+    let holder = started_rx.await.unwrap();
     let runs = Arc::new(AtomicUsize::new(0));
     let second = {
         let (m, orders, runs) = (m.clone(), w.orders.clone(), runs.clone());
@@ -355,7 +384,7 @@ async fn duplicate_runs_after_the_open_transaction_rolls_back() {
                 .await
         })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    w.wait_until_blocked_by(holder).await;
     assert!(!second.is_finished());
     finish_tx.send(()).unwrap();
     assert!(matches!(
