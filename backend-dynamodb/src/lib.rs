@@ -140,3 +140,7 @@ pub use connect::connect;
 pub use counter::RequestCounter;
 pub use item::AttributeNames;
 pub use repository::DynamoDbRepository;
+
+/// The AWS SDK this backend is built on, for building clients and requests of
+/// the same version.
+pub use aws_sdk_dynamodb;

@@ -212,6 +212,7 @@ mod options;
 mod repository;
 mod transaction;
 
+pub use names::Statements;
 pub use repository::{PgRepository, PgRepositoryBuilder, ENV_URL_VARS};
 pub use transaction::{PgTransactionRepository, PgTransactionalManager};
 

@@ -14,11 +14,18 @@ struct Migration {
 }
 
 /// Every migration, in order. Never edit an applied one: append a new version.
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "records table, expires_at index, reserve function",
-    sql: include_str!("sql/0001_records.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "records table, expires_at index, reserve function",
+        sql: include_str!("sql/0001_records.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "reserve answers duplicates of live records without a row lock",
+        sql: include_str!("sql/0002_read_only_duplicates.sql"),
+    },
+];
 
 /// The advisory lock every `migrate()` of this crate takes (two `int4` keys:
 /// "idem" and "pg  " in ASCII). One lock for all schemas and tables: migrations

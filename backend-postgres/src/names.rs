@@ -46,8 +46,11 @@ fn quote(name: &str) -> String {
 ///
 /// Keeping the exact strings stable lets sqlx reuse its per-connection prepared
 /// statements.
+/// The SQL a [`PgRepository`](crate::PgRepository) runs, rendered once for its
+/// schema and table: review it, `EXPLAIN` it, or allow-list it in a proxy. Each
+/// operation is this one statement, prepared once per connection.
 #[derive(Debug)]
-pub(crate) struct Statements {
+pub struct Statements {
     pub(crate) schema: String,
     pub(crate) table: String,
     /// `"schema"."table"`.
@@ -69,6 +72,55 @@ const RECORD_COLUMNS: &str =
     "status, owner, attempt, fingerprint, result, error, lease_until, expires_at, created_at, updated_at";
 
 impl Statements {
+    /// `reserve`: a call of the reservation function, binding namespace, id,
+    /// owner, fingerprint, now, lease cutoff, lease end, expiry and retry-failed;
+    /// it answers `acquired` and the record's columns.
+    pub fn reserve(&self) -> &str {
+        &self.reserve
+    }
+
+    /// `complete`: the owner-checked `UPDATE` binding namespace, id, owner,
+    /// result, expiry and now.
+    pub fn complete(&self) -> &str {
+        &self.complete
+    }
+
+    /// `fail`: as [`complete`](Self::complete), storing the error.
+    pub fn fail(&self) -> &str {
+        &self.fail
+    }
+
+    /// `release`: the owner-checked `DELETE` binding namespace, id, owner and now.
+    pub fn release(&self) -> &str {
+        &self.release
+    }
+
+    /// `extend`: the owner-checked `UPDATE` binding namespace, id, owner, lease
+    /// end and now.
+    pub fn extend(&self) -> &str {
+        &self.extend
+    }
+
+    /// `get`: the `SELECT` of a live record binding namespace, id and now.
+    pub fn get(&self) -> &str {
+        &self.get
+    }
+
+    /// `delete`: the `DELETE` binding namespace and id.
+    pub fn delete(&self) -> &str {
+        &self.delete
+    }
+
+    /// `purge_expired`: the batched `DELETE` binding now and the limit.
+    pub fn purge_expired(&self) -> &str {
+        &self.purge
+    }
+
+    /// The quoted, schema-qualified table name.
+    pub fn qualified_table(&self) -> &str {
+        &self.qualified
+    }
+
     /// Validates the names and renders the statements.
     pub(crate) fn new(schema: &str, table: &str) -> Result<Self, Error> {
         validate("schema", schema, MAX_SCHEMA_BYTES)?;

@@ -138,7 +138,18 @@ impl PgRepository {
         PgTransactionRepository::new(self, conn)
     }
 
-    pub(crate) fn statements(&self) -> &Statements {
+    /// The SQL of each operation, e.g. to review or `EXPLAIN` it.
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let repo = idempotency_postgres::PgRepository::builder()
+    ///     .connect_lazy("postgres://app@127.0.0.1/app")?;
+    /// assert!(repo.statements().reserve().contains("idempotency_records_reserve"));
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn statements(&self) -> &Statements {
         &self.sql
     }
 

@@ -69,7 +69,7 @@ async fn concurrent_migrate_applies_once() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1]);
+    assert_eq!(versions, vec![1, 2]);
 
     // Idempotent: again, and the table works.
     let repo = PgRepository::builder()

@@ -13,144 +13,26 @@
 mod common;
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use idempotency_conformance::containers::WireCounter;
 use idempotency_core::{
     Clock, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock, Timestamp,
 };
 use idempotency_postgres::PgRepository;
 use sqlx::{Connection, PgConnection};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
 
 const TABLE: &str = "idem_statements";
 
 // ------------------------------------------------------------------ proxy
 
-/// Counts the messages clients send, by type byte.
-#[derive(Clone, Default)]
-struct Counts(Arc<Mutex<BTreeMap<char, u64>>>);
-
-impl Counts {
-    fn snapshot(&self) -> BTreeMap<char, u64> {
-        self.0.lock().unwrap().clone()
-    }
-
-    fn since(&self, before: &BTreeMap<char, u64>) -> BTreeMap<char, u64> {
-        self.snapshot()
-            .into_iter()
-            .map(|(k, v)| (k, v - before.get(&k).copied().unwrap_or(0)))
-            .filter(|(_, v)| *v > 0)
-            .collect()
-    }
-}
-
-/// Incremental parser of the frontend side of the protocol.
-struct Parser {
-    started: bool,
-    buf: Vec<u8>,
-    counts: Counts,
-}
-
-impl Parser {
-    fn feed(&mut self, data: &[u8]) {
-        self.buf.extend_from_slice(data);
-        loop {
-            if !self.started {
-                // Untyped: SSLRequest / GSSENCRequest / StartupMessage.
-                if self.buf.len() < 8 {
-                    return;
-                }
-                let len = u32::from_be_bytes(self.buf[0..4].try_into().unwrap()) as usize;
-                if self.buf.len() < len {
-                    return;
-                }
-                let code = u32::from_be_bytes(self.buf[4..8].try_into().unwrap());
-                self.started = code == 196_608; // protocol 3.0
-                self.buf.drain(..len);
-            } else {
-                if self.buf.len() < 5 {
-                    return;
-                }
-                let len = u32::from_be_bytes(self.buf[1..5].try_into().unwrap()) as usize;
-                if self.buf.len() < 1 + len {
-                    return;
-                }
-                *self
-                    .counts
-                    .0
-                    .lock()
-                    .unwrap()
-                    .entry(char::from(self.buf[0]))
-                    .or_default() += 1;
-                self.buf.drain(..=len);
-            }
-        }
-    }
-}
-
-/// Starts a counting proxy to `target`; returns its port.
-async fn start_proxy(target: (String, u16), counts: Counts) -> u16 {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        loop {
-            let Ok((client, _)) = listener.accept().await else {
-                return;
-            };
-            let target = target.clone();
-            let counts = counts.clone();
-            tokio::spawn(async move {
-                let Ok(server) = TcpStream::connect((target.0.as_str(), target.1)).await else {
-                    return;
-                };
-                let (mut cr, mut cw) = client.into_split();
-                let (mut sr, mut sw) = server.into_split();
-                let upstream = async move {
-                    let mut parser = Parser {
-                        started: false,
-                        buf: Vec::new(),
-                        counts,
-                    };
-                    let mut chunk = vec![0u8; 64 * 1024];
-                    loop {
-                        let n = match cr.read(&mut chunk).await {
-                            Ok(0) | Err(_) => break,
-                            Ok(n) => n,
-                        };
-                        parser.feed(&chunk[..n]);
-                        if sw.write_all(&chunk[..n]).await.is_err() {
-                            break;
-                        }
-                    }
-                    let _ = sw.shutdown().await;
-                };
-                let downstream = async move {
-                    let _ = tokio::io::copy(&mut sr, &mut cw).await;
-                    let _ = cw.shutdown().await;
-                };
-                tokio::join!(upstream, downstream);
-            });
-        }
-    });
-    port
-}
-
-/// The server URL and the same URL through a new counting proxy.
-async fn proxied() -> (String, String, Counts) {
-    let direct = common::server_url().await;
-    let parsed = url::Url::parse(&direct).unwrap();
-    let host = parsed.host_str().unwrap_or("localhost").to_owned();
-    let port = parsed.port().unwrap_or(5432);
-    let counts = Counts::default();
-    let proxy_port = start_proxy((host, port), counts.clone()).await;
-    let mut via = parsed.clone();
-    via.set_host(Some("127.0.0.1")).unwrap();
-    via.set_port(Some(proxy_port)).unwrap();
-    // Plain text, so the proxy can read the messages.
-    via.query_pairs_mut().append_pair("sslmode", "disable");
-    (direct, via.to_string(), counts)
+/// The same server through a new counting proxy (plain text, so the proxy can
+/// read the messages).
+async fn proxied() -> (String, WireCounter) {
+    let counter = WireCounter::postgres(&common::server_url().await)
+        .await
+        .unwrap();
+    (counter.url().to_owned(), counter)
 }
 
 fn request(key: &RecordKey, now: Timestamp, lease: Duration) -> ReserveRequest<'_> {
@@ -187,7 +69,7 @@ macro_rules! measured {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_is_one_statement_in_one_round_trip() {
-    let (_, via, counts) = proxied().await;
+    let (via, counts) = proxied().await;
     let repo = common::repository(TABLE).await;
     let mut conn = PgConnection::connect(&via).await.unwrap();
     let ns = common::unique("rt");
@@ -378,7 +260,7 @@ async fn settled(repo: &PgRepository) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_operations_execute_one_statement_each() {
-    let (_, via, counts) = proxied().await;
+    let (via, counts) = proxied().await;
     common::repository(TABLE).await; // migrated
     let repo = PgRepository::builder()
         .table(TABLE)
@@ -578,4 +460,87 @@ async fn server_counts_one_transaction_per_operation() {
         .execute(&admin)
         .await
         .unwrap();
+}
+
+/// Whether the reserve call of `req`, run inside a transaction that is then
+/// rolled back, assigned a transaction id (took a row lock or wrote).
+async fn reserve_writes(repo: &PgRepository, req: &ReserveRequest<'_>) -> (bool, bool) {
+    let mut tx = repo.pool().begin().await.unwrap();
+    let row = sqlx::query(repo.statements().reserve())
+        .bind(req.key.namespace().as_bytes())
+        .bind(req.key.id().as_bytes())
+        .bind(req.owner.to_bytes().to_vec())
+        .bind(req.fingerprint.map(|f| f.as_bytes().to_vec()))
+        .bind(i64::try_from(req.now.as_millis()).unwrap())
+        .bind(i64::try_from(req.lease_cutoff().as_millis()).unwrap())
+        .bind(i64::try_from(req.lease_until.as_millis()).unwrap())
+        .bind(i64::try_from(req.expires_at.as_millis()).unwrap())
+        .bind(req.retry_failed)
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let acquired: bool = sqlx::Row::get(&row, 0);
+    let xid: Option<String> = sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    (acquired, xid.is_some())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_of_live_records_are_read_only() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("ro");
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let done = RecordKey::new(ns.as_str(), "done", 1024).unwrap();
+    let held = RecordKey::new(ns.as_str(), "held", 1024).unwrap();
+    let stale = RecordKey::new(ns.as_str(), "stale", 1024).unwrap();
+    let fresh = RecordKey::new(ns.as_str(), "fresh", 1024).unwrap();
+    let first = request(&done, t, lease);
+    let done_owner = first.owner;
+    assert!(matches!(
+        repo.reserve(first).await.unwrap(),
+        Reservation::Acquired { .. }
+    ));
+    repo.complete(
+        &done,
+        done_owner,
+        Some(b"r"),
+        t + Duration::from_secs(3600),
+        t,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        repo.reserve(request(&held, t, lease)).await.unwrap(),
+        Reservation::Acquired { .. }
+    ));
+    assert!(matches!(
+        repo.reserve(request(&stale, t, Duration::from_millis(1)))
+            .await
+            .unwrap(),
+        Reservation::Acquired { .. }
+    ));
+    let later = t + Duration::from_millis(10);
+
+    // Duplicates of a completed record and of a live lease: no lock, no xid.
+    assert_eq!(
+        reserve_writes(&repo, &request(&done, later, lease)).await,
+        (false, false)
+    );
+    assert_eq!(
+        reserve_writes(&repo, &request(&held, later, lease)).await,
+        (false, false)
+    );
+    // A takeover of a stale lease and a fresh key still write, under the lock.
+    assert_eq!(
+        reserve_writes(&repo, &request(&stale, later, lease)).await,
+        (true, true)
+    );
+    assert_eq!(
+        reserve_writes(&repo, &request(&fresh, later, lease)).await,
+        (true, true)
+    );
 }

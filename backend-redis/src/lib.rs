@@ -177,6 +177,7 @@ pub use options::{
     RedisOptions, ReserveStrategy, DEFAULT_MAX_RESULT_BYTES, REDIS_HARD_MAX_RESULT_BYTES,
 };
 pub use repository::{RedisRepository, MAX_ID_BYTES};
+pub use scripts::LuaScript;
 
 /// The `redis` crate this backend is built on, for building clients and
 /// connection managers of the same version.

@@ -259,6 +259,23 @@ impl RedisRepository {
         key.encode()
     }
 
+    /// The Lua scripts this repository runs (`EVALSHA`, falling back to `EVAL`
+    /// after `NOSCRIPT`): `reserve` (only for takeovers, or on Redis < 7 where
+    /// `SET … NX … GET` is rejected), `finish`, `release` and `extend`.
+    ///
+    /// ```no_run
+    /// # async fn show() -> Result<(), idempotency_core::Error> {
+    /// let repo = idempotency_redis::RedisRepository::connect("redis://127.0.0.1:6379").await?;
+    /// for script in repo.scripts() {
+    ///     println!("{} {} ({} bytes)", script.name(), script.sha(), script.source().len());
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn scripts(&self) -> [&LuaScript; 4] {
+        self.scripts.all()
+    }
+
     /// Loads every script into the server's script cache (`SCRIPT LOAD`; on a
     /// cluster, on every primary), so that no call meets `NOSCRIPT` until the
     /// cache is emptied again (restart, `SCRIPT FLUSH`, failover) — after which

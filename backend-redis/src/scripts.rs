@@ -105,15 +105,36 @@ redis.call('SET', KEYS[1],
 return 1
 "#;
 
-/// One script: its source and SHA-1, computed once.
+/// One of the backend's Lua scripts: its name, source and SHA-1 (computed once).
+///
+/// Exposed so that deployments can review the scripts or preload them with
+/// `SCRIPT LOAD` (e.g. when the application's ACL does not allow `SCRIPT`), and so
+/// that benchmarks can issue the same commands without the library; see
+/// [`RedisRepository::scripts`](crate::RedisRepository::scripts).
 #[derive(Debug, Clone)]
-pub(crate) struct LuaScript {
+pub struct LuaScript {
     pub(crate) name: &'static str,
     pub(crate) source: String,
     pub(crate) sha: String,
 }
 
 impl LuaScript {
+    /// The script's name: `reserve`, `finish` (complete and fail), `release` or
+    /// `extend`.
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The full Lua source, as sent with `EVAL` or `SCRIPT LOAD`.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// The SHA-1 of the source, in lowercase hex, as used with `EVALSHA`.
+    pub fn sha(&self) -> &str {
+        &self.sha
+    }
+
     fn new(name: &'static str, body: &str) -> Self {
         let source = format!("{PRELUDE}{body}");
         let sha = Script::new(&source).get_hash().to_owned();

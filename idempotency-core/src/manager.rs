@@ -19,7 +19,7 @@ use crate::decision::{
 };
 use crate::error::Error;
 use crate::key::{Fingerprint, OwnerToken, RecordKey};
-use crate::metrics::{self as m, ActiveKey};
+use crate::metrics::{Counter, Metrics, Op};
 use crate::repository::{Capabilities, Reservation, ReserveRequest, SharedRepository};
 use crate::time::{Clock, SystemClock, Timestamp};
 
@@ -228,6 +228,7 @@ struct Inner {
     config: Config,
     clock: Arc<dyn Clock>,
     caps: Capabilities,
+    metrics: Metrics,
 }
 
 impl fmt::Debug for Inner {
@@ -331,6 +332,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 repo,
                 config,
                 clock,
+                metrics: Metrics::new(caps.backend),
                 caps,
             }),
             namespace,
@@ -346,6 +348,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             config: self.inner.config.clone(),
             clock,
             caps: self.inner.caps.clone(),
+            metrics: Metrics::new(self.inner.caps.backend),
         };
         IdempotencyManager {
             inner: Arc::new(inner),
@@ -457,7 +460,6 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        let backend = self.inner.caps.backend;
         let config = &self.inner.config;
         let wait_deadline = match config.in_progress {
             InProgressPolicy::Wait { timeout, .. } => Some(tokio::time::Instant::now() + timeout),
@@ -478,7 +480,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             };
             let started = Instant::now();
             let reserved = self.inner.repo.reserve(request).await;
-            m::operation(backend, "reserve", started.elapsed(), reserved.is_ok());
+            self.inner
+                .metrics
+                .operation(Op::Reserve, started.elapsed(), reserved.is_ok());
             let existing = match reserved {
                 Ok(Reservation::Acquired { attempt }) => break (owner, attempt),
                 Ok(Reservation::Existing(record)) => record,
@@ -486,7 +490,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                     if e.is_store_outage() && config.on_store_outage == OutagePolicy::FailOpen =>
                 {
                     tracing::warn!(error = %e, "store unavailable; running the handler unprotected (fail-open)");
-                    m::count(m::FAIL_OPEN, backend);
+                    self.inner.metrics.count(Counter::FailOpen);
                     tracing::Span::current().record("outcome", "unprotected");
                     return match handler().await {
                         Ok(v) => Ok(Outcome::Unprotected(v)),
@@ -506,16 +510,16 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                         continue;
                     }
                 }
-                m::count(m::DUPLICATES_BLOCKED, backend);
+                self.inner.metrics.count(Counter::DuplicatesBlocked);
                 tracing::Span::current().record("outcome", "in_progress");
                 return Err(Error::InProgress { key, retry_after }.into());
             }
-            m::count(m::DUPLICATES_BLOCKED, backend);
+            self.inner.metrics.count(Counter::DuplicatesBlocked);
             return self.answer_duplicate(key, decision);
         };
 
-        m::count(m::CACHE_MISSES, backend);
-        let _active = ActiveKey::new(backend);
+        self.inner.metrics.count(Counter::CacheMisses);
+        let _active = self.inner.metrics.active();
         tracing::debug!(attempt, "acquired");
         let mut guard = ReleaseGuard {
             repo: Some(self.inner.repo.clone()),
@@ -549,11 +553,10 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     where
         T: DeserializeOwned,
     {
-        let backend = self.inner.caps.backend;
         let span = tracing::Span::current();
         match decision {
             DuplicateDecision::Replay(bytes) => {
-                m::count(m::CACHE_HITS, backend);
+                self.inner.metrics.count(Counter::CacheHits);
                 span.record("outcome", "cached");
                 Ok(Outcome::Cached(self.codec.decode(&bytes)?))
             }
@@ -607,7 +610,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                     let until = now + self.inner.config.processing_timeout;
                     let started = Instant::now();
                     let r = self.inner.repo.extend(key, owner, until, now).await;
-                    m::operation(self.inner.caps.backend, "extend", started.elapsed(), r.is_ok());
+                    self.inner.metrics.operation(Op::Extend, started.elapsed(), r.is_ok());
                     match r {
                         Ok(()) => tracing::trace!(lease_until = %until, "lease extended"),
                         Err(Error::LeaseLost { .. }) => {
@@ -669,14 +672,16 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 .repo
                 .complete(key, owner, result, now + config.ttl, now)
                 .await;
-            m::operation(backend, "complete", started.elapsed(), r.is_ok());
+            self.inner
+                .metrics
+                .operation(Op::Complete, started.elapsed(), r.is_ok());
             match r {
                 Ok(()) => {
                     tracing::Span::current().record("outcome", "executed");
                     return Outcome::Executed(value);
                 }
                 Err(Error::LeaseLost { .. }) => {
-                    m::count(m::LEASE_LOST, backend);
+                    self.inner.metrics.count(Counter::LeaseLost);
                     tracing::Span::current().record("outcome", "lease_lost");
                     tracing::warn!("handler finished after its lease was taken over");
                     return Outcome::LeaseLost(value);
@@ -711,7 +716,6 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         err: &HandlerError<E>,
     ) {
         let config = &self.inner.config;
-        let backend = self.inner.caps.backend;
         let action = failure_action(err.kind(), config.failure_policy);
         for pause in std::iter::once(Duration::ZERO).chain(FINISH_RETRY_PAUSES) {
             if !pause.is_zero() {
@@ -721,7 +725,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             let started = Instant::now();
             let (op, r) = match action {
                 FailureAction::Release => {
-                    ("release", self.inner.repo.release(key, owner, now).await)
+                    (Op::Release, self.inner.repo.release(key, owner, now).await)
                 }
                 FailureAction::StoreFailed => {
                     let limit = self
@@ -737,21 +741,23 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                         .repo
                         .fail(key, owner, Some(message.as_bytes()), now + config.ttl, now)
                         .await;
-                    ("fail", r)
+                    (Op::Fail, r)
                 }
             };
-            m::operation(backend, op, started.elapsed(), r.is_ok());
+            self.inner
+                .metrics
+                .operation(op, started.elapsed(), r.is_ok());
             match r {
                 Ok(()) => return,
                 Err(Error::LeaseLost { .. }) => {
-                    m::count(m::LEASE_LOST, backend);
+                    self.inner.metrics.count(Counter::LeaseLost);
                     return;
                 }
                 Err(e) if e.is_retryable() => {
-                    tracing::warn!(error = %e, operation = op, "could not record the handler failure; retrying");
+                    tracing::warn!(error = %e, operation = op.as_str(), "could not record the handler failure; retrying");
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, operation = op, "could not record the handler failure; the record stays Processing until its lease ends");
+                    tracing::error!(error = %e, operation = op.as_str(), "could not record the handler failure; the record stays Processing until its lease ends");
                     return;
                 }
             }

@@ -1,0 +1,269 @@
+//! Command-line options.
+
+use std::path::PathBuf;
+
+use crate::driver::Plan;
+use crate::BoxError;
+
+/// The usage text.
+pub const USAGE: &str = "\
+idempotency-bench: every store of idempotency-rs against its raw client, interleaved
+
+USAGE: cargo run --release -p idempotency-bench -- [OPTIONS]
+
+OPTIONS:
+  --backends LIST         memory,redis,postgres,dynamodb (default: all compiled in)
+  --ops N                 measured operations per variant, scenario and concurrency
+                          (default 20000; split over the rounds)
+  --memory-ops N          the same for the in-memory store (default 400000)
+  --dynamodb-ops N        the same for DynamoDB (default 2000; emulators are slow)
+  --concurrency LIST      tasks issuing operations at once (default 1,64)
+  --rounds N              measured rounds per variant, alternating A B B A … (default 4)
+  --warmup N              unmeasured operations per variant first (default ops/10, ≤ 2000)
+  --count-ops N           operations of the untimed round-trip counting pass (default 200)
+  --redis-url URL         Redis server (default $IDEMPOTENCY_BENCH_REDIS_URL, else the
+                          test harness: $IDEMPOTENCY_TEST_REDIS_URL or a container)
+  --postgres-url URL      PostgreSQL server (default $IDEMPOTENCY_BENCH_POSTGRES_URL, else
+                          the harness)
+  --postgres-pool N       connections in the pool shared by library and raw (default 32)
+  --dynamodb-endpoint URL DynamoDB-compatible endpoint (default
+                          $IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT, else the harness)
+  --dynamodb-region R     region for the endpoint (default us-east-1)
+  --out DIR               where results.{json,md} and chart.svg go (default
+                          $CARGO_TARGET_DIR/bench, else target/bench)
+  --quick                 a short run (2000 ops, 2 rounds): checks the setup, not speed
+  -h, --help              this text
+";
+
+/// Parsed options.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Backends to run, in order.
+    pub backends: Vec<String>,
+    /// The plan for network stores.
+    pub plan: Plan,
+    /// Measured operations for the memory store.
+    pub memory_ops: usize,
+    /// Measured operations for DynamoDB.
+    pub dynamodb_ops: usize,
+    /// Redis URL, if given.
+    pub redis_url: Option<String>,
+    /// PostgreSQL URL, if given.
+    pub postgres_url: Option<String>,
+    /// Pool size for PostgreSQL.
+    pub postgres_pool: u32,
+    /// DynamoDB endpoint, if given.
+    pub dynamodb_endpoint: Option<String>,
+    /// DynamoDB region.
+    pub dynamodb_region: String,
+    /// Output directory.
+    pub out: PathBuf,
+    /// `--help` was asked for.
+    pub help: bool,
+}
+
+/// Backends compiled into this binary.
+pub fn compiled_backends() -> Vec<String> {
+    let mut all = vec!["memory"];
+    if cfg!(feature = "redis") {
+        all.push("redis");
+    }
+    if cfg!(feature = "postgres") {
+        all.push("postgres");
+    }
+    if cfg!(feature = "dynamodb") {
+        all.push("dynamodb");
+    }
+    all.into_iter().map(str::to_owned).collect()
+}
+
+fn default_out() -> PathBuf {
+    match std::env::var_os("CARGO_TARGET_DIR") {
+        Some(dir) => PathBuf::from(dir).join("bench"),
+        None => PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("..")
+            .join("target")
+            .join("bench"),
+    }
+}
+
+fn number<T: std::str::FromStr>(flag: &str, value: &str) -> Result<T, BoxError> {
+    value
+        .parse()
+        .map_err(|_| format!("{flag}: {value:?} is not a valid number").into())
+}
+
+fn list(value: &str) -> Vec<String> {
+    value
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+impl Args {
+    /// Parses `args` (without the program name), with `env` for defaults.
+    ///
+    /// # Errors
+    /// Unknown flags, missing values, bad numbers, unknown backends.
+    pub fn parse(
+        args: impl IntoIterator<Item = String>,
+        env: impl Fn(&str) -> Option<String>,
+    ) -> Result<Self, BoxError> {
+        let mut a = Args {
+            backends: compiled_backends(),
+            plan: Plan {
+                ops: 20_000,
+                rounds: 4,
+                warmup: 0,
+                count_ops: 200,
+                concurrencies: vec![1, 64],
+            },
+            memory_ops: 400_000,
+            dynamodb_ops: 2_000,
+            redis_url: env("IDEMPOTENCY_BENCH_REDIS_URL"),
+            postgres_url: env("IDEMPOTENCY_BENCH_POSTGRES_URL"),
+            postgres_pool: 32,
+            dynamodb_endpoint: env("IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT"),
+            dynamodb_region: "us-east-1".to_owned(),
+            out: default_out(),
+            help: false,
+        };
+        let mut warmup = None;
+        let mut it = args.into_iter();
+        while let Some(flag) = it.next() {
+            if flag == "-h" || flag == "--help" {
+                a.help = true;
+                continue;
+            }
+            if flag == "--quick" {
+                a.plan.ops = 2_000;
+                a.plan.rounds = 2;
+                a.plan.count_ops = 50;
+                a.memory_ops = 20_000;
+                a.dynamodb_ops = 200;
+                continue;
+            }
+            let (flag, inline) = match flag.split_once('=') {
+                Some((f, v)) => (f.to_owned(), Some(v.to_owned())),
+                None => (flag, None),
+            };
+            let mut value = || {
+                inline
+                    .clone()
+                    .or_else(|| it.next())
+                    .ok_or_else(|| BoxError::from(format!("{flag} needs a value")))
+            };
+            match flag.as_str() {
+                "--backends" => a.backends = list(&value()?),
+                "--ops" => a.plan.ops = number(&flag, &value()?)?,
+                "--memory-ops" => a.memory_ops = number(&flag, &value()?)?,
+                "--dynamodb-ops" => a.dynamodb_ops = number(&flag, &value()?)?,
+                "--rounds" => a.plan.rounds = number(&flag, &value()?)?,
+                "--warmup" => warmup = Some(number(&flag, &value()?)?),
+                "--count-ops" => a.plan.count_ops = number(&flag, &value()?)?,
+                "--concurrency" => {
+                    a.plan.concurrencies = list(&value()?)
+                        .iter()
+                        .map(|c| number::<usize>(&flag, c))
+                        .collect::<Result<_, _>>()?;
+                }
+                "--redis-url" => a.redis_url = Some(value()?),
+                "--postgres-url" => a.postgres_url = Some(value()?),
+                "--postgres-pool" => a.postgres_pool = number(&flag, &value()?)?,
+                "--dynamodb-endpoint" => a.dynamodb_endpoint = Some(value()?),
+                "--dynamodb-region" => a.dynamodb_region = value()?,
+                "--out" => a.out = PathBuf::from(value()?),
+                other => return Err(format!("unknown option {other}; see --help").into()),
+            }
+        }
+        let compiled = compiled_backends();
+        if let Some(unknown) = a.backends.iter().find(|b| !compiled.contains(b)) {
+            return Err(format!(
+                "backend {unknown:?} is not compiled into this binary (have: {})",
+                compiled.join(", ")
+            )
+            .into());
+        }
+        if a.plan.concurrencies.is_empty() || a.plan.concurrencies.contains(&0) {
+            return Err("--concurrency needs positive numbers".into());
+        }
+        if a.plan.ops == 0 || a.plan.rounds == 0 || a.memory_ops == 0 || a.dynamodb_ops == 0 {
+            return Err("operation counts and --rounds must be positive".into());
+        }
+        a.plan.warmup = warmup.unwrap_or((a.plan.ops / 10).min(2_000));
+        Ok(a)
+    }
+
+    /// The plan for `backend`: its operation count, the rest shared.
+    pub fn plan_for(&self, backend: &str) -> Plan {
+        let mut plan = self.plan.clone();
+        let ops = match backend {
+            "memory" => self.memory_ops,
+            "dynamodb" => self.dynamodb_ops,
+            _ => return plan,
+        };
+        plan.ops = ops;
+        plan.warmup = (ops / 10).min(if backend == "memory" { 20_000 } else { 200 });
+        plan
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Args, BoxError> {
+        Args::parse(args.iter().map(|s| (*s).to_owned()), |_| None)
+    }
+
+    #[test]
+    fn defaults_follow_the_issue() {
+        let a = parse(&[]).unwrap();
+        assert_eq!(a.plan.concurrencies, vec![1, 64]);
+        assert_eq!(a.plan.ops, 20_000);
+        assert_eq!(a.plan.warmup, 2_000);
+        assert_eq!(a.backends[0], "memory");
+        assert!(a.out.ends_with("bench"));
+    }
+
+    #[test]
+    fn flags_take_separate_or_inline_values() {
+        let a = parse(&[
+            "--backends",
+            "memory",
+            "--ops=100",
+            "--concurrency",
+            "1,16,64",
+        ])
+        .unwrap();
+        assert_eq!(a.backends, vec!["memory"]);
+        assert_eq!(a.plan.ops, 100);
+        assert_eq!(a.plan.warmup, 10);
+        assert_eq!(a.plan.concurrencies, vec![1, 16, 64]);
+        assert_eq!(a.plan_for("memory").ops, 400_000);
+    }
+
+    #[test]
+    fn bad_input_is_an_error_not_a_panic() {
+        for bad in [
+            &["--ops", "many"][..],
+            &["--ops"],
+            &["--concurrency", "0"],
+            &["--backends", "cassandra"],
+            &["--frobnicate"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn urls_come_from_the_environment() {
+        let a = Args::parse(Vec::new(), |k| {
+            (k == "IDEMPOTENCY_BENCH_REDIS_URL").then(|| "redis://10.0.0.1".to_owned())
+        })
+        .unwrap();
+        assert_eq!(a.redis_url.as_deref(), Some("redis://10.0.0.1"));
+    }
+}

@@ -1,0 +1,279 @@
+//! Runs rounds of operations at a given concurrency, interleaving library and
+//! raw, and turns them into [`Measurement`]s.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use indicatif::ProgressBar;
+
+use crate::stats::{Measurement, Samples};
+use crate::workloads::{Lane, Workload};
+use crate::{BoxError, Scenario, Variant};
+
+/// How much to run for one backend.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Measured operations per variant, scenario and concurrency (split over the
+    /// rounds).
+    pub ops: usize,
+    /// Measured rounds per variant (the order alternates: A B B A A B …).
+    pub rounds: usize,
+    /// Unmeasured operations per variant before the rounds.
+    pub warmup: usize,
+    /// Operations of the untimed round-trip counting pass, per variant and
+    /// scenario.
+    pub count_ops: usize,
+    /// Concurrencies to run at.
+    pub concurrencies: Vec<usize>,
+}
+
+impl Plan {
+    /// Operations one run of this plan performs (for the progress bar).
+    pub fn total_ops(&self, with_round_trips: bool) -> u64 {
+        let per_concurrency = 2 * (self.per_round() * self.rounds + self.warmup);
+        let counting = if with_round_trips {
+            2 * self.count_ops
+        } else {
+            0
+        };
+        (Scenario::ALL.len() * (self.concurrencies.len() * per_concurrency + counting)) as u64
+    }
+
+    /// Operations per round.
+    pub fn per_round(&self) -> usize {
+        self.ops.div_ceil(self.rounds.max(1)).max(1)
+    }
+}
+
+/// A fresh namespace for one round: keys never collide across rounds or runs.
+pub fn round_namespace(backend: &str, scenario: Scenario, variant: Variant) -> String {
+    format!(
+        "{backend}-{scenario}-{variant}-{:016x}",
+        rand::random::<u64>()
+    )
+}
+
+/// Runs `ops` operations on keys `0..ops` of `ns` from `concurrency` tasks, each
+/// taking the next key; returns the latency of every operation and the round's
+/// wall-clock time.
+///
+/// # Errors
+/// The first failed operation's error (the round stops).
+pub async fn run_round(
+    workload: Arc<dyn Workload>,
+    variant: Variant,
+    scenario: Scenario,
+    ns: &str,
+    ops: usize,
+    concurrency: usize,
+    progress: &ProgressBar,
+) -> Result<Samples, BoxError> {
+    const PROGRESS_BATCH: u64 = 64;
+    let ns: Arc<str> = Arc::from(ns);
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let workers: Vec<_> = (0..concurrency.max(1))
+        .map(|_| {
+            let (workload, ns, next, progress) =
+                (workload.clone(), ns.clone(), next.clone(), progress.clone());
+            tokio::spawn(async move {
+                let mut nanos = Vec::with_capacity(ops / concurrency.max(1) + 1);
+                let mut pending = 0;
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= ops {
+                        break;
+                    }
+                    let t = Instant::now();
+                    workload.op(variant, scenario, &ns, i, Lane::Timed).await?;
+                    nanos.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+                    pending += 1;
+                    if pending == PROGRESS_BATCH {
+                        progress.inc(pending);
+                        pending = 0;
+                    }
+                }
+                progress.inc(pending);
+                Ok::<_, BoxError>(nanos)
+            })
+        })
+        .collect();
+    let mut all = Vec::with_capacity(ops);
+    for worker in workers {
+        all.extend(worker.await??);
+    }
+    Ok(Samples::new(all, started.elapsed()))
+}
+
+/// Counts the round trips of `ops` sequential operations through
+/// [`Lane::Counted`] (untimed). `None` when the backend has no server.
+///
+/// # Errors
+/// A failed operation.
+pub async fn count_round_trips(
+    workload: &dyn Workload,
+    variant: Variant,
+    scenario: Scenario,
+    ops: usize,
+    progress: &ProgressBar,
+) -> Result<Option<f64>, BoxError> {
+    if ops == 0 || workload.round_trips().await?.is_none() {
+        progress.inc(ops as u64);
+        return Ok(None);
+    }
+    // Warm-up first, uncounted: connections prepare statements or load scripts
+    // on first use.
+    let warm = ops.min(20);
+    let ns = round_namespace(workload.backend(), scenario, variant);
+    if scenario == Scenario::Duplicate {
+        workload.populate(&ns, warm + ops).await?;
+    }
+    for i in ops..ops + warm {
+        workload
+            .op(variant, scenario, &ns, i, Lane::Counted)
+            .await?;
+    }
+    let before = workload.round_trips().await?.unwrap_or(0);
+    for i in 0..ops {
+        workload
+            .op(variant, scenario, &ns, i, Lane::Counted)
+            .await?;
+        progress.inc(1);
+    }
+    let after = workload.round_trips().await?.unwrap_or(0);
+    Ok(Some(after.saturating_sub(before) as f64 / ops as f64))
+}
+
+/// The library/raw order of round `r`: A B, B A, A B, … (ABBA cancels linear
+/// drift).
+pub fn round_order(r: usize) -> [Variant; 2] {
+    if r.is_multiple_of(2) {
+        [Variant::Library, Variant::Raw]
+    } else {
+        [Variant::Raw, Variant::Library]
+    }
+}
+
+/// Runs the whole plan for one backend: per scenario, the round-trip count,
+/// then per concurrency a warm-up and interleaved measured rounds.
+///
+/// # Errors
+/// The first failure.
+pub async fn run_backend(
+    workload: Arc<dyn Workload>,
+    plan: &Plan,
+    progress: &ProgressBar,
+) -> Result<Vec<Measurement>, BoxError> {
+    let backend = workload.backend();
+    let mut out = Vec::new();
+    for scenario in Scenario::ALL {
+        let mut trips = [None, None];
+        for (slot, variant) in [Variant::Library, Variant::Raw].into_iter().enumerate() {
+            progress.set_message(format!(
+                "{backend} {scenario}: counting round trips ({variant})"
+            ));
+            trips[slot] =
+                count_round_trips(&*workload, variant, scenario, plan.count_ops, progress).await?;
+        }
+        for &concurrency in &plan.concurrencies {
+            progress.set_message(format!("{backend} {scenario} ×{concurrency}: warm-up"));
+            for variant in [Variant::Library, Variant::Raw] {
+                let ns = round_namespace(backend, scenario, variant);
+                if scenario == Scenario::Duplicate {
+                    workload.populate(&ns, plan.warmup).await?;
+                }
+                run_round(
+                    workload.clone(),
+                    variant,
+                    scenario,
+                    &ns,
+                    plan.warmup,
+                    concurrency,
+                    progress,
+                )
+                .await?;
+            }
+            let mut samples = [Samples::default(), Samples::default()];
+            let mut commands = [0u64, 0u64];
+            let mut have_commands = true;
+            for r in 0..plan.rounds.max(1) {
+                progress.set_message(format!(
+                    "{backend} {scenario} ×{concurrency}: round {}/{}",
+                    r + 1,
+                    plan.rounds.max(1)
+                ));
+                for variant in round_order(r) {
+                    let slot = variant as usize;
+                    let ns = round_namespace(backend, scenario, variant);
+                    if scenario == Scenario::Duplicate {
+                        workload.populate(&ns, plan.per_round()).await?;
+                    }
+                    let before = workload.server_commands().await?;
+                    let round = run_round(
+                        workload.clone(),
+                        variant,
+                        scenario,
+                        &ns,
+                        plan.per_round(),
+                        concurrency,
+                        progress,
+                    )
+                    .await?;
+                    let after = workload.server_commands().await?;
+                    match (before, after) {
+                        (Some(b), Some(a)) => commands[slot] += a.saturating_sub(b),
+                        _ => have_commands = false,
+                    }
+                    samples[slot].merge(round);
+                }
+            }
+            for (slot, variant) in [Variant::Library, Variant::Raw].into_iter().enumerate() {
+                let s = std::mem::take(&mut samples[slot]);
+                let ops = s.ops();
+                let mut m = Measurement::from_samples(backend, scenario, concurrency, variant, s);
+                m.round_trips_per_op = trips[slot];
+                if have_commands && ops > 0 {
+                    m.server_commands_per_op = Some(commands[slot] as f64 / ops as f64);
+                }
+                out.push(m);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Renders a duration as the report does (`1.23 s`, `456 ms`).
+pub fn human(d: Duration) -> String {
+    if d.as_secs() >= 1 {
+        format!("{:.2} s", d.as_secs_f64())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_alternate_abba() {
+        let order: Vec<_> = (0..4).flat_map(round_order).collect();
+        use Variant::{Library as L, Raw as R};
+        assert_eq!(order, vec![L, R, R, L, L, R, R, L]);
+    }
+
+    #[test]
+    fn plan_counts_every_operation_for_the_progress_bar() {
+        let plan = Plan {
+            ops: 100,
+            rounds: 4,
+            warmup: 10,
+            count_ops: 5,
+            concurrencies: vec![1, 64],
+        };
+        assert_eq!(plan.per_round(), 25);
+        // 2 scenarios × (2 concurrencies × 2 variants × (100 + 10) + 2 × 5)
+        assert_eq!(plan.total_ops(true), 2 * (2 * 2 * 110 + 10));
+    }
+}

@@ -1,0 +1,140 @@
+//! One workload per backend: the library and the raw client, side by side.
+
+use async_trait::async_trait;
+use idempotency_core::{ExecuteError, HandlerError, IdempotencyManager, Outcome};
+use serde::{Deserialize, Serialize};
+
+use crate::{BoxError, Scenario, Variant};
+
+pub mod memory;
+
+#[cfg(feature = "dynamodb")]
+pub mod dynamodb;
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+/// Which connections an operation goes through.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lane {
+    /// The direct connections of the timed rounds.
+    Timed,
+    /// The connections through the round-trip counter (untimed pass).
+    Counted,
+}
+
+/// A backend under test: the library's manager and the raw client over the same
+/// server.
+#[async_trait]
+pub trait Workload: Send + Sync + 'static {
+    /// `memory`, `redis`, `postgres` or `dynamodb`.
+    fn backend(&self) -> &'static str;
+
+    /// What it runs against (server version, pool size …), for the report.
+    fn describe(&self) -> String;
+
+    /// Completes keys `0..ops` of `ns` through the library (untimed), so that
+    /// operations on them are duplicates.
+    async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError>;
+
+    /// One operation on key `i` of `ns`. Fails if the server's answer is not the
+    /// scenario's (a duplicate where a first delivery was expected, …).
+    async fn op(
+        &self,
+        variant: Variant,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+        lane: Lane,
+    ) -> Result<(), BoxError>;
+
+    /// Round trips sent through [`Lane::Counted`] so far (`None`: no server).
+    async fn round_trips(&self) -> Result<Option<u64>, BoxError> {
+        Ok(None)
+    }
+
+    /// Commands the server executed so far, by its own counter, if it has one.
+    async fn server_commands(&self) -> Result<Option<u64>, BoxError> {
+        Ok(None)
+    }
+
+    /// Removes what the workload created on the server (tables, functions).
+    async fn cleanup(&self) -> Result<(), BoxError> {
+        Ok(())
+    }
+}
+
+/// The message a benchmark operation handles.
+#[derive(Debug, Serialize)]
+pub struct Payment {
+    /// Its number.
+    pub id: usize,
+    /// Cents.
+    pub amount: u64,
+}
+
+/// What the trivial handler returns (and the store caches).
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+pub struct Receipt {
+    /// The payment's number.
+    pub id: usize,
+    /// Always `true`.
+    pub ok: bool,
+}
+
+/// The serialised [`Receipt`] of the raw baselines: the same bytes the library
+/// stores for `id`.
+pub fn receipt_bytes(id: usize) -> Vec<u8> {
+    serde_json::to_vec(&Receipt { id, ok: true }).unwrap_or_default()
+}
+
+/// The record id of key `i` in round namespace `ns`.
+pub fn key_id(ns: &str, i: usize) -> String {
+    format!("{ns}-{i}")
+}
+
+/// The trivial handler the library wraps (and the memory baseline calls).
+pub async fn handler(id: usize) -> Result<Receipt, HandlerError<std::convert::Infallible>> {
+    Ok(Receipt { id, ok: true })
+}
+
+/// One execution through the library, checked against the scenario.
+pub async fn execute(
+    manager: &IdempotencyManager,
+    scenario: Scenario,
+    ns: &str,
+    i: usize,
+) -> Result<(), BoxError> {
+    let payment = Payment {
+        id: i,
+        amount: 4_200,
+    };
+    let outcome = manager
+        .execute(&key_id(ns, i), &payment, || handler(i))
+        .await
+        .map_err(|e| match e {
+            ExecuteError::Idempotency(e) => BoxError::from(e),
+            ExecuteError::Handler(never) => match never {},
+        })?;
+    match (scenario, outcome) {
+        (Scenario::Fresh, Outcome::Executed(r)) | (Scenario::Duplicate, Outcome::Cached(r))
+            if r.id == i =>
+        {
+            Ok(())
+        }
+        (scenario, outcome) => Err(format!(
+            "{scenario} execution of key {i} answered {outcome:?}, not the scenario's outcome"
+        )
+        .into()),
+    }
+}
+
+/// The bench's manager configuration: the defaults (payload validation and
+/// result caching on), under the `bench` prefix.
+pub fn config() -> idempotency_core::Config {
+    idempotency_core::Config {
+        key_prefix: "bench".to_owned(),
+        ..idempotency_core::Config::default()
+    }
+}

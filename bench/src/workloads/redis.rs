@@ -1,0 +1,236 @@
+//! Redis: the library against redis-rs issuing the same commands on the same
+//! connection manager — `SET … NX PX … GET` to reserve (a duplicate ends there)
+//! and `EVALSHA` of the library's `finish` script to complete.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use idempotency_conformance::containers::WireCounter;
+use idempotency_core::{Clock, IdempotencyManager, SystemClock};
+use idempotency_redis::redis::aio::{ConnectionManager, MultiplexedConnection};
+use idempotency_redis::redis::{self, Value};
+use idempotency_redis::RedisRepository;
+
+use super::{config, execute, key_id, receipt_bytes, Lane, Workload};
+use crate::{BoxError, Scenario, Variant};
+
+/// The library and the raw client over one connection manager.
+struct Side {
+    manager: IdempotencyManager,
+    conn: ConnectionManager,
+    finish_sha: String,
+}
+
+impl Side {
+    async fn connect(url: &str) -> Result<Self, BoxError> {
+        let conn = redis::Client::open(url)?.get_connection_manager().await?;
+        let repo = RedisRepository::from_connection_manager(conn.clone());
+        repo.load_scripts().await?;
+        let finish_sha = repo
+            .scripts()
+            .iter()
+            .find(|s| s.name() == "finish")
+            .map(|s| s.sha().to_owned())
+            .ok_or("the Redis backend has no `finish` script")?;
+        let manager = IdempotencyManager::new(Arc::new(repo), config())?;
+        Ok(Side {
+            manager,
+            conn,
+            finish_sha,
+        })
+    }
+}
+
+/// Redis workload: a timed side, a side through the round-trip counter, and an
+/// admin connection for `INFO`.
+pub struct RedisWorkload {
+    timed: Side,
+    counted: Side,
+    counter: WireCounter,
+    admin: MultiplexedConnection,
+    version: String,
+    ttl: Duration,
+}
+
+impl std::fmt::Debug for RedisWorkload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisWorkload")
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisWorkload {
+    /// Connects both sides to `url` (plain `redis://`).
+    ///
+    /// # Errors
+    /// When the server cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, BoxError> {
+        let counter = WireCounter::redis(url).await?;
+        let timed = Side::connect(url).await?;
+        let counted = Side::connect(counter.url()).await?;
+        let mut admin = redis::Client::open(url)?
+            .get_multiplexed_async_connection()
+            .await?;
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut admin)
+            .await?;
+        let version = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .unwrap_or("unknown")
+            .trim()
+            .to_owned();
+        Ok(RedisWorkload {
+            timed,
+            counted,
+            counter,
+            admin,
+            version,
+            ttl: config().ttl,
+        })
+    }
+
+    /// The raw reservation: the 87-byte record a user would write (format 1,
+    /// `Processing`, with a fingerprint), `SET key record NX PX ttl GET`.
+    async fn raw(
+        &self,
+        side: &Side,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+    ) -> Result<(), BoxError> {
+        let mut conn = side.conn.clone();
+        let key = format!("bench:{}", key_id(ns, i));
+        let now = SystemClock.now().as_millis();
+        let ttl_ms = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
+        let expires = now + ttl_ms;
+        let owner = rand::random::<u128>().to_be_bytes();
+        let mut record = Vec::with_capacity(87);
+        record.extend_from_slice(&[1, b'P']);
+        record.extend_from_slice(&1u32.to_be_bytes());
+        record.extend_from_slice(&now.to_be_bytes());
+        record.extend_from_slice(&owner);
+        record.extend_from_slice(&(now + 300_000).to_be_bytes());
+        record.extend_from_slice(&expires.to_be_bytes());
+        record.extend_from_slice(&now.to_be_bytes());
+        record.push(1);
+        record.extend_from_slice(&[0xab; 32]);
+        let reply: Value = redis::cmd("SET")
+            .arg(&key)
+            .arg(&record)
+            .arg("NX")
+            .arg("PX")
+            .arg(ttl_ms)
+            .arg("GET")
+            .query_async(&mut conn)
+            .await?;
+        match (scenario, reply) {
+            (Scenario::Duplicate, Value::BulkString(_)) => Ok(()),
+            (Scenario::Fresh, Value::Nil) => {
+                let done: Value = redis::cmd("EVALSHA")
+                    .arg(&side.finish_sha)
+                    .arg(1)
+                    .arg(&key)
+                    .arg(&owner[..])
+                    .arg(&now.to_be_bytes()[..])
+                    .arg(&expires.to_be_bytes()[..])
+                    .arg(ttl_ms)
+                    .arg("C")
+                    .arg("1")
+                    .arg(receipt_bytes(i))
+                    .query_async(&mut conn)
+                    .await?;
+                match done {
+                    Value::Int(1) => Ok(()),
+                    other => Err(format!("raw complete of {key} answered {other:?}").into()),
+                }
+            }
+            (scenario, other) => {
+                Err(format!("raw {scenario} reserve of {key} answered {other:?}").into())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Workload for RedisWorkload {
+    fn backend(&self) -> &'static str {
+        "redis"
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "Redis {} — one ConnectionManager (multiplexed) shared by library and raw",
+            self.version
+        )
+    }
+
+    async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
+        futures::future::try_join_all(
+            (0..ops).map(|i| execute(&self.timed.manager, Scenario::Fresh, ns, i)),
+        )
+        .await?;
+        Ok(())
+    }
+
+    async fn op(
+        &self,
+        variant: Variant,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+        lane: Lane,
+    ) -> Result<(), BoxError> {
+        let side = match lane {
+            Lane::Timed => &self.timed,
+            Lane::Counted => &self.counted,
+        };
+        match variant {
+            Variant::Library => execute(&side.manager, scenario, ns, i).await,
+            Variant::Raw => self.raw(side, scenario, ns, i).await,
+        }
+    }
+
+    async fn round_trips(&self) -> Result<Option<u64>, BoxError> {
+        Ok(Some(self.counter.round_trips_since(&BTreeMap::new())))
+    }
+
+    async fn server_commands(&self) -> Result<Option<u64>, BoxError> {
+        let mut admin = self.admin.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut admin)
+            .await?;
+        Ok(Some(commandstats_total(&info)))
+    }
+}
+
+/// The sum of `calls` over `INFO commandstats`, without `INFO` itself.
+pub fn commandstats_total(info: &str) -> u64 {
+    info.lines()
+        .filter_map(|l| l.strip_prefix("cmdstat_"))
+        .filter(|l| !l.starts_with("info:"))
+        .filter_map(|l| {
+            l.split_once(':')?
+                .1
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("calls="))?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn commandstats_total_skips_info() {
+        let info = "# Commandstats\r\ncmdstat_set:calls=10,usec=5,usec_per_call=0.5\r\n\
+                    cmdstat_info:calls=7,usec=1\r\ncmdstat_evalsha:calls=3,usec=9\r\n";
+        assert_eq!(super::commandstats_total(info), 13);
+    }
+}

@@ -1,0 +1,138 @@
+//! The benchmark's machinery on tiny runs: every operation's answer is checked
+//! (a duplicate where a first delivery was expected fails the run), round trips
+//! are counted exactly, and the report is written. No timing is asserted:
+//! benchmarks are not tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use idempotency_bench::driver::{self, Plan};
+use idempotency_bench::report::{self, Report};
+use idempotency_bench::stats::Measurement;
+use idempotency_bench::workloads::memory::MemoryWorkload;
+use idempotency_bench::workloads::Workload;
+use idempotency_bench::{Scenario, Variant};
+use indicatif::ProgressBar;
+
+fn tiny() -> Plan {
+    Plan {
+        ops: 40,
+        rounds: 2,
+        warmup: 5,
+        count_ops: 10,
+        concurrencies: vec![1, 8],
+    }
+}
+
+fn find(results: &[Measurement], scenario: Scenario, variant: Variant, c: usize) -> &Measurement {
+    results
+        .iter()
+        .find(|m| m.scenario == scenario && m.variant == variant && m.concurrency == c)
+        .unwrap()
+}
+
+async fn run(workload: Arc<dyn Workload>) -> Vec<Measurement> {
+    let plan = tiny();
+    let progress = ProgressBar::hidden();
+    let results = driver::run_backend(workload.clone(), &plan, &progress)
+        .await
+        .unwrap();
+    workload.cleanup().await.unwrap();
+    // 2 scenarios × 2 concurrencies × 2 variants, each with every operation.
+    assert_eq!(results.len(), 8);
+    for m in &results {
+        assert_eq!(m.ops, plan.ops, "{m:?}");
+        assert!(m.ops_per_sec > 0.0 && m.p50_us <= m.p99_us, "{m:?}");
+    }
+    assert_eq!(progress.position(), plan.total_ops(true));
+    results
+}
+
+/// Round trips of library and raw are the same, and what the backend's design
+/// says: `fresh` reserve + complete, `duplicate` the reserve alone.
+fn assert_round_trips(results: &[Measurement], fresh: f64, duplicate: f64) {
+    for variant in [Variant::Library, Variant::Raw] {
+        for c in [1, 8] {
+            assert_eq!(
+                find(results, Scenario::Fresh, variant, c).round_trips_per_op,
+                Some(fresh),
+                "{variant} fresh"
+            );
+            assert_eq!(
+                find(results, Scenario::Duplicate, variant, c).round_trips_per_op,
+                Some(duplicate),
+                "{variant} duplicate"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_run_writes_a_complete_report() {
+    let results = run(Arc::new(MemoryWorkload::new().unwrap())).await;
+    assert!(results.iter().all(|m| m.round_trips_per_op.is_none()));
+    let comparisons = report::compare(&results);
+    assert_eq!(comparisons.len(), 4);
+    let report = Report {
+        generated_at: 0,
+        machine: report::machine(),
+        config: Default::default(),
+        backends: Default::default(),
+        comparisons,
+        results,
+    };
+    let dir = std::env::temp_dir().join(format!("idem-bench-{:016x}", rand::random::<u64>()));
+    let files = report.write(&dir).unwrap();
+    assert_eq!(files.len(), 3);
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("results.json")).unwrap()).unwrap();
+    assert_eq!(json["results"].as_array().unwrap().len(), 8);
+    assert_eq!(json["results"][0]["variant"], "library");
+    assert!(std::fs::read_to_string(dir.join("chart.svg"))
+        .unwrap()
+        .contains("manager overhead"));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_round_trips_match_the_raw_client() {
+    use idempotency_bench::workloads::redis::RedisWorkload;
+    let server = idempotency_conformance::containers::redis().await.unwrap();
+    let results = run(Arc::new(
+        RedisWorkload::connect(server.url()).await.unwrap(),
+    ))
+    .await;
+    // SET NX GET + EVALSHA; a duplicate is the SET alone.
+    assert_round_trips(&results, 2.0, 1.0);
+    // INFO commandstats also counts the script's inner GET and SET.
+    let lib = find(&results, Scenario::Fresh, Variant::Library, 1);
+    assert_eq!(lib.server_commands_per_op, Some(4.0));
+    let dup = find(&results, Scenario::Duplicate, Variant::Raw, 8);
+    assert_eq!(dup.server_commands_per_op, Some(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_round_trips_match_the_raw_client() {
+    use idempotency_bench::workloads::postgres::PostgresWorkload;
+    let server = idempotency_conformance::containers::postgres()
+        .await
+        .unwrap();
+    let workload = PostgresWorkload::connect(server.url(), 4).await.unwrap();
+    let results = run(Arc::new(workload)).await;
+    // The reserve function + the completing UPDATE; a duplicate is the call.
+    assert_round_trips(&results, 2.0, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_requests_match_the_raw_client() {
+    use idempotency_bench::workloads::dynamodb::DynamoDbWorkload;
+    let server = idempotency_conformance::containers::dynamodb()
+        .await
+        .unwrap();
+    let workload = DynamoDbWorkload::connect(server.endpoint(), server.region())
+        .await
+        .unwrap();
+    let results = run(Arc::new(workload)).await;
+    // Conditional PutItem + UpdateItem; a duplicate is the failed PutItem.
+    assert_round_trips(&results, 2.0, 1.0);
+}

@@ -1,0 +1,173 @@
+//! A [`tower::Layer`] implementing the `Idempotency-Key` HTTP header (IETF
+//! HTTPAPI draft "The Idempotency-Key HTTP Header Field", Stripe's idempotent
+//! requests) on top of [`idempotency_core`]: a client that retries a POST after
+//! a timeout gets the first response again instead of a second order.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use axum::{body::Body, routing::post, Router};
+//! use http::{Request, StatusCode};
+//! use http_body_util::BodyExt;
+//! use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+//! use idempotency_http::IdempotencyLayer;
+//! use tower::ServiceExt;
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! // Any store: `idempotency::connect("redis://…")` in production.
+//! let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
+//!     .scoped("http");
+//! static ORDERS: AtomicUsize = AtomicUsize::new(0);
+//! let app = Router::new()
+//!     .route("/orders", post(|body: String| async move {
+//!         let n = ORDERS.fetch_add(1, Ordering::SeqCst) + 1;
+//!         (StatusCode::CREATED, format!("order {n}: {body}"))
+//!     }))
+//!     .layer(IdempotencyLayer::new(manager));
+//!
+//! let order = |key: &str, body: &'static str| {
+//!     Request::post("/orders").header("idempotency-key", key).body(Body::from(body)).unwrap()
+//! };
+//!
+//! // First request: the handler runs.
+//! let first = app.clone().oneshot(order("k-1", "2 books")).await?;
+//! assert_eq!(first.status(), StatusCode::CREATED);
+//! assert_eq!(first.into_body().collect().await?.to_bytes(), "order 1: 2 books");
+//!
+//! // The client retries: the same response, replayed; the handler does not run.
+//! let retry = app.clone().oneshot(order("k-1", "2 books")).await?;
+//! assert_eq!(retry.status(), StatusCode::CREATED);
+//! assert_eq!(retry.headers()["idempotency-replayed"], "true");
+//! assert_eq!(retry.into_body().collect().await?.to_bytes(), "order 1: 2 books");
+//! assert_eq!(ORDERS.load(Ordering::SeqCst), 1);
+//!
+//! // The same key with another body is refused.
+//! let reused = app.clone().oneshot(order("k-1", "3 books")).await?;
+//! assert_eq!(reused.status(), StatusCode::UNPROCESSABLE_ENTITY);
+//! assert_eq!(reused.headers()["content-type"], "application/problem+json");
+//!
+//! // POST without a key is refused; GET is not the layer's business.
+//! let missing = app.clone().oneshot(Request::post("/orders").body(Body::empty())?).await?;
+//! assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+//! # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+//! # }).map_err(|e| e.to_string())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # What the layer answers
+//!
+//! For the protected methods (POST and PATCH by default; routes opt in or out
+//! with [`IdempotencyLayer::route`] and [`IdempotencyLayer::route_method`]):
+//!
+//! | situation | answer | handler runs |
+//! |---|---|---|
+//! | first request with a key | the handler's response | yes |
+//! | retry after a stored response | the stored status, headers and body, plus `Idempotency-Replayed: true` | no |
+//! | retry while the first is in flight | `409` + `Retry-After` (or wait, with the manager's `InProgressPolicy::Wait`) | no |
+//! | same key, different request (method, path, body) | `422` | no |
+//! | no key on a route that requires one | `400` | no |
+//! | key empty, over 255 bytes, bad characters, repeated header | `400` | no |
+//! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (when fingerprinted) | `413` | no |
+//! | retry after a response whose body exceeded the cache cap | `409` (`response-not-retained`, with `original_status`) | no |
+//! | retry after a `5xx` (or `408`, `425`, `429`) | the handler's new response | yes, again |
+//! | store unreachable, fail-closed manager (default) | `503` + `Retry-After` | no |
+//! | store unreachable, fail-open manager | the handler's response, unprotected | yes |
+//! | stored response unreadable (corrupt record) | `500` | no |
+//! | other methods (GET, HEAD, …), [`Protection::Skip`] routes | untouched | yes |
+//!
+//! Every answer of the layer itself is `application/problem+json` (RFC 9457)
+//! with `type`, `title`, `status` and `detail`; [`ProblemKind`] lists them.
+//!
+//! # The model
+//!
+//! - **Key**: the `Idempotency-Key` header (configurable name), as a
+//!   Structured Field string (`"…"`, the draft's form) or bare (Stripe's);
+//!   1–255 bytes of visible ASCII by default, plus an optional
+//!   [validator](IdempotencyLayer::key_validator).
+//! - **Scope**: the record id is [`record_id`]`(caller, method, route, key)`,
+//!   encoded injectively, inside the manager's namespace. The route is the
+//!   matched template (`/orders/{id}`, with the `axum` feature or a
+//!   [route extractor](IdempotencyLayer::route_extractor)) or else the path.
+//!   With a [caller identity](IdempotencyLayer::caller_identity) (tenant, API
+//!   key digest) one client can never replay another's response.
+//! - **Fingerprint**: SHA-256 over method, path and body by default
+//!   ([`RequestFingerprint`]), stored with the record; a different request
+//!   under the same key is a `422`.
+//! - **State machine**: the manager's ([`idempotency_core::IdempotencyManager`]):
+//!   one request acquires the key with a lease, every concurrent duplicate gets
+//!   `409` (or waits), a request whose lease ran out (crashed instance) is taken
+//!   over with a new fencing token, records expire after the manager's `ttl`.
+//!   If the client disconnects (the response future is dropped) or the handler
+//!   panics, the key is released, so the retry runs the handler.
+//! - **What is stored**: the status, the [selected headers](HeaderSelection)
+//!   (all but hop-by-hop, `Content-Length`, `Date` and `Set-Cookie` by
+//!   default), the body and any trailers, in a compact binary form, when
+//!   [the response is stored](is_stored_by_default) (every status below 500
+//!   except 408, 425 and 429, by default). A body is read up to the cap
+//!   ([`max_cached_body`](IdempotencyLayer::max_cached_body), the manager's
+//!   `max_result_size_bytes` and the store's limit, whichever is smallest); a
+//!   larger one streams through to the first client, the key completes without
+//!   it, and retries get `409 response-not-retained`, so the handler still
+//!   runs once. Responses that are not stored release the key.
+//!
+//! # Services
+//!
+//! The layer works with any `tower::Service<http::Request<B>>` whose body has
+//! [`Bytes`](bytes::Bytes) data — axum routers (`Router::layer` puts it behind
+//! routing, where `MatchedPath` is known), hyper services, tonic-style
+//! services. The inner service receives `Request<IdempotencyBody<B>>`.
+//!
+//! ```
+//! use std::convert::Infallible;
+//! use std::sync::Arc;
+//! use bytes::Bytes;
+//! use http::{Request, Response, StatusCode};
+//! use http_body_util::{BodyExt, Full};
+//! use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+//! use idempotency_http::{IdempotencyBody, IdempotencyLayer};
+//! use tower::{service_fn, Layer, ServiceExt};
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+//! let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+//! let service = IdempotencyLayer::new(manager).layer(service_fn(
+//!     |request: Request<IdempotencyBody<Full<Bytes>>>| async move {
+//!         let body = request.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+//!         Ok::<_, String>(Response::new(Full::new(body)))
+//!     },
+//! ));
+//! let request = Request::post("/echo")
+//!     .header("idempotency-key", "\"structured-field-form\"")
+//!     .body(Full::new(Bytes::from("hello")))?;
+//! let response = service.oneshot(request).await?;
+//! assert_eq!(response.status(), StatusCode::OK);
+//! assert_eq!(response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes(), "hello");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! # }).map_err(|e| e.to_string())?;
+//! # let _ = std::marker::PhantomData::<Infallible>;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! # Cargo features
+//!
+//! | feature | effect |
+//! |---|---|
+//! | `axum` | without a custom route extractor, scope records by axum's `MatchedPath` (the route template) when the request carries it |
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod body;
+mod fingerprint;
+mod key;
+mod layer;
+mod problem;
+mod service;
+mod stored;
+
+pub use body::IdempotencyBody;
+pub use fingerprint::{FingerprintFn, RequestFingerprint};
+pub use key::{caller_from_header, record_id, CallerFn, KeyError, DEFAULT_MAX_KEY_LENGTH};
+pub use layer::{
+    is_stored_by_default, HeaderSelection, Idempotency, IdempotencyLayer, KeyValidator, Protection,
+    RouteFn, StorePredicate, DEFAULT_MAX_CACHED_BODY, DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY,
+    IDEMPOTENCY_REPLAYED,
+};
+pub use problem::{ProblemKind, DEFAULT_PROBLEM_TYPE_BASE};

@@ -1,0 +1,339 @@
+//! One request through the layer: decide, reserve, run, store, answer.
+
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use bytes::Bytes;
+use http::header::HeaderValue;
+use http::request::Parts;
+use http::{Request, Response, StatusCode};
+use http_body::Body;
+use idempotency_core::{BoxError, Error, ExecuteError, HandlerError, Outcome};
+use tower::Service;
+
+use crate::body::{collect_up_to, Collected, IdempotencyBody};
+use crate::key::{parse_key, record_id, KeyError};
+use crate::layer::{Protection, Settings};
+use crate::problem::{Problem, ProblemKind};
+use crate::stored::StoredResponse;
+
+/// Room left in the stored record for trailers when capping the body.
+const TRAILER_ALLOWANCE: usize = 256;
+
+/// Why the "handler" (the inner service and reading its body) did not produce a
+/// response to store. Every variant releases the key.
+enum Failure<E> {
+    /// The inner service returned an error. (In a mutex only to make the
+    /// failure `Sync`, which the manager needs while it releases the key,
+    /// without asking the same of every service error type.)
+    Service(Mutex<E>),
+    /// The response is of a kind that is not stored (5xx by default).
+    NotStored(StatusCode),
+    /// The response body failed while it was being read.
+    BodyFailed(StatusCode),
+}
+
+impl<E> fmt::Display for Failure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Service(_) => f.write_str("the inner service failed"),
+            Failure::NotStored(status) => write!(f, "response {status} is not stored"),
+            Failure::BodyFailed(status) => {
+                write!(f, "the body of response {status} failed while being read")
+            }
+        }
+    }
+}
+
+type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
+
+pub(crate) async fn handle<S, ReqB, ResB>(
+    settings: Arc<Settings>,
+    inner: S,
+    request: Request<ReqB>,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + Send,
+    S::Future: Send,
+    S::Error: Send,
+    ReqB: Body<Data = Bytes> + Send + 'static,
+    ReqB::Error: Into<BoxError>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    let settings = &*settings;
+    let (parts, body) = request.into_parts();
+    let route = settings.route_of(&parts);
+    let protection = settings.protection(&parts.method, &route);
+    if protection == Protection::Skip {
+        return pass_through(inner, parts, body).await;
+    }
+    let key = match parse_key(&parts.headers, &settings.header, settings.max_key_length) {
+        Ok(Some(key)) => key,
+        Ok(None) if protection == Protection::Optional => {
+            return pass_through(inner, parts, body).await;
+        }
+        Ok(None) => {
+            let detail = format!(
+                "{} {route} requires an {} header with a unique key per request",
+                parts.method, settings.header
+            );
+            return Ok(settings.problem(Problem::new(ProblemKind::MissingKey, detail)));
+        }
+        Err(e) => return Ok(settings.problem(Problem::new(ProblemKind::InvalidKey, e.to_string()))),
+    };
+    if let Some(validate) = &settings.key_validator {
+        if let Err(reason) = validate(&key) {
+            let e = KeyError::Rejected(reason);
+            return Ok(settings.problem(Problem::new(ProblemKind::InvalidKey, e.to_string())));
+        }
+    }
+    let caller = settings.caller_fn.as_ref().and_then(|f| f(&parts));
+    let id = record_id(caller.as_deref(), &parts.method, &route, &key);
+
+    let (body, fingerprint) = if settings.fingerprint.reads_body() {
+        match collect_up_to(body, settings.max_request_body).await {
+            Collected::Complete { data, trailers } => {
+                let fingerprint = settings.fingerprint.compute(&parts, &data);
+                (IdempotencyBody::full(data, trailers), fingerprint)
+            }
+            Collected::Overflow { .. } => {
+                let detail = format!(
+                    "requests with an {} may carry at most {} bytes of body",
+                    settings.header, settings.max_request_body
+                );
+                return Ok(settings.problem(Problem::new(ProblemKind::BodyTooLarge, detail)));
+            }
+            Collected::Failed { error, .. } => {
+                let detail = format!("reading the request body failed: {error}");
+                return Ok(settings.problem(Problem::new(ProblemKind::UnreadableBody, detail)));
+            }
+        }
+    } else {
+        let fingerprint = settings.fingerprint.compute(&parts, &[]);
+        (IdempotencyBody::new(body), fingerprint)
+    };
+    let request = Request::from_parts(parts, body);
+
+    // The response the inner service produced in this call, as the client
+    // must get it (all headers, streaming rest of an oversized body); the
+    // manager only sees its stored form.
+    let mut produced: Option<Response<IdempotencyBody<ResB>>> = None;
+    let slot = &mut produced;
+    let outcome = settings
+        .manager
+        .execute(&id, &fingerprint, move || {
+            run(settings, inner, request, slot)
+        })
+        .await;
+
+    match outcome {
+        Ok(Outcome::Cached(stored)) => Ok(replay(settings, stored)),
+        Ok(Outcome::Duplicate) => Ok(settings.problem(not_retained(None))),
+        Ok(outcome) => {
+            match &outcome {
+                Outcome::LeaseLost(_) => tracing::warn!(
+                    route = %route,
+                    "the response was produced after another attempt took the key over; \
+                     answering it, but the handler may have run twice"
+                ),
+                Outcome::Unrecorded { error, .. } => tracing::error!(
+                    route = %route,
+                    error = %error,
+                    "the response was produced but could not be recorded; a retry after the \
+                     lease ends would run the handler again"
+                ),
+                Outcome::Unprotected(_) => tracing::warn!(
+                    route = %route,
+                    "the store is unavailable; the request ran unprotected (fail-open)"
+                ),
+                _ => {}
+            }
+            match (produced.take(), outcome.into_value()) {
+                (Some(response), _) => Ok(response),
+                (None, Some(stored)) => Ok(first_response(stored)),
+                (None, None) => Ok(settings.problem(Problem::new(
+                    ProblemKind::StoreError,
+                    "the request ran but produced no response",
+                ))),
+            }
+        }
+        Err(ExecuteError::Handler(Failure::Service(e))) => {
+            Err(e.into_inner().unwrap_or_else(PoisonError::into_inner))
+        }
+        Err(ExecuteError::Handler(failure)) => match produced.take() {
+            Some(response) => Ok(response),
+            None => {
+                Ok(settings.problem(Problem::new(ProblemKind::StoreError, failure.to_string())))
+            }
+        },
+        Err(ExecuteError::Idempotency(e)) => Ok(settings.problem(problem_for(settings, &route, e))),
+    }
+}
+
+async fn pass_through<S, ReqB, ResB>(
+    mut inner: S,
+    parts: Parts,
+    body: ReqB,
+) -> Answer<ResB, S::Error>
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
+{
+    let response = inner
+        .call(Request::from_parts(parts, IdempotencyBody::new(body)))
+        .await?;
+    Ok(response.map(IdempotencyBody::new))
+}
+
+/// The handler the manager runs once per key: call the inner service, then keep
+/// the response (up to the cap) or release the key.
+async fn run<S, ReqB, ResB>(
+    settings: &Settings,
+    mut inner: S,
+    request: Request<IdempotencyBody<ReqB>>,
+    slot: &mut Option<Response<IdempotencyBody<ResB>>>,
+) -> Result<StoredResponse, HandlerError<Failure<S::Error>>>
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes>,
+    ResB::Error: Into<BoxError>,
+{
+    let response = inner
+        .call(request)
+        .await
+        .map_err(|e| HandlerError::transient(Failure::Service(Mutex::new(e))))?;
+    let (head, body) = response.into_parts();
+    let status = head.status;
+    if !(settings.store_if)(&head) {
+        *slot = Some(Response::from_parts(head, IdempotencyBody::new(body)));
+        return Err(HandlerError::transient(Failure::NotStored(status)));
+    }
+    let headers = settings.select_headers(&head.headers);
+    let room = settings
+        .store_limit
+        .saturating_sub(StoredResponse::head_len(&headers) + 4 + TRAILER_ALLOWANCE);
+    let cap = settings.max_cached_body.min(room);
+    match collect_up_to(body, cap).await {
+        Collected::Complete { data, trailers } => {
+            let stored = StoredResponse {
+                status,
+                headers,
+                body: Some(data.clone()),
+                trailers: trailers.clone(),
+            };
+            *slot = Some(Response::from_parts(
+                head,
+                IdempotencyBody::full(data, trailers),
+            ));
+            Ok(stored)
+        }
+        Collected::Overflow { frames, rest } => {
+            tracing::debug!(
+                %status,
+                cap,
+                "response body over the cache cap: streamed through, not retained for replays"
+            );
+            *slot = Some(Response::from_parts(
+                head,
+                IdempotencyBody::buffered(frames, Some(rest), None),
+            ));
+            Ok(StoredResponse::not_retained(status))
+        }
+        Collected::Failed { frames, error } => {
+            tracing::warn!(%status, error = %error, "the response body failed; releasing the key");
+            *slot = Some(Response::from_parts(
+                head,
+                IdempotencyBody::buffered(frames, None, Some(error)),
+            ));
+            Err(HandlerError::transient(Failure::BodyFailed(status)))
+        }
+    }
+}
+
+fn not_retained(status: Option<StatusCode>) -> Problem {
+    let detail = match status {
+        Some(status) => format!(
+            "a request with this key was processed (status {}), but its response was too large \
+             to keep and cannot be replayed; send a new request with a new key",
+            status.as_u16()
+        ),
+        None => "a request with this key was processed, but its response was not kept and \
+                 cannot be replayed; send a new request with a new key"
+            .to_owned(),
+    };
+    let problem = Problem::new(ProblemKind::ResponseNotRetained, detail);
+    match status {
+        Some(s) => problem.original_status(s),
+        None => problem,
+    }
+}
+
+fn replay<B>(settings: &Settings, stored: StoredResponse) -> Response<IdempotencyBody<B>> {
+    let StoredResponse {
+        status,
+        headers,
+        body,
+        trailers,
+    } = stored;
+    let Some(body) = body else {
+        return settings.problem(not_retained(Some(status)));
+    };
+    let mut response = Response::new(IdempotencyBody::full(body, trailers));
+    *response.status_mut() = status;
+    *response.headers_mut() = headers;
+    response.headers_mut().insert(
+        settings.replayed_header.clone(),
+        HeaderValue::from_static("true"),
+    );
+    response
+}
+
+/// The first response rebuilt from its stored form (only when the produced
+/// response went missing, which the flow above never lets happen).
+fn first_response<B>(stored: StoredResponse) -> Response<IdempotencyBody<B>> {
+    let mut response = Response::new(IdempotencyBody::full(
+        stored.body.unwrap_or_default(),
+        stored.trailers,
+    ));
+    *response.status_mut() = stored.status;
+    *response.headers_mut() = stored.headers;
+    response
+}
+
+fn problem_for(settings: &Settings, route: &str, error: Error) -> Problem {
+    match error {
+        Error::InProgress { retry_after, .. } => Problem::new(
+            ProblemKind::InProgress,
+            "a request with this key is being processed; retry after the time in Retry-After",
+        )
+        .retry_after(retry_after.min(settings.in_progress_retry_after)),
+        Error::PayloadMismatch { .. } => Problem::new(
+            ProblemKind::KeyReused,
+            "this key was used before with a different request; use a new key for a new request",
+        ),
+        e @ (Error::Codec { .. } | Error::Corrupt { .. }) => {
+            tracing::error!(route = %route, error = %e, "a stored response could not be read back");
+            Problem::new(
+                ProblemKind::StoredResponseUnreadable,
+                "the stored response to this key could not be read back",
+            )
+        }
+        e if e.is_store_outage() => {
+            tracing::error!(route = %route, error = %e, "idempotency store unavailable (fail-closed)");
+            Problem::new(
+                ProblemKind::StoreUnavailable,
+                "the idempotency store is unavailable; the request was not processed",
+            )
+            .retry_after(settings.outage_retry_after)
+        }
+        // Includes `InvalidKey`: the layer validated the key, so only the
+        // manager's namespace (configuration) can be at fault.
+        e => {
+            tracing::error!(route = %route, error = %e, "idempotency store error");
+            Problem::new(
+                ProblemKind::StoreError,
+                "the idempotency store failed; the request was not processed",
+            )
+        }
+    }
+}

@@ -1,0 +1,1193 @@
+//! The scenarios every store runs through: an in-process axum app behind the
+//! layer, with handlers that count their runs and can be held in flight.
+//!
+//! Each scenario builds its own app over a fresh namespace of the given
+//! repository, so they run in parallel on one shared server. Nothing sleeps
+//! to wait for state: handlers are held by a `watch` gate, "the handler
+//! started" and "a duplicate saw the key in flight" are signalled through
+//! channels and `Notify`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{MatchedPath, Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing;
+use axum::Router;
+use bytes::Bytes;
+use http_body::Frame;
+use http_body_util::{BodyExt, StreamBody};
+use idempotency_conformance::containers::unique_namespace;
+use idempotency_core::{
+    async_trait, Capabilities, Config, Error, IdempotencyManager, InProgressPolicy, OwnerToken,
+    Record, RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Status,
+    Timestamp,
+};
+use idempotency_http::{
+    caller_from_header, record_id, IdempotencyLayer, Protection, RequestFingerprint,
+};
+use tokio::sync::{mpsc, watch, Notify};
+use tower::ServiceExt;
+
+/// The cache cap of the test apps.
+pub const CAP: usize = 64 * 1024;
+/// The request body cap of the test apps.
+pub const MAX_REQUEST: usize = 32 * 1024;
+/// How long a test waits for an event before failing (never reached when the
+/// code is right).
+const PATIENCE: Duration = Duration::from_secs(30);
+
+// ---------------------------------------------------------------------------
+// A repository wrapper that reports duplicates seeing a key in flight.
+
+#[derive(Debug)]
+pub struct Observed {
+    inner: SharedRepository,
+    in_flight_seen: AtomicUsize,
+    notify: Notify,
+}
+
+impl Observed {
+    fn new(inner: SharedRepository) -> Self {
+        Observed {
+            inner,
+            in_flight_seen: AtomicUsize::new(0),
+            notify: Notify::new(),
+        }
+    }
+
+    /// Waits until `n` reservations found the key `Processing` under another
+    /// owner.
+    pub async fn wait_in_flight_seen(&self, n: usize) {
+        tokio::time::timeout(PATIENCE, async {
+            loop {
+                let notified = self.notify.notified();
+                if self.in_flight_seen.load(Ordering::SeqCst) >= n {
+                    return;
+                }
+                notified.await;
+            }
+        })
+        .await
+        .expect("a duplicate reached the store while the first request was in flight");
+    }
+}
+
+#[async_trait]
+impl Repository for Observed {
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
+        let r = self.inner.reserve(request).await;
+        if let Ok(Reservation::Existing(record)) = &r {
+            if record.status == Status::Processing {
+                self.in_flight_seen.fetch_add(1, Ordering::SeqCst);
+                self.notify.notify_waiters();
+            }
+        }
+        r
+    }
+    async fn complete(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner
+            .complete(key, owner, result, expires_at, now)
+            .await
+    }
+    async fn fail(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        error: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner.fail(key, owner, error, expires_at, now).await
+    }
+    async fn release(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner.release(key, owner, now).await
+    }
+    async fn extend(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        lease_until: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.inner.extend(key, owner, lease_until, now).await
+    }
+    async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
+        self.inner.get(key, now).await
+    }
+    async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
+        self.inner.delete(key).await
+    }
+    async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
+        self.inner.purge_expired(now, limit).await
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The app.
+
+struct Shared {
+    runs: Mutex<HashMap<&'static str, usize>>,
+    started: mpsc::UnboundedSender<()>,
+    gate: watch::Receiver<bool>,
+}
+
+impl Shared {
+    fn bump(&self, name: &'static str) -> usize {
+        let mut runs = self.runs.lock().unwrap();
+        let n = runs.entry(name).or_default();
+        *n += 1;
+        *n
+    }
+}
+
+/// What a test app is built with.
+pub struct Options {
+    pub config: Config,
+    pub fingerprint: RequestFingerprint,
+    /// Read the route template with an explicit extractor (true) or rely on
+    /// the crate's default (the `axum` feature, else the path).
+    pub explicit_route_extractor: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            config: Config::default(),
+            fingerprint: RequestFingerprint::default(),
+            explicit_route_extractor: true,
+        }
+    }
+}
+
+pub struct TestApp {
+    pub router: Router,
+    pub manager: IdempotencyManager,
+    pub repo: Arc<Observed>,
+    shared: Arc<Shared>,
+    started: tokio::sync::Mutex<mpsc::UnboundedReceiver<()>>,
+    gate: watch::Sender<bool>,
+}
+
+impl TestApp {
+    pub fn new(repo: SharedRepository) -> Self {
+        Self::with(repo, Options::default())
+    }
+
+    pub fn with(repo: SharedRepository, options: Options) -> Self {
+        let repo = Arc::new(Observed::new(repo));
+        let config = Config {
+            key_prefix: unique_namespace("http"),
+            ..options.config
+        };
+        let manager = IdempotencyManager::new(repo.clone(), config).unwrap();
+        let (started_tx, started_rx) = mpsc::unbounded_channel();
+        let (gate_tx, gate_rx) = watch::channel(false);
+        let shared = Arc::new(Shared {
+            runs: Mutex::new(HashMap::new()),
+            started: started_tx,
+            gate: gate_rx,
+        });
+        let mut layer = IdempotencyLayer::new(manager.clone())
+            .caller_identity(caller_from_header("x-api-key".parse().unwrap()))
+            .route("/webhooks", Protection::Skip)
+            .route("/search", Protection::Optional)
+            .fingerprint(options.fingerprint)
+            .max_cached_body(CAP)
+            .max_request_body(MAX_REQUEST);
+        if options.explicit_route_extractor {
+            layer = layer.route_extractor(|parts| {
+                parts
+                    .extensions
+                    .get::<MatchedPath>()
+                    .map(|m| m.as_str().to_owned())
+            });
+        }
+        let router = Router::new()
+            .route(
+                "/orders",
+                routing::post(orders).patch(orders).get(read_orders),
+            )
+            .route("/orders/{id}/items", routing::post(items))
+            .route("/slow", routing::post(slow))
+            .route("/flaky", routing::post(flaky))
+            .route("/status/{code}", routing::post(status))
+            .route("/big", routing::post(big))
+            .route("/trailers", routing::post(trailers))
+            .route("/panic-once", routing::post(panic_once))
+            .route("/broken-once", routing::post(broken_once))
+            .route("/webhooks", routing::post(webhooks))
+            .route("/search", routing::post(search))
+            .layer(layer)
+            .with_state(shared.clone());
+        TestApp {
+            router,
+            manager,
+            repo,
+            shared,
+            started: tokio::sync::Mutex::new(started_rx),
+            gate: gate_tx,
+        }
+    }
+
+    /// How often the handler `name` ran.
+    pub fn runs(&self, name: &'static str) -> usize {
+        self.shared
+            .runs
+            .lock()
+            .unwrap()
+            .get(name)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Waits until a `/slow` handler has started (and is held at the gate).
+    pub async fn handler_started(&self) {
+        tokio::time::timeout(PATIENCE, self.started.lock().await.recv())
+            .await
+            .expect("the /slow handler started")
+            .expect("the app is alive");
+    }
+
+    /// Lets every held and future `/slow` handler finish.
+    pub fn open_gate(&self) {
+        self.gate.send_replace(true);
+    }
+
+    pub async fn send(&self, request: Request<Body>) -> Reply {
+        send(&self.router, request).await
+    }
+
+    /// The record key a request gets (no caller identity).
+    pub fn record_key(&self, method: &Method, route: &str, key: &str) -> RecordKey {
+        self.manager
+            .record_key(&record_id(None, method, route, key))
+            .unwrap()
+    }
+}
+
+async fn orders(State(s): State<Arc<Shared>>, method: Method, body: String) -> Response {
+    let n = s.bump("orders");
+    (
+        StatusCode::CREATED,
+        [
+            ("x-order", n.to_string()),
+            ("set-cookie", format!("session={n}")),
+            ("content-type", "application/json".to_owned()),
+        ],
+        serde_json::json!({"order": n, "method": method.as_str(), "body": body}).to_string(),
+    )
+        .into_response()
+}
+
+async fn read_orders(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("reads");
+    (StatusCode::OK, format!("read {n}")).into_response()
+}
+
+async fn items(State(s): State<Arc<Shared>>, Path(id): Path<String>) -> Response {
+    let n = s.bump("items");
+    (StatusCode::CREATED, format!("item {n} for order {id}")).into_response()
+}
+
+async fn slow(State(s): State<Arc<Shared>>) -> Response {
+    let _ = s.started.send(());
+    let mut gate = s.gate.clone();
+    let _ = gate.wait_for(|open| *open).await;
+    let n = s.bump("slow");
+    (StatusCode::CREATED, format!("slow {n}")).into_response()
+}
+
+async fn flaky(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("flaky");
+    if n == 1 {
+        (StatusCode::SERVICE_UNAVAILABLE, "try again").into_response()
+    } else {
+        (StatusCode::CREATED, format!("flaky {n}")).into_response()
+    }
+}
+
+async fn status(State(s): State<Arc<Shared>>, Path(code): Path<u16>) -> Response {
+    let n = s.bump("status");
+    let status = StatusCode::from_u16(code).unwrap();
+    (status, format!("status {code} run {n}")).into_response()
+}
+
+/// The bytes `/big?size=N` answers.
+pub fn big_body(size: usize) -> Vec<u8> {
+    (0..size).map(|i| (i % 251) as u8).collect()
+}
+
+async fn big(State(s): State<Arc<Shared>>, Query(q): Query<HashMap<String, usize>>) -> Response {
+    s.bump("big");
+    let size = q.get("size").copied().unwrap_or(3 * CAP);
+    let chunks: Vec<Result<Bytes, Infallible>> = big_body(size)
+        .chunks(16 * 1024)
+        .map(|c| Ok(Bytes::copy_from_slice(c)))
+        .collect();
+    // A stream: no Content-Length, the layer only learns the size by reading.
+    Response::new(Body::from_stream(futures::stream::iter(chunks)))
+}
+
+async fn trailers(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("trailers");
+    let mut t = HeaderMap::new();
+    t.insert("x-checksum", HeaderValue::from(n));
+    let frames: Vec<Result<Frame<Bytes>, Infallible>> = vec![
+        Ok(Frame::data(Bytes::from(format!("payload {n}")))),
+        Ok(Frame::trailers(t)),
+    ];
+    Response::new(Body::new(StreamBody::new(futures::stream::iter(frames))))
+}
+
+async fn panic_once(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("panic");
+    if n == 1 {
+        panic!("the handler panicked on purpose");
+    }
+    (StatusCode::CREATED, format!("survived {n}")).into_response()
+}
+
+/// The first run's body fails after one chunk; later runs succeed.
+async fn broken_once(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("broken");
+    let items: Vec<Result<Bytes, std::io::Error>> = if n == 1 {
+        vec![
+            Ok(Bytes::from_static(b"partial")),
+            Err(std::io::Error::other("the database cursor broke")),
+        ]
+    } else {
+        vec![Ok(Bytes::from(format!("whole {n}")))]
+    };
+    Response::new(Body::from_stream(futures::stream::iter(items)))
+}
+
+async fn webhooks(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("webhooks");
+    (StatusCode::OK, format!("webhook {n}")).into_response()
+}
+
+async fn search(State(s): State<Arc<Shared>>) -> Response {
+    let n = s.bump("search");
+    (StatusCode::OK, format!("search {n}")).into_response()
+}
+
+// ---------------------------------------------------------------------------
+// Requests and replies.
+
+pub fn request(
+    method: Method,
+    uri: &str,
+    key: Option<&str>,
+    body: impl Into<Body>,
+) -> Request<Body> {
+    let mut builder = Request::builder().method(method).uri(uri);
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder.body(body.into()).unwrap()
+}
+
+pub fn post(uri: &str, key: Option<&str>, body: &str) -> Request<Body> {
+    request(Method::POST, uri, key, body.to_owned())
+}
+
+pub fn post_as(caller: &str, uri: &str, key: &str, body: &str) -> Request<Body> {
+    let mut r = post(uri, Some(key), body);
+    r.headers_mut()
+        .insert("x-api-key", HeaderValue::from_str(caller).unwrap());
+    r
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub trailers: Option<HeaderMap>,
+}
+
+impl Reply {
+    pub fn replayed(&self) -> bool {
+        match self.headers.get("idempotency-replayed") {
+            None => false,
+            Some(v) => {
+                assert_eq!(v, "true");
+                true
+            }
+        }
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8(self.body.to_vec()).unwrap()
+    }
+
+    /// The problem+json body, checked for the RFC 9457 members.
+    pub fn problem(&self) -> serde_json::Value {
+        assert_eq!(
+            self.headers["content-type"], "application/problem+json",
+            "{self:?}"
+        );
+        let json: serde_json::Value = serde_json::from_slice(&self.body).unwrap();
+        assert_eq!(json["status"], self.status.as_u16(), "{json}");
+        assert!(
+            json["title"].as_str().is_some_and(|t| !t.is_empty()),
+            "{json}"
+        );
+        assert!(
+            json["detail"].as_str().is_some_and(|t| !t.is_empty()),
+            "{json}"
+        );
+        assert!(json["type"].as_str().is_some(), "{json}");
+        json
+    }
+
+    /// Asserts a problem of this status and slug.
+    pub fn assert_problem(&self, status: StatusCode, slug: &str) -> serde_json::Value {
+        assert_eq!(self.status, status, "{self:?}");
+        let json = self.problem();
+        let ty = json["type"].as_str().unwrap();
+        assert!(ty.ends_with(&format!("#{slug}")), "type {ty} is not {slug}");
+        json
+    }
+}
+
+pub async fn send(router: &Router, request: Request<Body>) -> Reply {
+    let response = router.clone().oneshot(request).await.unwrap();
+    let (parts, body) = response.into_parts();
+    let collected = body.collect().await.unwrap();
+    let trailers = collected.trailers().cloned();
+    Reply {
+        status: parts.status,
+        headers: parts.headers,
+        body: collected.to_bytes(),
+        trailers,
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The scenarios.
+
+/// The first request runs the handler; a retry replays status, selected
+/// headers and body, marked `Idempotency-Replayed: true`, without running it.
+pub async fn first_request_runs_then_retry_replays(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let first = app.send(post("/orders", Some("k-1"), "two books")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert_eq!(first.headers["x-order"], "1");
+    assert_eq!(first.headers["set-cookie"], "session=1");
+    let body: serde_json::Value = serde_json::from_slice(&first.body).unwrap();
+    assert_eq!(
+        body,
+        serde_json::json!({"order": 1, "method": "POST", "body": "two books"})
+    );
+
+    for _ in 0..3 {
+        let retry = app.send(post("/orders", Some("k-1"), "two books")).await;
+        assert_eq!(retry.status, StatusCode::CREATED);
+        assert!(retry.replayed());
+        assert_eq!(retry.body, first.body);
+        assert_eq!(retry.headers["x-order"], "1");
+        assert_eq!(retry.headers["content-type"], "application/json");
+        assert!(
+            retry.headers.get("set-cookie").is_none(),
+            "Set-Cookie is not replayed by default"
+        );
+    }
+    assert_eq!(app.runs("orders"), 1);
+
+    // Another key is another request.
+    let other = app.send(post("/orders", Some("k-2"), "two books")).await;
+    assert!(!other.replayed());
+    assert_eq!(other.headers["x-order"], "2");
+    assert_eq!(app.runs("orders"), 2);
+}
+
+/// Duplicates arriving while the first request is held in its handler get
+/// `409` with `Retry-After`; once it finishes, the key replays.
+pub async fn duplicates_in_flight_get_409(repo: SharedRepository) {
+    let app = Arc::new(TestApp::new(repo));
+    const N: usize = 16;
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    for _ in 0..N {
+        let app = app.clone();
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            let reply = app.send(post("/slow", Some("held"), "")).await;
+            let _ = tx.send(reply);
+        });
+    }
+    app.handler_started().await;
+    // Every request but the one in the handler is answered while it is held.
+    for _ in 0..N - 1 {
+        let reply = tokio::time::timeout(PATIENCE, rx.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+        // The smaller of the layer's hint (1 s) and the holder's lease (300 s).
+        assert_eq!(reply.headers["retry-after"], "1");
+    }
+    assert_eq!(app.runs("slow"), 0, "the held handler has not finished");
+    app.open_gate();
+    let winner = tokio::time::timeout(PATIENCE, rx.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(winner.status, StatusCode::CREATED);
+    assert!(!winner.replayed());
+    assert_eq!(winner.text(), "slow 1");
+    assert_eq!(app.runs("slow"), 1);
+
+    let after = app.send(post("/slow", Some("held"), "")).await;
+    assert!(after.replayed());
+    assert_eq!(after.text(), "slow 1");
+    assert_eq!(app.runs("slow"), 1);
+}
+
+/// Many identical requests released together: the handler runs exactly once;
+/// every other request gets `409` or the replay of that one response.
+pub async fn racing_duplicates_run_the_handler_once(repo: SharedRepository) {
+    let app = Arc::new(TestApp::new(repo));
+    const N: usize = 24;
+    let barrier = Arc::new(tokio::sync::Barrier::new(N));
+    let mut tasks = Vec::new();
+    for _ in 0..N {
+        let app = app.clone();
+        let barrier = barrier.clone();
+        tasks.push(tokio::spawn(async move {
+            barrier.wait().await;
+            app.send(post("/orders", Some("race"), "same")).await
+        }));
+    }
+    let mut fresh = Vec::new();
+    let mut replays = 0;
+    let mut conflicts = 0;
+    for task in tasks {
+        let reply = task.await.unwrap();
+        match reply.status {
+            StatusCode::CREATED if reply.replayed() => {
+                replays += 1;
+                assert_eq!(reply.headers["x-order"], "1");
+            }
+            StatusCode::CREATED => fresh.push(reply),
+            StatusCode::CONFLICT => {
+                reply.assert_problem(StatusCode::CONFLICT, "in-progress");
+                conflicts += 1;
+            }
+            other => panic!("unexpected {other}: {reply:?}"),
+        }
+    }
+    assert_eq!(fresh.len(), 1, "exactly one request ran the handler");
+    assert_eq!(fresh[0].headers["x-order"], "1");
+    assert_eq!(replays + conflicts, N - 1);
+    assert_eq!(app.runs("orders"), 1);
+}
+
+/// A key reused with another body, or on another resource of the same route,
+/// is `422`; the handler does not run.
+pub async fn reused_key_with_another_request_is_422(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    assert_eq!(
+        app.send(post("/orders", Some("k"), "a")).await.status,
+        StatusCode::CREATED
+    );
+    let reused = app.send(post("/orders", Some("k"), "b")).await;
+    let problem = reused.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(problem["status"], 422);
+    assert!(!reused.replayed());
+    assert_eq!(app.runs("orders"), 1);
+
+    // Same route template, other path: the path is part of the fingerprint.
+    assert_eq!(
+        app.send(post("/orders/1/items", Some("k"), ""))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    app.send(post("/orders/2/items", Some("k"), ""))
+        .await
+        .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    assert_eq!(app.runs("items"), 1);
+
+    // The original request still replays.
+    let again = app.send(post("/orders", Some("k"), "a")).await;
+    assert!(again.replayed());
+}
+
+/// No key on a route that requires one: `400`, handler not run.
+pub async fn missing_key_is_400(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let reply = app.send(post("/orders", None, "a")).await;
+    let problem = reply.assert_problem(StatusCode::BAD_REQUEST, "missing-key");
+    assert!(problem["detail"]
+        .as_str()
+        .unwrap()
+        .contains("idempotency-key"));
+    let patch = app.send(request(Method::PATCH, "/orders", None, "a")).await;
+    patch.assert_problem(StatusCode::BAD_REQUEST, "missing-key");
+    assert_eq!(app.runs("orders"), 0);
+}
+
+/// Empty, too long, non-ASCII, control characters, repeated headers and bad
+/// quoting: `400`, handler not run, never a panic. The quoted (Structured
+/// Field) and bare forms name the same key.
+pub async fn invalid_keys_are_400(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let bad: Vec<HeaderValue> = vec![
+        HeaderValue::from_static(""),
+        HeaderValue::from_static("\"\""),
+        HeaderValue::from_str(&"k".repeat(256)).unwrap(),
+        HeaderValue::from_str(&"k".repeat(64 * 1024)).unwrap(),
+        HeaderValue::from_static("has space"),
+        HeaderValue::from_static("a,b"),
+        HeaderValue::from_static("tab\there"),
+        HeaderValue::from_bytes(b"caf\xc3\xa9").unwrap(),
+        HeaderValue::from_bytes(b"\xff\xfe\x80").unwrap(),
+        HeaderValue::from_static("\"unterminated"),
+        HeaderValue::from_static("\"bad\\escape\""),
+        HeaderValue::from_static("\"key\";param=1"),
+    ];
+    for value in bad {
+        let mut r = post("/orders", None, "a");
+        r.headers_mut().insert("idempotency-key", value.clone());
+        app.send(r)
+            .await
+            .assert_problem(StatusCode::BAD_REQUEST, "invalid-key");
+    }
+    let mut repeated = post("/orders", Some("one"), "a");
+    repeated
+        .headers_mut()
+        .append("idempotency-key", HeaderValue::from_static("two"));
+    app.send(repeated)
+        .await
+        .assert_problem(StatusCode::BAD_REQUEST, "invalid-key");
+    assert_eq!(app.runs("orders"), 0);
+
+    // The longest key allowed works; quoted and bare forms are one key.
+    let longest = "k".repeat(255);
+    assert_eq!(
+        app.send(post("/orders", Some(&longest), "a")).await.status,
+        StatusCode::CREATED
+    );
+    let quoted = app.send(post("/orders", Some("\"q-1\""), "a")).await;
+    assert!(!quoted.replayed());
+    let bare = app.send(post("/orders", Some("q-1"), "a")).await;
+    assert!(bare.replayed());
+    assert_eq!(bare.body, quoted.body);
+    assert_eq!(app.runs("orders"), 2);
+}
+
+/// A streamed response over the cap reaches the first client whole, is not
+/// cached, and retries get `409 response-not-retained` (with the original
+/// status) instead of a second run. A body exactly at the cap is cached.
+pub async fn oversized_response_passes_through_uncached(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let size = 3 * CAP + 123;
+    let uri = format!("/big?size={size}");
+    let first = app.send(post(&uri, Some("big"), "")).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(!first.replayed());
+    assert_eq!(first.body.len(), size);
+    assert_eq!(first.body.as_ref(), big_body(size).as_slice());
+
+    let retry = app.send(post(&uri, Some("big"), "")).await;
+    let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    assert_eq!(problem["original_status"], 200);
+    assert!(retry.headers.get("retry-after").is_none());
+    assert_eq!(app.runs("big"), 1, "the handler ran once anyway");
+
+    // At the cap: stored and replayed byte for byte.
+    let uri = format!("/big?size={CAP}");
+    let first = app.send(post(&uri, Some("at-cap"), "")).await;
+    assert_eq!(first.body.len(), CAP);
+    let retry = app.send(post(&uri, Some("at-cap"), "")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.runs("big"), 2);
+}
+
+/// `5xx` (and `429`) are not stored: the retry runs the handler again. `4xx`
+/// are stored and replayed.
+pub async fn server_errors_are_released_client_errors_stored(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let first = app.send(post("/flaky", Some("f"), "")).await;
+    assert_eq!(first.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(!first.replayed());
+    let retry = app.send(post("/flaky", Some("f"), "")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(app.runs("flaky"), 2, "the 503 was released: the retry ran");
+    let third = app.send(post("/flaky", Some("f"), "")).await;
+    assert!(third.replayed());
+    assert_eq!(third.text(), "flaky 2");
+    assert_eq!(app.runs("flaky"), 2);
+
+    for _ in 0..2 {
+        let limited = app.send(post("/status/429", Some("rate"), "")).await;
+        assert_eq!(limited.status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(!limited.replayed());
+    }
+    assert_eq!(app.runs("status"), 2);
+
+    let invalid = app.send(post("/status/400", Some("bad"), "")).await;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    let again = app.send(post("/status/400", Some("bad"), "")).await;
+    assert_eq!(again.status, StatusCode::BAD_REQUEST);
+    assert!(again.replayed());
+    assert_eq!(again.body, invalid.body);
+    assert_eq!(app.runs("status"), 3);
+}
+
+/// Two callers using the same key each get their own run and their own
+/// replay; neither can see the other's response.
+pub async fn callers_are_isolated(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let alice = app
+        .send(post_as("sk_alice", "/orders", "shared-key", "same body"))
+        .await;
+    let bob = app
+        .send(post_as("sk_bob", "/orders", "shared-key", "same body"))
+        .await;
+    assert!(!alice.replayed());
+    assert!(!bob.replayed(), "bob's request is not a replay of alice's");
+    assert_eq!(alice.headers["x-order"], "1");
+    assert_eq!(bob.headers["x-order"], "2");
+    // A third caller with another body: no 422, its own scope.
+    let carol = app
+        .send(post_as("sk_carol", "/orders", "shared-key", "other body"))
+        .await;
+    assert_eq!(carol.status, StatusCode::CREATED);
+    assert!(!carol.replayed());
+    // Anonymous callers form their own scope too.
+    let anonymous = app
+        .send(post("/orders", Some("shared-key"), "same body"))
+        .await;
+    assert!(!anonymous.replayed());
+    assert_eq!(app.runs("orders"), 4);
+
+    let alice_again = app
+        .send(post_as("sk_alice", "/orders", "shared-key", "same body"))
+        .await;
+    let bob_again = app
+        .send(post_as("sk_bob", "/orders", "shared-key", "same body"))
+        .await;
+    assert!(alice_again.replayed() && bob_again.replayed());
+    assert_eq!(alice_again.body, alice.body);
+    assert_eq!(bob_again.body, bob.body);
+    assert_eq!(app.runs("orders"), 4);
+}
+
+/// Method and route template are part of the scope: the same key on POST and
+/// PATCH, or on two routes, names different requests.
+pub async fn scope_includes_method_and_route(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let post_reply = app.send(post("/orders", Some("k"), "x")).await;
+    let patch_reply = app
+        .send(request(Method::PATCH, "/orders", Some("k"), "x"))
+        .await;
+    let items_reply = app.send(post("/orders/7/items", Some("k"), "")).await;
+    assert!(!post_reply.replayed() && !patch_reply.replayed() && !items_reply.replayed());
+    assert_eq!(app.runs("orders"), 2);
+    assert_eq!(app.runs("items"), 1);
+    let patch_again = app
+        .send(request(Method::PATCH, "/orders", Some("k"), "x"))
+        .await;
+    assert!(patch_again.replayed());
+    let body: serde_json::Value = serde_json::from_slice(&patch_again.body).unwrap();
+    assert_eq!(body["method"], "PATCH");
+}
+
+/// `Protection::Skip` routes pass through untouched; `Protection::Optional`
+/// routes protect requests with a key and pass the others through.
+pub async fn opt_out_and_optional_routes(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let no_key = app.send(post("/webhooks", None, "")).await;
+    assert_eq!(no_key.status, StatusCode::OK);
+    for _ in 0..2 {
+        let with_key = app.send(post("/webhooks", Some("w"), "")).await;
+        assert_eq!(with_key.status, StatusCode::OK);
+        assert!(!with_key.replayed());
+    }
+    assert_eq!(app.runs("webhooks"), 3);
+
+    for _ in 0..2 {
+        let unkeyed = app.send(post("/search", None, "")).await;
+        assert_eq!(unkeyed.status, StatusCode::OK);
+        assert!(!unkeyed.replayed());
+    }
+    assert_eq!(app.runs("search"), 2);
+    let keyed = app.send(post("/search", Some("s"), "")).await;
+    let keyed_again = app.send(post("/search", Some("s"), "")).await;
+    assert!(!keyed.replayed());
+    assert!(keyed_again.replayed());
+    assert_eq!(keyed_again.body, keyed.body);
+    assert_eq!(app.runs("search"), 3);
+}
+
+/// GET is not a protected method: with or without a key, every request runs.
+pub async fn get_passes_through_untouched(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    for key in [None, Some("g"), Some("g"), Some("bad key with spaces")] {
+        let reply = app
+            .send(request(Method::GET, "/orders", key, Body::empty()))
+            .await;
+        assert_eq!(reply.status, StatusCode::OK);
+        assert!(!reply.replayed());
+    }
+    assert_eq!(app.runs("reads"), 4);
+}
+
+/// A client that disconnects while the handler runs (the response future is
+/// dropped) releases the key: its retry runs the handler.
+pub async fn dropped_request_releases_the_key(repo: SharedRepository) {
+    let app = Arc::new(TestApp::new(repo));
+    let held = {
+        let app = app.clone();
+        tokio::spawn(async move { app.send(post("/slow", Some("gone"), "")).await })
+    };
+    app.handler_started().await;
+    held.abort();
+    assert!(held.await.unwrap_err().is_cancelled());
+    app.open_gate();
+    // The release runs in the background: retry until the key is free.
+    let reply = tokio::time::timeout(PATIENCE, async {
+        loop {
+            let reply = app.send(post("/slow", Some("gone"), "")).await;
+            if reply.status != StatusCode::CONFLICT {
+                return reply;
+            }
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the key of the dropped request was released");
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert!(!reply.replayed());
+    assert_eq!(app.runs("slow"), 1, "only the retry completed the handler");
+}
+
+/// A handler that panics releases the key; the retry runs it again.
+pub async fn panicking_handler_releases_the_key(repo: SharedRepository) {
+    let app = Arc::new(TestApp::new(repo));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { app.send(post("/panic-once", Some("p"), "")).await })
+    };
+    assert!(first.await.unwrap_err().is_panic());
+    let retry = app.send(post("/panic-once", Some("p"), "")).await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert_eq!(retry.text(), "survived 2");
+    assert_eq!(app.runs("panic"), 2);
+    assert!(app
+        .send(post("/panic-once", Some("p"), ""))
+        .await
+        .replayed());
+}
+
+/// A response body that fails while the layer reads it releases the key (like
+/// a 5xx): the client sees the failure after the bytes that came, and its retry
+/// runs the handler again.
+pub async fn failing_response_body_releases_the_key(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let response = app
+        .router
+        .clone()
+        .oneshot(post("/broken-once", Some("b"), ""))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert!(response.headers().get("idempotency-replayed").is_none());
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert_eq!(first.into_data().unwrap(), "partial");
+    let error = body.frame().await.unwrap().unwrap_err();
+    assert!(error.to_string().contains("cursor broke"), "{error}");
+
+    let retry = app.send(post("/broken-once", Some("b"), "")).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(!retry.replayed());
+    assert_eq!(retry.text(), "whole 2");
+    assert_eq!(app.runs("broken"), 2);
+    let again = app.send(post("/broken-once", Some("b"), "")).await;
+    assert!(again.replayed());
+    assert_eq!(again.text(), "whole 2");
+}
+
+/// With the manager's wait policy, a duplicate that finds the key in flight
+/// waits for the first request and gets its replay instead of a `409`.
+pub async fn wait_policy_replays_after_the_first_finishes(repo: SharedRepository) {
+    let app = Arc::new(TestApp::with(
+        repo,
+        Options {
+            config: Config {
+                in_progress: InProgressPolicy::Wait {
+                    timeout: PATIENCE,
+                    poll_interval: Duration::from_millis(10),
+                },
+                ..Config::default()
+            },
+            ..Options::default()
+        },
+    ));
+    let first = {
+        let app = app.clone();
+        tokio::spawn(async move { app.send(post("/slow", Some("w"), "")).await })
+    };
+    app.handler_started().await;
+    let second = {
+        let app = app.clone();
+        tokio::spawn(async move { app.send(post("/slow", Some("w"), "")).await })
+    };
+    // The duplicate has seen the key in flight (and is now waiting).
+    app.repo.wait_in_flight_seen(1).await;
+    app.open_gate();
+    let first = first.await.unwrap();
+    let second = second.await.unwrap();
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(!first.replayed());
+    assert_eq!(second.status, StatusCode::CREATED);
+    assert!(second.replayed(), "the waiting duplicate got the replay");
+    assert_eq!(second.body, first.body);
+    assert_eq!(app.runs("slow"), 1);
+}
+
+/// A request body over the fingerprint cap is `413`; at the cap it runs.
+pub async fn request_body_over_the_cap_is_413(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let too_big = "x".repeat(MAX_REQUEST + 1);
+    app.send(post("/orders", Some("big-req"), &too_big))
+        .await
+        .assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    // Streamed without a length: still refused.
+    let chunks: Vec<Result<Bytes, Infallible>> = (0..=MAX_REQUEST / 1024)
+        .map(|_| Ok(Bytes::from(vec![b'y'; 1024])))
+        .collect();
+    let streamed = request(
+        Method::POST,
+        "/orders",
+        Some("big-stream"),
+        Body::from_stream(futures::stream::iter(chunks)),
+    );
+    app.send(streamed)
+        .await
+        .assert_problem(StatusCode::PAYLOAD_TOO_LARGE, "body-too-large");
+    assert_eq!(app.runs("orders"), 0);
+    let at_cap = "x".repeat(MAX_REQUEST);
+    let reply = app.send(post("/orders", Some("big-req"), &at_cap)).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    let body: serde_json::Value = serde_json::from_slice(&reply.body).unwrap();
+    assert_eq!(
+        body["body"].as_str().unwrap().len(),
+        MAX_REQUEST,
+        "the handler got the whole body"
+    );
+}
+
+/// Trailers (gRPC status, checksums) are stored and replayed with the body.
+pub async fn trailers_are_replayed(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let first = app.send(post("/trailers", Some("t"), "")).await;
+    assert_eq!(first.text(), "payload 1");
+    assert_eq!(first.trailers.as_ref().unwrap()["x-checksum"], "1");
+    let retry = app.send(post("/trailers", Some("t"), "")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.text(), "payload 1");
+    assert_eq!(retry.trailers.as_ref().unwrap()["x-checksum"], "1");
+    assert_eq!(app.runs("trailers"), 1);
+}
+
+/// A stored result that is not a response (corrupt, or written by something
+/// else) is a `500` problem, never a panic, and the handler does not run.
+pub async fn corrupt_stored_response_is_500(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let now = app.manager.now();
+    for garbage in [&b"IDH1\x00"[..], b"{\"json\":true}", b"\xff\x00\xfe", b""] {
+        let key = app.record_key(
+            &Method::POST,
+            "/orders",
+            &format!("corrupt-{}", garbage.len()),
+        );
+        let owner = OwnerToken::random();
+        let reserved = app
+            .repo
+            .reserve(ReserveRequest {
+                key: &key,
+                owner,
+                fingerprint: None,
+                now,
+                lease_until: now + Duration::from_secs(60),
+                expires_at: now + Duration::from_secs(3600),
+                retry_failed: false,
+                clock_skew: Duration::ZERO,
+            })
+            .await
+            .unwrap();
+        assert_eq!(reserved, Reservation::Acquired { attempt: 1 });
+        app.repo
+            .complete(
+                &key,
+                owner,
+                Some(garbage),
+                now + Duration::from_secs(3600),
+                now,
+            )
+            .await
+            .unwrap();
+        let reply = app
+            .send(post(
+                "/orders",
+                Some(&format!("corrupt-{}", garbage.len())),
+                "a",
+            ))
+            .await;
+        reply.assert_problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "stored-response-unreadable",
+        );
+    }
+    assert_eq!(app.runs("orders"), 0);
+}
+
+/// An instance that crashed while holding a key (lease ran out) is taken over
+/// by the retry; the crashed owner's late completion is fenced off.
+pub async fn crashed_holder_is_taken_over_and_fenced(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let key = app.record_key(&Method::POST, "/orders", "crashed");
+    let now = app.manager.now();
+    let ghost = OwnerToken::random();
+    app.repo
+        .reserve(ReserveRequest {
+            key: &key,
+            owner: ghost,
+            fingerprint: None,
+            now: now - Duration::from_secs(400),
+            lease_until: now - Duration::from_secs(100),
+            expires_at: now + Duration::from_secs(3600),
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        })
+        .await
+        .unwrap();
+    let reply = app.send(post("/orders", Some("crashed"), "a")).await;
+    assert_eq!(reply.status, StatusCode::CREATED);
+    assert!(!reply.replayed());
+    let record = app
+        .repo
+        .get(&key, app.manager.now())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(record.status, Status::Completed);
+    assert_eq!(record.attempt, 2, "taken over");
+    let late = app
+        .repo
+        .complete(
+            &key,
+            ghost,
+            Some(b"late"),
+            now + Duration::from_secs(3600),
+            app.manager.now(),
+        )
+        .await;
+    assert!(matches!(late, Err(Error::LeaseLost { .. })), "{late:?}");
+    let retry = app.send(post("/orders", Some("crashed"), "a")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, reply.body);
+    assert_eq!(app.runs("orders"), 1);
+}
+
+/// `RequestFingerprint::Disabled`: a reused key replays whatever the body;
+/// `RequestFingerprint::Body`: only the body counts.
+pub async fn fingerprint_modes(repo: SharedRepository) {
+    let app = TestApp::with(
+        repo.clone(),
+        Options {
+            fingerprint: RequestFingerprint::Disabled,
+            ..Options::default()
+        },
+    );
+    let first = app.send(post("/orders", Some("k"), "a")).await;
+    let other_body = app.send(post("/orders", Some("k"), "b")).await;
+    assert!(other_body.replayed());
+    assert_eq!(other_body.body, first.body);
+
+    let app = TestApp::with(
+        repo,
+        Options {
+            fingerprint: RequestFingerprint::Body,
+            ..Options::default()
+        },
+    );
+    let first = app.send(post("/orders/1/items", Some("k"), "same")).await;
+    let other_path = app.send(post("/orders/2/items", Some("k"), "same")).await;
+    assert!(
+        other_path.replayed(),
+        "the path is not part of a Body fingerprint"
+    );
+    assert_eq!(other_path.body, first.body);
+    app.send(post("/orders/1/items", Some("k"), "changed"))
+        .await
+        .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+}
+
+/// One `#[tokio::test]` per scenario over `$repo().await`.
+macro_rules! http_scenarios {
+    ($repo:ident) => {
+        $crate::common::http_scenarios!(@each $repo;
+            first_request_runs_then_retry_replays,
+            duplicates_in_flight_get_409,
+            racing_duplicates_run_the_handler_once,
+            reused_key_with_another_request_is_422,
+            missing_key_is_400,
+            invalid_keys_are_400,
+            oversized_response_passes_through_uncached,
+            server_errors_are_released_client_errors_stored,
+            callers_are_isolated,
+            scope_includes_method_and_route,
+            opt_out_and_optional_routes,
+            get_passes_through_untouched,
+            dropped_request_releases_the_key,
+            panicking_handler_releases_the_key,
+            failing_response_body_releases_the_key,
+            wait_policy_replays_after_the_first_finishes,
+            request_body_over_the_cap_is_413,
+            trailers_are_replayed,
+            corrupt_stored_response_is_500,
+            crashed_holder_is_taken_over_and_fenced,
+            fingerprint_modes,
+        );
+    };
+    (@each $repo:ident; $($name:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                $crate::common::$name($repo().await).await;
+            }
+        )*
+    };
+}
+pub(crate) use http_scenarios;

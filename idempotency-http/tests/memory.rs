@@ -1,0 +1,193 @@
+//! The layer in an in-process axum app over the in-memory store: every shared
+//! scenario, plus what only a fake or a tuned store can show (outages, store
+//! limits, caching off).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use common::{post, Options, TestApp};
+use idempotency_core::{
+    async_trait, Capabilities, Config, Error, MemoryRepository, OutagePolicy, OwnerToken, Record,
+    RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Timestamp,
+};
+
+async fn repository() -> SharedRepository {
+    Arc::new(MemoryRepository::new())
+}
+
+common::http_scenarios!(repository);
+
+/// A store that is always down.
+#[derive(Debug)]
+struct Down;
+
+fn down() -> Error {
+    Error::Unavailable {
+        backend: "down",
+        message: "connection refused".into(),
+        source: None,
+    }
+}
+
+#[async_trait]
+impl Repository for Down {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new("down")
+    }
+    async fn reserve(&self, _: ReserveRequest<'_>) -> Result<Reservation, Error> {
+        Err(down())
+    }
+    async fn complete(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Option<&[u8]>,
+        _: Timestamp,
+        _: Timestamp,
+    ) -> Result<(), Error> {
+        Err(down())
+    }
+    async fn fail(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Option<&[u8]>,
+        _: Timestamp,
+        _: Timestamp,
+    ) -> Result<(), Error> {
+        Err(down())
+    }
+    async fn release(&self, _: &RecordKey, _: OwnerToken, _: Timestamp) -> Result<(), Error> {
+        Err(down())
+    }
+    async fn extend(
+        &self,
+        _: &RecordKey,
+        _: OwnerToken,
+        _: Timestamp,
+        _: Timestamp,
+    ) -> Result<(), Error> {
+        Err(down())
+    }
+    async fn get(&self, _: &RecordKey, _: Timestamp) -> Result<Option<Record>, Error> {
+        Err(down())
+    }
+    async fn delete(&self, _: &RecordKey) -> Result<bool, Error> {
+        Err(down())
+    }
+    async fn purge_expired(&self, _: Timestamp, _: usize) -> Result<usize, Error> {
+        Err(down())
+    }
+}
+
+/// Fail-closed (the default): `503` with `Retry-After`, the handler does not
+/// run; unprotected routes are unaffected.
+#[tokio::test]
+async fn store_outage_fails_closed_with_503() {
+    let app = TestApp::new(Arc::new(Down));
+    let reply = app.send(post("/orders", Some("k"), "a")).await;
+    reply.assert_problem(StatusCode::SERVICE_UNAVAILABLE, "store-unavailable");
+    assert_eq!(reply.headers["retry-after"], "1");
+    assert_eq!(app.runs("orders"), 0);
+    let webhook = app.send(post("/webhooks", Some("k"), "")).await;
+    assert_eq!(webhook.status, StatusCode::OK);
+}
+
+/// Fail-open: the handler runs unprotected, every time.
+#[tokio::test]
+async fn store_outage_fails_open_when_configured() {
+    let app = TestApp::with(
+        Arc::new(Down),
+        Options {
+            config: Config {
+                on_store_outage: OutagePolicy::FailOpen,
+                ..Config::default()
+            },
+            ..Options::default()
+        },
+    );
+    for n in 1..=2 {
+        let reply = app.send(post("/orders", Some("k"), "a")).await;
+        assert_eq!(reply.status, StatusCode::CREATED);
+        assert!(!reply.replayed());
+        assert_eq!(reply.headers["x-order"], n.to_string());
+    }
+    assert_eq!(app.runs("orders"), 2);
+}
+
+/// The store's own limit caps the cached body below the layer's cap: the
+/// response passes through and is not retained, the handler runs once.
+#[tokio::test]
+async fn store_limit_caps_the_cached_body() {
+    let repo = Arc::new(MemoryRepository::new().with_max_result_bytes(4 * 1024));
+    let app = TestApp::new(repo);
+    let uri = "/big?size=8192";
+    let first = app.send(post(uri, Some("k"), "")).await;
+    assert_eq!(first.body.len(), 8192);
+    app.send(post(uri, Some("k"), ""))
+        .await
+        .assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    // Small responses still fit.
+    let small = "/big?size=1000";
+    assert!(!app.send(post(small, Some("s"), "")).await.replayed());
+    assert!(app.send(post(small, Some("s"), "")).await.replayed());
+    assert_eq!(app.runs("big"), 2);
+}
+
+/// With the manager's result caching off nothing can be replayed: duplicates
+/// are refused (`409 response-not-retained`), never run twice.
+#[tokio::test]
+async fn caching_off_refuses_duplicates_without_running_them() {
+    let app = TestApp::with(
+        Arc::new(MemoryRepository::new()),
+        Options {
+            config: Config {
+                cache_results: false,
+                ..Config::default()
+            },
+            ..Options::default()
+        },
+    );
+    assert_eq!(
+        app.send(post("/orders", Some("k"), "a")).await.status,
+        StatusCode::CREATED
+    );
+    let retry = app.send(post("/orders", Some("k"), "a")).await;
+    let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    // Nothing at all is stored, not even the status.
+    assert!(problem.get("original_status").is_none(), "{problem}");
+    assert_eq!(app.runs("orders"), 1);
+}
+
+/// Without a route extractor the default decides the scope: axum's
+/// `MatchedPath` with the `axum` feature, the path without it.
+#[tokio::test]
+async fn default_route_extractor() {
+    let app = TestApp::with(
+        Arc::new(MemoryRepository::new()),
+        Options {
+            explicit_route_extractor: false,
+            ..Options::default()
+        },
+    );
+    assert_eq!(
+        app.send(post("/orders/1/items", Some("k"), ""))
+            .await
+            .status,
+        StatusCode::CREATED
+    );
+    let other = app.send(post("/orders/2/items", Some("k"), "")).await;
+    if cfg!(feature = "axum") {
+        // One scope (`/orders/{id}/items`), another path: a reused key.
+        other.assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+        assert_eq!(app.runs("items"), 1);
+    } else {
+        // Two scopes (`/orders/1/items`, `/orders/2/items`).
+        assert_eq!(other.status, StatusCode::CREATED);
+        assert_eq!(app.runs("items"), 2);
+    }
+}
