@@ -66,7 +66,9 @@ impl PostgresWorkload {
         let table = format!("bench_{:012x}", rand::random::<u64>() >> 16);
         let timed = Side::connect(url, &table, pool_size).await?;
         let counter = WireCounter::postgres(url).await?;
-        let counted = Side::connect(counter.url(), &table, 2).await?;
+        // One connection: each counted operation waits for the previous one's
+        // release check, and no connection is opened (and prepared) mid-count.
+        let counted = Side::connect(counter.url(), &table, 1).await?;
         let version: String = sqlx::query_scalar("SHOW server_version")
             .fetch_one(timed.pool())
             .await?;
