@@ -33,19 +33,32 @@ const FLAG_FINGERPRINT: u8 = 1;
 const FLAG_RESULT: u8 = 2;
 const FLAG_ERROR: u8 = 4;
 
-/// Encodes a record. The store never writes a record carrying both a result and
-/// an error; should one be given, only the result is kept.
-pub(crate) fn encode(record: &Record) -> Vec<u8> {
-    let payload = record.result.as_deref().or(record.error.as_deref());
-    let mut out = Vec::with_capacity(HEADER_LEN + FINGERPRINT_LEN + payload.map_or(0, <[u8]>::len));
-    out.push(FORMAT_VERSION);
-    out.push(record.status.code());
-    out.extend_from_slice(&record.attempt.to_be_bytes());
-    out.extend_from_slice(&record.created_at.as_millis().to_be_bytes());
-    out.extend_from_slice(&record.owner.to_bytes());
-    out.extend_from_slice(&record.lease_until.as_millis().to_be_bytes());
-    out.extend_from_slice(&record.expires_at.as_millis().to_be_bytes());
-    out.extend_from_slice(&record.updated_at.as_millis().to_be_bytes());
+/// The fixed part of an encoded record (header and fingerprint), built on the
+/// stack: a reservation is exactly this, so it goes into the command without a
+/// heap allocation.
+pub(crate) struct Head {
+    buf: [u8; HEADER_LEN + FINGERPRINT_LEN],
+    len: usize,
+}
+
+impl Head {
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// The header and fingerprint of `record`; its result or error (if any) follows
+/// them in the stored string (see [`encode`]).
+pub(crate) fn head(record: &Record) -> Head {
+    let mut buf = [0u8; HEADER_LEN + FINGERPRINT_LEN];
+    buf[0] = FORMAT_VERSION;
+    buf[1] = record.status.code();
+    buf[2..6].copy_from_slice(&record.attempt.to_be_bytes());
+    buf[6..14].copy_from_slice(&record.created_at.as_millis().to_be_bytes());
+    buf[14..30].copy_from_slice(&record.owner.to_bytes());
+    buf[30..38].copy_from_slice(&record.lease_until.as_millis().to_be_bytes());
+    buf[38..46].copy_from_slice(&record.expires_at.as_millis().to_be_bytes());
+    buf[46..54].copy_from_slice(&record.updated_at.as_millis().to_be_bytes());
     let mut flags = 0;
     if record.fingerprint.is_some() {
         flags |= FLAG_FINGERPRINT;
@@ -55,10 +68,25 @@ pub(crate) fn encode(record: &Record) -> Vec<u8> {
     } else if record.error.is_some() {
         flags |= FLAG_ERROR;
     }
-    out.push(flags);
-    if let Some(fp) = &record.fingerprint {
-        out.extend_from_slice(fp.as_bytes());
-    }
+    buf[54] = flags;
+    let len = match &record.fingerprint {
+        Some(fp) => {
+            buf[HEADER_LEN..].copy_from_slice(fp.as_bytes());
+            HEADER_LEN + FINGERPRINT_LEN
+        }
+        None => HEADER_LEN,
+    };
+    Head { buf, len }
+}
+
+/// Encodes a record. The store never writes a record carrying both a result and
+/// an error; should one be given, only the result is kept.
+#[cfg(test)]
+pub(crate) fn encode(record: &Record) -> Vec<u8> {
+    let payload = record.result.as_deref().or(record.error.as_deref());
+    let head = head(record);
+    let mut out = Vec::with_capacity(head.len + payload.map_or(0, <[u8]>::len));
+    out.extend_from_slice(head.as_bytes());
     if let Some(p) = payload {
         out.extend_from_slice(p);
     }
@@ -66,7 +94,37 @@ pub(crate) fn encode(record: &Record) -> Vec<u8> {
 }
 
 /// Decodes a stored record; the error says what does not parse.
+#[cfg(test)]
 pub(crate) fn decode(bytes: &[u8]) -> Result<Record, String> {
+    let (mut record, payload_at) = decode_fixed(bytes)?;
+    for payload in [&mut record.result, &mut record.error]
+        .into_iter()
+        .flatten()
+    {
+        payload.extend_from_slice(&bytes[payload_at..]);
+    }
+    Ok(record)
+}
+
+/// [`decode`] of a reply the caller owns: the result or error is the same
+/// buffer with the header shifted out, not a copy.
+pub(crate) fn decode_owned(mut bytes: Vec<u8>) -> Result<Record, String> {
+    let (mut record, payload_at) = decode_fixed(&bytes)?;
+    let payload = |mut bytes: Vec<u8>| {
+        bytes.drain(..payload_at);
+        bytes
+    };
+    if record.result.is_some() {
+        record.result = Some(payload(std::mem::take(&mut bytes)));
+    } else if record.error.is_some() {
+        record.error = Some(payload(std::mem::take(&mut bytes)));
+    }
+    Ok(record)
+}
+
+/// Everything but the payload: the record with an empty result or error where
+/// one is flagged, and the offset at which that payload starts.
+fn decode_fixed(bytes: &[u8]) -> Result<(Record, usize), String> {
     if bytes.len() < HEADER_LEN {
         return Err(format!(
             "{} bytes is shorter than the {HEADER_LEN}-byte record header",
@@ -103,12 +161,13 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, String> {
         None
     };
     let (result, error) = match (flags & FLAG_RESULT != 0, flags & FLAG_ERROR != 0) {
-        (true, _) => (Some(rest.to_vec()), None),
-        (_, true) => (None, Some(rest.to_vec())),
+        (true, _) => (Some(Vec::new()), None),
+        (_, true) => (None, Some(Vec::new())),
         _ if rest.is_empty() => (None, None),
         _ => return Err(format!("{} unexpected trailing bytes", rest.len())),
     };
-    Ok(Record {
+    let payload_at = bytes.len() - rest.len();
+    let record = Record {
         status,
         owner,
         attempt,
@@ -119,7 +178,8 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, String> {
         expires_at,
         created_at,
         updated_at,
-    })
+    };
+    Ok((record, payload_at))
 }
 
 fn array<const N: usize>(bytes: &[u8], at: usize) -> Result<[u8; N], String> {
@@ -159,25 +219,37 @@ mod tests {
         }
     }
 
+    /// Both decoders give `r` back, and the head is the encoding's prefix.
+    fn round_trip(r: &Record) {
+        let bytes = encode(r);
+        assert_eq!(decode(&bytes).unwrap(), *r);
+        assert_eq!(decode_owned(bytes.clone()).unwrap(), *r);
+        assert!(bytes.starts_with(head(r).as_bytes()));
+        let payload = r.result.as_ref().or(r.error.as_ref()).map_or(0, Vec::len);
+        assert_eq!(head(r).as_bytes().len() + payload, bytes.len());
+    }
+
     #[test]
     fn round_trips() {
         let mut r = sample();
-        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        round_trip(&r);
         r.result = Some(Vec::new());
-        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        round_trip(&r);
         r.result = None;
         r.fingerprint = None;
-        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        round_trip(&r);
         r.status = Status::Failed;
         r.error = Some(b"\0boom\xff".to_vec());
-        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        round_trip(&r);
         r.error = Some(Vec::new());
-        assert_eq!(decode(&encode(&r)).unwrap(), r);
+        round_trip(&r);
         r.status = Status::Processing;
         r.error = None;
-        let bytes = encode(&r);
-        assert_eq!(bytes.len(), HEADER_LEN);
-        assert_eq!(decode(&bytes).unwrap(), r);
+        round_trip(&r);
+        assert_eq!(encode(&r).len(), HEADER_LEN);
+        r.fingerprint = Some(Fingerprint::of_bytes(b"x"));
+        round_trip(&r);
+        assert_eq!(encode(&r).len(), HEADER_LEN + FINGERPRINT_LEN);
     }
 
     #[test]
@@ -224,10 +296,12 @@ mod tests {
         cases.push(trailing);
         for case in cases {
             assert!(decode(&case).is_err(), "{case:?}");
+            assert_eq!(decode_owned(case.clone()), decode(&case), "{case:?}");
         }
-        // Every prefix of a valid record either parses or fails cleanly.
+        // Every prefix of a valid record either parses or fails cleanly, the
+        // same way through both decoders.
         for n in 0..good.len() {
-            let _ = decode(&good[..n]);
+            assert_eq!(decode_owned(good[..n].to_vec()), decode(&good[..n]));
         }
     }
 }

@@ -1,6 +1,7 @@
 //! [`RedisRepository`]: the repository over a standalone server or a cluster.
 
 use std::fmt;
+use std::io::Write as _;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -8,11 +9,11 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
-    Status, Timestamp,
+    escape_namespace, Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
+    ReserveRequest, Status, Timestamp,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, RedisError, Value};
+use redis::{Cmd, RedisError, RedisWrite, ToRedisArgs, Value};
 
 use crate::codec::{self, ts_bytes};
 use crate::error::{is_noscript, is_syntax_error, map_redis_error, BACKEND};
@@ -329,10 +330,14 @@ impl RedisRepository {
         args: &[&[u8]],
         operation: &'static str,
     ) -> Result<Value, Error> {
-        let redis_key = Self::redis_key(key);
         let build = |verb: &str, body: &[u8]| {
-            let mut cmd = redis::cmd(verb);
-            cmd.arg(body).arg(1).arg(redis_key.as_bytes());
+            let data = verb.len()
+                + body.len()
+                + key_len(key)
+                + args.iter().map(|a| a.len()).sum::<usize>()
+                + 1;
+            let mut cmd = Cmd::with_capacity(args.len() + 4, data);
+            cmd.arg(verb).arg(body).arg(1).arg(KeyArg(key));
             for a in args {
                 cmd.arg(*a);
             }
@@ -356,8 +361,8 @@ impl RedisRepository {
         }
     }
 
-    fn decode(key: &RecordKey, bytes: &[u8]) -> Result<Record, Error> {
-        codec::decode(bytes).map_err(|reason| Error::corrupt(key, reason))
+    fn decode(key: &RecordKey, bytes: Vec<u8>) -> Result<Record, Error> {
+        codec::decode_owned(bytes).map_err(|reason| Error::corrupt(key, reason))
     }
 
     fn check_size(&self, what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
@@ -375,8 +380,10 @@ impl RedisRepository {
         &self,
         req: &ReserveRequest<'_>,
         fresh: &[u8],
-        px: &[u8],
+        px: u64,
     ) -> Result<Reservation, Error> {
+        let mut px_digits = itoa::Buffer::new();
+        let px = px_digits.format(px).as_bytes();
         let now = ts_bytes(req.now);
         let cutoff = ts_bytes(req.lease_cutoff());
         let retry: &[u8] = if req.retry_failed { b"1" } else { b"0" };
@@ -389,13 +396,16 @@ impl RedisRepository {
             )
             .await?;
         match reply {
-            Value::Array(items) => match items.as_slice() {
+            Value::Array(mut items) => match items.as_slice() {
                 [Value::Int(1), Value::Int(attempt)] => u32::try_from(*attempt)
                     .map(|attempt| Reservation::Acquired { attempt })
                     .map_err(|_| unexpected("reserve", "an attempt out of range")),
-                [Value::Int(0), Value::BulkString(bytes)] => {
-                    Ok(Reservation::Existing(Self::decode(req.key, bytes)?))
-                }
+                [Value::Int(0), Value::BulkString(_)] => match items.pop() {
+                    Some(Value::BulkString(bytes)) => {
+                        Ok(Reservation::Existing(Self::decode(req.key, bytes)?))
+                    }
+                    _ => Err(unexpected("reserve", "an unexpected array")),
+                },
                 _ => Err(unexpected("reserve", "an unexpected array")),
             },
             _ => Err(unexpected("reserve", "a reply that is not an array")),
@@ -427,7 +437,8 @@ impl RedisRepository {
         let owner = owner.to_bytes();
         let now_b = ts_bytes(now);
         let expires = ts_bytes(expires_at);
-        let px = px(now, expires_at);
+        let mut px_digits = itoa::Buffer::new();
+        let px = px_digits.format(px(now, expires_at)).as_bytes();
         let code = [status.code()];
         let has: &[u8] = if value.is_some() { b"1" } else { b"0" };
         let reply = self
@@ -438,7 +449,7 @@ impl RedisRepository {
                     &owner,
                     &now_b,
                     &expires,
-                    &px,
+                    px,
                     &code,
                     has,
                     value.unwrap_or_default(),
@@ -451,13 +462,33 @@ impl RedisRepository {
 }
 
 /// `PX` for a record expiring at `expires_at`, seen at `now`: at least 1 ms.
-fn px(now: Timestamp, expires_at: Timestamp) -> Vec<u8> {
+fn px(now: Timestamp, expires_at: Timestamp) -> u64 {
     expires_at
         .as_millis()
         .saturating_sub(now.as_millis())
         .clamp(1, MAX_PX)
-        .to_string()
-        .into_bytes()
+}
+
+/// A record key as a command argument, written straight into the command's
+/// buffer: the same bytes as [`RedisRepository::redis_key`], without building
+/// a `String` per call.
+struct KeyArg<'a>(&'a RecordKey);
+
+impl ToRedisArgs for KeyArg<'_> {
+    fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
+        let namespace = escape_namespace(self.0.namespace());
+        let mut arg = out.writer_for_next_arg();
+        // The writer appends to the command's `Vec`: it cannot fail.
+        for part in [namespace.as_bytes(), b":", self.0.id().as_bytes()] {
+            let _ = arg.write_all(part);
+        }
+    }
+}
+
+/// Room for a key's encoding: the namespace may grow when escaped, and the
+/// command grows past this if it does.
+fn key_len(key: &RecordKey) -> usize {
+    key.namespace().len() + 1 + key.id().len()
 }
 
 fn unexpected(operation: &str, what: &str) -> Error {
@@ -534,20 +565,23 @@ impl Repository for RedisRepository {
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let fresh = codec::encode(&reserved_record(None, &req, 1));
+        // A reservation carries no result: the record is its fixed part only.
+        let fresh = codec::head(&reserved_record(None, &req, 1));
+        let fresh = fresh.as_bytes();
         let px = px(req.now, req.expires_at);
         if self.effective_strategy() == ReserveStrategy::SetNxGet {
-            let mut cmd = redis::cmd("SET");
-            cmd.arg(Self::redis_key(req.key).as_bytes())
-                .arg(&fresh)
+            let mut cmd = Cmd::with_capacity(7, key_len(req.key) + fresh.len() + 32);
+            cmd.arg("SET")
+                .arg(KeyArg(req.key))
+                .arg(fresh)
                 .arg("NX")
                 .arg("PX")
-                .arg(&px)
+                .arg(px)
                 .arg("GET");
             match self.conn.query(&cmd).await {
                 Ok(Value::Nil) => return Ok(Reservation::Acquired { attempt: 1 }),
                 Ok(Value::BulkString(bytes)) => {
-                    let record = Self::decode(req.key, &bytes)?;
+                    let record = Self::decode(req.key, bytes)?;
                     if reserve_transition(Some(&record), &req) == ReserveTransition::Existing {
                         return Ok(Reservation::Existing(record));
                     }
@@ -565,7 +599,7 @@ impl Repository for RedisRepository {
                 Err(e) => return Err(map_redis_error(e, Some(req.key), "reserve")),
             }
         }
-        self.reserve_with_script(&req, &fresh, &px).await
+        self.reserve_with_script(&req, fresh, px).await
     }
 
     async fn complete(
@@ -629,11 +663,11 @@ impl Repository for RedisRepository {
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
         let mut cmd = redis::cmd("GET");
-        cmd.arg(Self::redis_key(key).as_bytes());
+        cmd.arg(KeyArg(key));
         match self.query(&cmd, key, "get").await? {
             Value::Nil => Ok(None),
             Value::BulkString(bytes) => {
-                let record = Self::decode(key, &bytes)?;
+                let record = Self::decode(key, bytes)?;
                 Ok((!record.is_expired(now)).then_some(record))
             }
             _ => Err(unexpected("get", "an unexpected reply to GET")),
@@ -642,7 +676,7 @@ impl Repository for RedisRepository {
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
         let mut cmd = redis::cmd("DEL");
-        cmd.arg(Self::redis_key(key).as_bytes());
+        cmd.arg(KeyArg(key));
         match self.query(&cmd, key, "delete").await? {
             Value::Int(n) => Ok(n > 0),
             _ => Err(unexpected("delete", "an unexpected reply to DEL")),
@@ -662,9 +696,31 @@ mod tests {
     #[test]
     fn px_is_positive_and_bounded() {
         let t = Timestamp::from_millis;
-        assert_eq!(px(t(1_000), t(4_000)), b"3000");
-        assert_eq!(px(t(5_000), t(4_000)), b"1");
-        assert_eq!(px(t(5_000), t(5_000)), b"1");
-        assert_eq!(px(t(0), Timestamp::MAX), MAX_PX.to_string().into_bytes());
+        assert_eq!(px(t(1_000), t(4_000)), 3000);
+        assert_eq!(px(t(5_000), t(4_000)), 1);
+        assert_eq!(px(t(5_000), t(5_000)), 1);
+        assert_eq!(px(t(0), Timestamp::MAX), MAX_PX);
+    }
+
+    #[test]
+    fn key_argument_is_the_redis_key() {
+        for (ns, id) in [
+            ("idempotency", "order-42"),
+            ("a:b", "c:d"),
+            ("{tag}%", "{42}"),
+            ("ns\n\u{85}é", "🦀"),
+        ] {
+            let key = RecordKey::new(ns, id, MAX_ID_BYTES).unwrap();
+            let mut cmd = Cmd::with_capacity(1, key_len(&key));
+            cmd.arg(KeyArg(&key));
+            let args: Vec<_> = cmd
+                .args_iter()
+                .map(|a| match a {
+                    redis::Arg::Simple(bytes) => bytes.to_vec(),
+                    _ => Vec::new(),
+                })
+                .collect();
+            assert_eq!(args, [RedisRepository::redis_key(&key).into_bytes()]);
+        }
     }
 }

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use crate::driver::Plan;
-use crate::BoxError;
+use crate::{BoxError, Scenario};
 
 /// The usage text.
 pub const USAGE: &str = "\
@@ -18,6 +18,7 @@ OPTIONS:
   --memory-ops N          the same for the in-memory store (default 400000)
   --dynamodb-ops N        the same for DynamoDB (default 2000; emulators are slow)
   --concurrency LIST      tasks issuing operations at once (default 1,64)
+  --scenarios LIST        fresh,duplicate (default: both)
   --rounds N              measured rounds per variant, alternating A B B A … (default 4)
   --warmup N              unmeasured operations per variant first (default ops/10, ≤ 2000)
   --count-ops N           operations of the untimed round-trip counting pass (default 200)
@@ -119,6 +120,7 @@ impl Args {
                 warmup: 0,
                 count_ops: 200,
                 concurrencies: vec![1, 64],
+                scenarios: Scenario::ALL.to_vec(),
             },
             memory_ops: 400_000,
             dynamodb_ops: 2_000,
@@ -169,6 +171,18 @@ impl Args {
                         .map(|c| number::<usize>(&flag, c))
                         .collect::<Result<_, _>>()?;
                 }
+                "--scenarios" => {
+                    a.plan.scenarios = list(&value()?)
+                        .iter()
+                        .map(|s| match s.as_str() {
+                            "fresh" => Ok(Scenario::Fresh),
+                            "duplicate" => Ok(Scenario::Duplicate),
+                            other => Err(BoxError::from(format!(
+                                "unknown scenario {other:?} (have: fresh, duplicate)"
+                            ))),
+                        })
+                        .collect::<Result<_, _>>()?;
+                }
                 "--redis-url" => a.redis_url = Some(value()?),
                 "--postgres-url" => a.postgres_url = Some(value()?),
                 "--postgres-pool" => a.postgres_pool = number(&flag, &value()?)?,
@@ -185,6 +199,9 @@ impl Args {
                 compiled.join(", ")
             )
             .into());
+        }
+        if a.plan.scenarios.is_empty() {
+            return Err("--scenarios needs at least one of fresh, duplicate".into());
         }
         if a.plan.concurrencies.is_empty() || a.plan.concurrencies.contains(&0) {
             return Err("--concurrency needs positive numbers".into());
@@ -242,6 +259,9 @@ mod tests {
         assert_eq!(a.plan.ops, 100);
         assert_eq!(a.plan.warmup, 10);
         assert_eq!(a.plan.concurrencies, vec![1, 16, 64]);
+        assert_eq!(a.plan.scenarios, Scenario::ALL.to_vec());
+        let d = parse(&["--scenarios", "duplicate"]).unwrap();
+        assert_eq!(d.plan.scenarios, vec![Scenario::Duplicate]);
         assert_eq!(a.plan_for("memory").ops, 400_000);
     }
 
@@ -252,6 +272,8 @@ mod tests {
             &["--ops"],
             &["--concurrency", "0"],
             &["--backends", "cassandra"],
+            &["--scenarios", "stale"],
+            &["--scenarios", ""],
             &["--frobnicate"],
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");

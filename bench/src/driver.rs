@@ -26,6 +26,8 @@ pub struct Plan {
     pub count_ops: usize,
     /// Concurrencies to run at.
     pub concurrencies: Vec<usize>,
+    /// Scenarios to run, in order.
+    pub scenarios: Vec<Scenario>,
 }
 
 impl Plan {
@@ -37,7 +39,7 @@ impl Plan {
         } else {
             0
         };
-        (Scenario::ALL.len() * (self.concurrencies.len() * per_concurrency + counting)) as u64
+        (self.scenarios.len() * (self.concurrencies.len() * per_concurrency + counting)) as u64
     }
 
     /// Operations per round.
@@ -167,7 +169,7 @@ pub async fn run_backend(
 ) -> Result<Vec<Measurement>, BoxError> {
     let backend = workload.backend();
     let mut out = Vec::new();
-    for scenario in Scenario::ALL {
+    for &scenario in &plan.scenarios {
         let mut trips = [None, None];
         for (slot, variant) in [Variant::Library, Variant::Raw].into_iter().enumerate() {
             progress.set_message(format!(
@@ -271,6 +273,7 @@ mod tests {
             warmup: 10,
             count_ops: 5,
             concurrencies: vec![1, 64],
+            scenarios: Scenario::ALL.to_vec(),
         };
         assert_eq!(plan.per_round(), 25);
         // 2 scenarios × (2 concurrencies × 2 variants × (100 + 10) + 2 × 5)

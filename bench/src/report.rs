@@ -22,11 +22,31 @@ pub struct Comparison {
     pub library_ops_per_sec: f64,
     /// Raw ops/s.
     pub raw_ops_per_sec: f64,
-    /// Library ÷ raw throughput: the headline.
+    /// Library ÷ raw throughput over all rounds: the headline.
     pub ratio: f64,
+    /// Library ÷ raw of each pair of adjacent rounds (round `i` of each
+    /// variant; the order alternates A B B A, so a pair ran back to back): the
+    /// spread shows how much of a difference is noise.
+    #[serde(default)]
+    pub round_ratios: Vec<f64>,
     /// What the library adds per operation, in µs of wall-clock time per
     /// operation (`1/library − 1/raw` throughput, at this concurrency).
     pub overhead_us: f64,
+}
+
+impl Comparison {
+    /// The smallest, median and largest per-round ratio (`None` without rounds).
+    pub fn round_spread(&self) -> Option<(f64, f64, f64)> {
+        let mut r = self.round_ratios.clone();
+        r.sort_by(f64::total_cmp);
+        let n = r.len();
+        let median = match n {
+            0 => return None,
+            n if n % 2 == 1 => r[n / 2],
+            n => (r[n / 2 - 1] + r[n / 2]) / 2.0,
+        };
+        Some((r[0], median, r[n - 1]))
+    }
 }
 
 /// Pairs the library and raw lines of each (backend, scenario, concurrency).
@@ -56,6 +76,12 @@ pub fn compare(results: &[Measurement]) -> Vec<Comparison> {
                     0.0
                 }
             };
+            let round_ratios = lib
+                .round_ops_per_sec
+                .iter()
+                .zip(&raw.round_ops_per_sec)
+                .map(|(l, r)| if *r > 0.0 { l / r } else { 0.0 })
+                .collect();
             Some(Comparison {
                 backend: order[b].to_owned(),
                 scenario,
@@ -63,6 +89,7 @@ pub fn compare(results: &[Measurement]) -> Vec<Comparison> {
                 library_ops_per_sec: lib.ops_per_sec,
                 raw_ops_per_sec: raw.ops_per_sec,
                 ratio,
+                round_ratios,
                 overhead_us: per_op(lib.ops_per_sec) - per_op(raw.ops_per_sec),
             })
         })
@@ -127,22 +154,26 @@ impl Report {
         let _ = writeln!(md, "### Library ÷ raw client\n");
         let _ = writeln!(
             md,
-            "| backend | scenario | tasks | library ops/s | raw ops/s | ratio | overhead µs/op | target |"
+            "| backend | scenario | tasks | library ops/s | raw ops/s | ratio | rounds: min / median / max | overhead µs/op | target |"
         );
-        let _ = writeln!(md, "|---|---|--:|--:|--:|--:|--:|---|");
+        let _ = writeln!(md, "|---|---|--:|--:|--:|--:|--:|--:|---|");
         for c in &self.comparisons {
             let target = target(c).map_or_else(String::new, |(t, ok)| {
                 format!("{t} {}", if ok { "✅" } else { "❌" })
             });
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | **{:.2}×** | {:.2} | {} |",
+                "| {} | {} | {} | {} | {} | **{:.2}×** | {} | {:.2} | {} |",
                 c.backend,
                 c.scenario,
                 c.concurrency,
                 ops(c.library_ops_per_sec),
                 ops(c.raw_ops_per_sec),
                 c.ratio,
+                c.round_spread().map_or_else(
+                    || "–".to_owned(),
+                    |(lo, mid, hi)| format!("{lo:.2} / {mid:.2} / {hi:.2}")
+                ),
                 c.overhead_us,
                 target
             );
@@ -332,6 +363,7 @@ mod tests {
             variant,
             ops: 1000,
             ops_per_sec,
+            round_ops_per_sec: vec![ops_per_sec / 2.0, ops_per_sec, ops_per_sec * 2.0],
             p50_us: 10.0,
             p99_us: 20.0,
             round_trips_per_op: Some(2.0),
@@ -352,10 +384,26 @@ mod tests {
         assert_eq!(c.len(), 2);
         assert_eq!(c[0].backend, "redis");
         assert!((c[0].ratio - 0.9).abs() < 1e-9);
+        assert_eq!(c[0].round_ratios.len(), 3);
+        let (lo, mid, hi) = c[0].round_spread().unwrap();
+        assert!((lo - 0.9).abs() < 1e-9 && (mid - 0.9).abs() < 1e-9 && (hi - 0.9).abs() < 1e-9);
         assert_eq!(target(&c[0]), Some(("≥ 0.90×".to_owned(), true)));
         assert_eq!(c[1].backend, "memory");
         assert!((c[1].overhead_us - 0.9).abs() < 1e-9);
         assert_eq!(target(&c[1]).map(|t| t.1), Some(true));
+    }
+
+    #[test]
+    fn round_spread_is_min_median_max() {
+        let mut c = compare(&[
+            line("redis", Variant::Library, 64, 45_000.0),
+            line("redis", Variant::Raw, 64, 50_000.0),
+        ])
+        .remove(0);
+        c.round_ratios = vec![0.95, 0.7, 1.1, 0.8];
+        assert_eq!(c.round_spread(), Some((0.7, 0.875, 1.1)));
+        c.round_ratios.clear();
+        assert_eq!(c.round_spread(), None);
     }
 
     #[test]
@@ -374,7 +422,7 @@ mod tests {
         };
         let md = report.markdown();
         assert!(
-            md.contains("| redis | fresh | 64 | 45.0k | 50.0k | **0.90×** |"),
+            md.contains("| redis | fresh | 64 | 45.0k | 50.0k | **0.90×** | 0.90 / 0.90 / 0.90 |"),
             "{md}"
         );
         assert!(md.contains("| redis | fresh | 64 | raw | 1000 | 50.0k | 10.0 | 20.0 | 2.00 | – |"));

@@ -9,18 +9,33 @@ use serde::Serialize;
 pub struct Samples {
     nanos: Vec<u64>,
     elapsed: Duration,
+    /// Operations and wall-clock time of each round, in order.
+    rounds: Vec<(usize, Duration)>,
 }
 
 impl Samples {
     /// Samples of one round that took `elapsed` on the wall clock.
     pub fn new(nanos: Vec<u64>, elapsed: Duration) -> Self {
-        Samples { nanos, elapsed }
+        Samples {
+            rounds: vec![(nanos.len(), elapsed)],
+            nanos,
+            elapsed,
+        }
     }
 
-    /// Adds another round.
+    /// Adds another round (or rounds).
     pub fn merge(&mut self, other: Samples) {
         self.nanos.extend(other.nanos);
         self.elapsed += other.elapsed;
+        self.rounds.extend(other.rounds);
+    }
+
+    /// Operations per second of each round, in order.
+    pub fn round_ops_per_sec(&self) -> Vec<f64> {
+        self.rounds
+            .iter()
+            .map(|&(ops, elapsed)| rate(ops, elapsed))
+            .collect()
     }
 
     /// Operations measured.
@@ -35,12 +50,7 @@ impl Samples {
 
     /// Operations per second over all rounds (0 when nothing was measured).
     pub fn ops_per_sec(&self) -> f64 {
-        let secs = self.elapsed.as_secs_f64();
-        if secs > 0.0 {
-            self.nanos.len() as f64 / secs
-        } else {
-            0.0
-        }
+        rate(self.nanos.len(), self.elapsed)
     }
 
     /// The `q` quantile (0 ≤ q ≤ 1) of the latencies in µs, nearest rank.
@@ -52,6 +62,15 @@ impl Samples {
         let rank = (q.clamp(0.0, 1.0) * self.nanos.len() as f64).ceil() as usize;
         let index = rank.clamp(1, self.nanos.len()) - 1;
         self.nanos[index] as f64 / 1_000.0
+    }
+}
+
+fn rate(ops: usize, elapsed: Duration) -> f64 {
+    let secs = elapsed.as_secs_f64();
+    if secs > 0.0 {
+        ops as f64 / secs
+    } else {
+        0.0
     }
 }
 
@@ -70,6 +89,9 @@ pub struct Measurement {
     pub ops: usize,
     /// Throughput over all rounds.
     pub ops_per_sec: f64,
+    /// Throughput of each measured round, in the order run.
+    #[serde(default)]
+    pub round_ops_per_sec: Vec<f64>,
     /// Median latency per operation, µs.
     pub p50_us: f64,
     /// 99th-percentile latency per operation, µs.
@@ -98,6 +120,7 @@ impl Measurement {
             variant,
             ops: samples.ops(),
             ops_per_sec: samples.ops_per_sec(),
+            round_ops_per_sec: samples.round_ops_per_sec(),
             p50_us: samples.quantile_us(0.50),
             p99_us: samples.quantile_us(0.99),
             round_trips_per_op: None,
@@ -129,6 +152,7 @@ mod tests {
         a.merge(Samples::new(vec![3_000; 30], Duration::from_millis(30)));
         assert_eq!(a.ops(), 40);
         assert!((a.ops_per_sec() - 1_000.0).abs() < 1e-9);
+        assert_eq!(a.round_ops_per_sec(), vec![1_000.0, 1_000.0]);
         assert_eq!(a.quantile_us(0.5), 3.0);
     }
 

@@ -21,6 +21,7 @@ fn tiny() -> Plan {
         warmup: 5,
         count_ops: 10,
         concurrencies: vec![1, 8],
+        scenarios: Scenario::ALL.to_vec(),
     }
 }
 

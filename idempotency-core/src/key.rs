@@ -1,7 +1,9 @@
 //! Record keys, owner (fencing) tokens and payload fingerprints.
 
+use std::borrow::Cow;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use sha2::{Digest, Sha256};
 
@@ -41,7 +43,8 @@ pub const MAX_NAMESPACE_BYTES: usize = 512;
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct RecordKey {
-    namespace: String,
+    /// Shared: every key of a manager points at the manager's namespace.
+    namespace: Arc<str>,
     id: String,
     digested: bool,
 }
@@ -58,8 +61,16 @@ impl RecordKey {
         id: impl AsRef<str>,
         max_id_bytes: usize,
     ) -> Result<Self, Error> {
-        let namespace = namespace.into();
-        let id = id.as_ref();
+        Self::in_namespace(&Arc::from(namespace.into()), id.as_ref(), max_id_bytes)
+    }
+
+    /// [`RecordKey::new`] in a namespace the caller already holds, without
+    /// copying it (the manager builds one key per call).
+    pub(crate) fn in_namespace(
+        namespace: &Arc<str>,
+        id: &str,
+        max_id_bytes: usize,
+    ) -> Result<Self, Error> {
         if id.is_empty() {
             return Err(Error::InvalidKey {
                 reason: "the idempotency key is empty".into(),
@@ -75,6 +86,7 @@ impl RecordKey {
         }
         let digest_needed =
             id.len() > max_id_bytes.max(DIGEST_PREFIX.len() + 64) || id.starts_with(DIGEST_PREFIX);
+        let namespace = Arc::clone(namespace);
         if digest_needed {
             Ok(RecordKey {
                 namespace,
@@ -132,22 +144,63 @@ impl RecordKey {
 
 /// Appends the escaped form of a namespace (see [`RecordKey::encode`]).
 pub fn escape_namespace_into(namespace: &str, out: &mut String) {
-    for c in namespace.chars() {
-        match c {
-            '%' | ':' | '{' | '}' => push_percent(c, out),
-            c if c.is_control() => push_percent(c, out),
-            c => out.push(c),
-        }
+    // Writing into a `String` cannot fail.
+    let _ = escape_namespace_to(namespace, out);
+}
+
+/// The escaped form of a namespace (see [`RecordKey::encode`]), borrowed when
+/// nothing needs escaping (printable ASCII without `%`, `:`, `{` or `}`), so a
+/// backend can write `escape_namespace(ns)`, `:` and the id into its own buffer
+/// without building the key.
+///
+/// ```
+/// use idempotency_core::{escape_namespace, RecordKey};
+/// use std::borrow::Cow;
+/// assert!(matches!(escape_namespace("idempotency"), Cow::Borrowed("idempotency")));
+/// assert_eq!(escape_namespace("a:b"), "a%3Ab");
+/// let key = RecordKey::new("a:b", "c", 256)?;
+/// assert_eq!(format!("{}:{}", escape_namespace(key.namespace()), key.id()), key.encode());
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+pub fn escape_namespace(namespace: &str) -> Cow<'_, str> {
+    if needs_no_escaping(namespace) {
+        Cow::Borrowed(namespace)
+    } else {
+        let mut out = String::with_capacity(namespace.len() + 8);
+        escape_namespace_into(namespace, &mut out);
+        Cow::Owned(out)
     }
 }
 
-fn push_percent(c: char, out: &mut String) {
+fn needs_no_escaping(namespace: &str) -> bool {
+    namespace
+        .bytes()
+        .all(|b| (0x20..0x7f).contains(&b) && !matches!(b, b'%' | b':' | b'{' | b'}'))
+}
+
+fn escape_namespace_to<W: fmt::Write + ?Sized>(namespace: &str, out: &mut W) -> fmt::Result {
+    // The common case is copied whole.
+    if needs_no_escaping(namespace) {
+        return out.write_str(namespace);
+    }
+    for c in namespace.chars() {
+        match c {
+            '%' | ':' | '{' | '}' => push_percent(c, out)?,
+            c if c.is_control() => push_percent(c, out)?,
+            c => out.write_char(c)?,
+        }
+    }
+    Ok(())
+}
+
+fn push_percent<W: fmt::Write + ?Sized>(c: char, out: &mut W) -> fmt::Result {
     let mut buf = [0u8; 4];
     for b in c.encode_utf8(&mut buf).bytes() {
-        out.push('%');
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0xf)]));
+        out.write_char('%')?;
+        out.write_char(char::from(HEX[usize::from(b >> 4)]))?;
+        out.write_char(char::from(HEX[usize::from(b & 0xf)]))?;
     }
+    Ok(())
 }
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
@@ -257,10 +310,10 @@ impl Fingerprint {
     /// # Errors
     /// [`Error::Codec`] when the value cannot be serialized to JSON.
     pub fn of_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<Self, Error> {
-        // One digest call over the whole string: measured cheaper than streaming
-        // the serializer's many small writes into the digest.
-        let canonical = crate::strategy::canonical_json(value)?;
-        Ok(Fingerprint::of_bytes(canonical.as_bytes()))
+        // One digest call over the whole canonical JSON, hashed in place in the
+        // serializer's buffer: measured cheaper than streaming the serializer's
+        // many small writes into the digest.
+        crate::canonical::with_canonical(value, Fingerprint::of_bytes)
     }
 
     /// A fingerprint from its 32 digest bytes.
@@ -342,6 +395,22 @@ mod tests {
             Fingerprint::of_bytes(canonical.as_bytes())
         );
     }
+
+    #[test]
+    fn fingerprint_of_values_left_to_the_value_route() {
+        // Bool keys are not handled by the direct serializer: `Value` decides.
+        let by_bool: std::collections::BTreeMap<bool, u8> = [(true, 1), (false, 2)].into();
+        let canonical = crate::strategy::canonical_json(&by_bool).unwrap();
+        assert_eq!(canonical, r#"{"false":2,"true":1}"#);
+        assert_eq!(
+            Fingerprint::of_json(&by_bool).unwrap(),
+            Fingerprint::of_bytes(canonical.as_bytes())
+        );
+        assert!(matches!(
+            Fingerprint::of_json(&u128::MAX),
+            Err(Error::Codec { .. })
+        ));
+    }
     use std::collections::HashSet;
 
     #[test]
@@ -355,6 +424,10 @@ mod tests {
         for ns in parts {
             for id in parts.iter().filter(|s| !s.is_empty()) {
                 let key = RecordKey::new(ns, id, 256).unwrap();
+                assert_eq!(
+                    format!("{}:{}", escape_namespace(key.namespace()), key.id()),
+                    key.encode()
+                );
                 assert!(seen.insert(key.encode()), "collision for ({ns:?}, {id:?})");
                 count += 1;
             }

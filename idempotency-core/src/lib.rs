@@ -43,6 +43,7 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod canonical;
 mod codec;
 mod config;
 pub mod decision;
@@ -62,7 +63,8 @@ pub use config::{parse_duration, Config, FailurePolicy, InProgressPolicy, Outage
 pub use decision::FailureKind;
 pub use error::{BoxError, Error};
 pub use key::{
-    escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX, MAX_NAMESPACE_BYTES,
+    escape_namespace, escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX,
+    MAX_NAMESPACE_BYTES,
 };
 pub use manager::{ExecuteError, HandlerError, HandlerResult, IdempotencyManager, Outcome};
 pub use memory::MemoryRepository;

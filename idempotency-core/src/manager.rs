@@ -397,7 +397,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// # Errors
     /// [`Error::InvalidKey`].
     pub fn record_key(&self, id: &str) -> Result<RecordKey, Error> {
-        RecordKey::new(&*self.namespace, id, self.inner.caps.max_id_bytes)
+        RecordKey::in_namespace(&self.namespace, id, self.inner.caps.max_id_bytes)
     }
 
     /// Runs `handler` once per key (`SPEC.md` §4).
@@ -443,9 +443,15 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             backend = self.inner.caps.backend,
             outcome = tracing::field::Empty,
         );
-        self.execute_inner(record_key, fingerprint, handler)
-            .instrument(span)
-            .await
+        if span.is_disabled() {
+            // No subscriber wants the span: skip entering and leaving it on every
+            // poll (with `tracing`'s `log` feature on, each of those is a call).
+            self.execute_inner(record_key, fingerprint, handler).await
+        } else {
+            self.execute_inner(record_key, fingerprint, handler)
+                .instrument(span)
+                .await
+        }
     }
 
     async fn execute_inner<T, E, F, Fut>(

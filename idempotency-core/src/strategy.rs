@@ -171,8 +171,7 @@ fn content_hash(event: &Event, fields: Option<&BTreeSet<String>>) -> Result<Stri
             Value::Object(picked)
         }
     };
-    let canonical = canonical_json(&hashed)?;
-    Ok(hex::encode(Sha256::digest(canonical.as_bytes())))
+    crate::canonical::with_canonical(&hashed, |canonical| hex::encode(Sha256::digest(canonical)))
 }
 
 /// The canonical JSON of a value: object keys sorted, no insignificant whitespace.
@@ -186,10 +185,10 @@ fn content_hash(event: &Event, fields: Option<&BTreeSet<String>>) -> Result<Stri
 /// # Errors
 /// [`Error::Codec`] when the value cannot be serialized.
 pub fn canonical_json<T: Serialize + ?Sized>(value: &T) -> Result<String, Error> {
-    // `serde_json::Value` objects are `BTreeMap`s (no `preserve_order`), so going
-    // through `Value` sorts keys at every depth.
-    let v = serde_json::to_value(value).map_err(|e| Error::Codec { source: e.into() })?;
-    serde_json::to_string(&v).map_err(|e| Error::Codec { source: e.into() })
+    // Byte for byte what going through `serde_json::Value` (whose objects are
+    // `BTreeMap`s) gives, without building the tree: see `crate::canonical`.
+    let bytes = crate::canonical::to_vec(value)?;
+    String::from_utf8(bytes).map_err(|e| Error::Codec { source: e.into() })
 }
 
 #[cfg(test)]
