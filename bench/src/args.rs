@@ -14,12 +14,15 @@ USAGE: cargo run --release -p idempotency-bench -- [OPTIONS]
 OPTIONS:
   --backends LIST         memory,redis,postgres,dynamodb (default: all compiled in)
   --ops N                 measured operations per variant, scenario and concurrency
-                          (default 20000; split over the rounds)
+                          (default 20000; split over the rounds; at least, see
+                          --min-round-ms)
   --memory-ops N          the same for the in-memory store (default 400000)
   --dynamodb-ops N        the same for DynamoDB (default 2000; emulators are slow)
   --concurrency LIST      tasks issuing operations at once (default 1,64)
   --scenarios LIST        fresh,duplicate (default: both)
-  --rounds N              measured rounds per variant, alternating A B B A … (default 4)
+  --rounds N              measured rounds per variant, alternating A B B A … (default 10)
+  --min-round-ms MS       stretch rounds to last at least this long at the warm-up's rate
+                          (default 250; 0 keeps exactly ops/rounds per round)
   --warmup N              unmeasured operations per variant first (default ops/10, ≤ 2000)
   --count-ops N           operations of the untimed round-trip counting pass (default 200)
   --redis-url URL         Redis server (default $IDEMPOTENCY_BENCH_REDIS_URL, else the
@@ -116,11 +119,12 @@ impl Args {
             backends: compiled_backends(),
             plan: Plan {
                 ops: 20_000,
-                rounds: 4,
+                rounds: 10,
                 warmup: 0,
                 count_ops: 200,
                 concurrencies: vec![1, 64],
                 scenarios: Scenario::ALL.to_vec(),
+                min_round: std::time::Duration::from_millis(250),
             },
             memory_ops: 400_000,
             dynamodb_ops: 2_000,
@@ -142,6 +146,7 @@ impl Args {
             if flag == "--quick" {
                 a.plan.ops = 2_000;
                 a.plan.rounds = 2;
+                a.plan.min_round = std::time::Duration::ZERO;
                 a.plan.count_ops = 50;
                 a.memory_ops = 20_000;
                 a.dynamodb_ops = 200;
@@ -163,6 +168,9 @@ impl Args {
                 "--memory-ops" => a.memory_ops = number(&flag, &value()?)?,
                 "--dynamodb-ops" => a.dynamodb_ops = number(&flag, &value()?)?,
                 "--rounds" => a.plan.rounds = number(&flag, &value()?)?,
+                "--min-round-ms" => {
+                    a.plan.min_round = std::time::Duration::from_millis(number(&flag, &value()?)?);
+                }
                 "--warmup" => warmup = Some(number(&flag, &value()?)?),
                 "--count-ops" => a.plan.count_ops = number(&flag, &value()?)?,
                 "--concurrency" => {
@@ -241,6 +249,10 @@ mod tests {
         assert_eq!(a.plan.concurrencies, vec![1, 64]);
         assert_eq!(a.plan.ops, 20_000);
         assert_eq!(a.plan.warmup, 2_000);
+        assert_eq!(a.plan.rounds, 10);
+        assert_eq!(a.plan.min_round.as_millis(), 250);
+        let q = parse(&["--quick", "--min-round-ms", "100"]).unwrap();
+        assert_eq!(q.plan.min_round.as_millis(), 100);
         assert_eq!(a.backends[0], "memory");
         assert!(a.out.ends_with("bench"));
     }

@@ -28,6 +28,10 @@ pub struct Plan {
     pub concurrencies: Vec<usize>,
     /// Scenarios to run, in order.
     pub scenarios: Vec<Scenario>,
+    /// The shortest a measured round should take: rounds get more operations
+    /// than `ops / rounds` when the warm-up shows they would be shorter (short
+    /// rounds measure scheduler hiccups more than the code).
+    pub min_round: Duration,
 }
 
 impl Plan {
@@ -46,7 +50,26 @@ impl Plan {
     pub fn per_round(&self) -> usize {
         self.ops.div_ceil(self.rounds.max(1)).max(1)
     }
+
+    /// Operations per round for a backend whose slower variant ran the warm-up
+    /// at `rate` ops/s: enough for [`Plan::min_round`], never fewer than
+    /// [`Plan::per_round`], at most [`MAX_PER_ROUND`].
+    pub fn per_round_at(&self, rate: f64) -> usize {
+        let wanted = (rate * self.min_round.as_secs_f64()).ceil();
+        let wanted = if wanted.is_finite() && wanted > 0.0 {
+            // In range: clamped below.
+            wanted.min(MAX_PER_ROUND as f64) as usize
+        } else {
+            0
+        };
+        self.per_round()
+            .max(wanted)
+            .min(MAX_PER_ROUND.max(self.per_round()))
+    }
 }
+
+/// The most operations a round is stretched to by [`Plan::min_round`].
+pub const MAX_PER_ROUND: usize = 1_000_000;
 
 /// A fresh namespace for one round: keys never collide across rounds or runs.
 pub fn round_namespace(backend: &str, scenario: Scenario, variant: Variant) -> String {
@@ -180,12 +203,13 @@ pub async fn run_backend(
         }
         for &concurrency in &plan.concurrencies {
             progress.set_message(format!("{backend} {scenario} ×{concurrency}: warm-up"));
+            let mut slowest = f64::INFINITY;
             for variant in [Variant::Library, Variant::Raw] {
                 let ns = round_namespace(backend, scenario, variant);
                 if scenario == Scenario::Duplicate {
                     workload.populate(&ns, plan.warmup).await?;
                 }
-                run_round(
+                let warm = run_round(
                     workload.clone(),
                     variant,
                     scenario,
@@ -195,7 +219,15 @@ pub async fn run_backend(
                     progress,
                 )
                 .await?;
+                slowest = slowest.min(warm.ops_per_sec());
             }
+            let per_round = if plan.warmup > 0 {
+                plan.per_round_at(slowest)
+            } else {
+                plan.per_round()
+            };
+            let rounds = plan.rounds.max(1);
+            progress.inc_length(((per_round - plan.per_round()) * rounds * 2) as u64);
             let mut samples = [Samples::default(), Samples::default()];
             let mut commands = [0u64, 0u64];
             let mut have_commands = true;
@@ -209,7 +241,7 @@ pub async fn run_backend(
                     let slot = variant as usize;
                     let ns = round_namespace(backend, scenario, variant);
                     if scenario == Scenario::Duplicate {
-                        workload.populate(&ns, plan.per_round()).await?;
+                        workload.populate(&ns, per_round).await?;
                     }
                     let before = workload.server_commands().await?;
                     let round = run_round(
@@ -217,7 +249,7 @@ pub async fn run_backend(
                         variant,
                         scenario,
                         &ns,
-                        plan.per_round(),
+                        per_round,
                         concurrency,
                         progress,
                     )
@@ -274,9 +306,20 @@ mod tests {
             count_ops: 5,
             concurrencies: vec![1, 64],
             scenarios: Scenario::ALL.to_vec(),
+            min_round: Duration::from_millis(200),
         };
         assert_eq!(plan.per_round(), 25);
         // 2 scenarios × (2 concurrencies × 2 variants × (100 + 10) + 2 × 5)
         assert_eq!(plan.total_ops(true), 2 * (2 * 2 * 110 + 10));
+        // Rounds stretch to 200 ms at the warm-up's rate, within bounds.
+        assert_eq!(plan.per_round_at(1_000.0), 200);
+        assert_eq!(plan.per_round_at(10.0), 25);
+        assert_eq!(plan.per_round_at(f64::INFINITY), 25);
+        assert_eq!(plan.per_round_at(1e12), MAX_PER_ROUND);
+        let no_stretch = Plan {
+            min_round: Duration::ZERO,
+            ..plan
+        };
+        assert_eq!(no_stretch.per_round_at(1e6), 25);
     }
 }

@@ -68,13 +68,17 @@ async fn run() -> Result<(), BoxError> {
     config.insert(
         "ops".to_owned(),
         format!(
-            "{} per variant, scenario and concurrency (memory {}, dynamodb {})",
+            "at least {} per variant, scenario and concurrency (memory {}, dynamodb {}); the tables give the count measured",
             args.plan.ops, args.memory_ops, args.dynamodb_ops
         ),
     );
     config.insert(
         "rounds".to_owned(),
-        format!("{} per variant, interleaved A B B A …", args.plan.rounds),
+        format!(
+            "{} per variant, interleaved A B B A …, each stretched to ≥ {} ms at the warm-up's rate",
+            args.plan.rounds,
+            args.plan.min_round.as_millis()
+        ),
     );
     config.insert(
         "concurrency".to_owned(),

@@ -22,6 +22,7 @@ fn tiny() -> Plan {
         count_ops: 10,
         concurrencies: vec![1, 8],
         scenarios: Scenario::ALL.to_vec(),
+        min_round: std::time::Duration::ZERO,
     }
 }
 

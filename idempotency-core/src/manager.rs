@@ -438,7 +438,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             None
         };
         let span = tracing::debug_span!(
-            "idempotency.execute",
+            EXECUTE_SPAN,
             key = %record_key,
             backend = self.inner.caps.backend,
             outcome = tracing::field::Empty,
@@ -497,7 +497,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 {
                     tracing::warn!(error = %e, "store unavailable; running the handler unprotected (fail-open)");
                     self.inner.metrics.count(Counter::FailOpen);
-                    tracing::Span::current().record("outcome", "unprotected");
+                    record_outcome("unprotected");
                     return match handler().await {
                         Ok(v) => Ok(Outcome::Unprotected(v)),
                         Err(e) => Err(ExecuteError::Handler(e.into_inner())),
@@ -517,7 +517,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                     }
                 }
                 self.inner.metrics.count(Counter::DuplicatesBlocked);
-                tracing::Span::current().record("outcome", "in_progress");
+                record_outcome("in_progress");
                 return Err(Error::InProgress { key, retry_after }.into());
             }
             self.inner.metrics.count(Counter::DuplicatesBlocked);
@@ -559,27 +559,26 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     where
         T: DeserializeOwned,
     {
-        let span = tracing::Span::current();
         match decision {
             DuplicateDecision::Replay(bytes) => {
                 self.inner.metrics.count(Counter::CacheHits);
-                span.record("outcome", "cached");
+                record_outcome("cached");
                 Ok(Outcome::Cached(self.codec.decode(&bytes)?))
             }
             DuplicateDecision::Duplicate => {
-                span.record("outcome", "duplicate");
+                record_outcome("duplicate");
                 Ok(Outcome::Duplicate)
             }
             DuplicateDecision::PayloadMismatch => {
-                span.record("outcome", "payload_mismatch");
+                record_outcome("payload_mismatch");
                 Err(Error::PayloadMismatch { key }.into())
             }
             DuplicateDecision::PreviouslyFailed(error) => {
-                span.record("outcome", "previously_failed");
+                record_outcome("previously_failed");
                 Err(Error::PreviouslyFailed { key, error }.into())
             }
             DuplicateDecision::InProgress { retry_after } => {
-                span.record("outcome", "in_progress");
+                record_outcome("in_progress");
                 Err(Error::InProgress { key, retry_after }.into())
             }
         }
@@ -683,12 +682,12 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 .operation(Op::Complete, started.elapsed(), r.is_ok());
             match r {
                 Ok(()) => {
-                    tracing::Span::current().record("outcome", "executed");
+                    record_outcome("executed");
                     return Outcome::Executed(value);
                 }
                 Err(Error::LeaseLost { .. }) => {
                     self.inner.metrics.count(Counter::LeaseLost);
-                    tracing::Span::current().record("outcome", "lease_lost");
+                    record_outcome("lease_lost");
                     tracing::warn!("handler finished after its lease was taken over");
                     return Outcome::LeaseLost(value);
                 }
@@ -711,7 +710,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             source: None,
         });
         tracing::error!(error = %error, "handler succeeded but its completion was not recorded");
-        tracing::Span::current().record("outcome", "unrecorded");
+        record_outcome("unrecorded");
         Outcome::Unrecorded { value, error }
     }
 
@@ -857,5 +856,18 @@ impl Drop for ReleaseGuard {
                 tracing::warn!(key = %key, error = %e, "could not release the record of a cancelled execution");
             }
         });
+    }
+}
+
+/// The name of the span around each execution.
+const EXECUTE_SPAN: &str = "idempotency.execute";
+
+/// Records the execution's outcome on its span. Only on its own span: when a
+/// filter disables it, the current span is the caller's, not ours to write to
+/// (and with no subscriber at all this is one check).
+fn record_outcome(outcome: &'static str) {
+    let span = tracing::Span::current();
+    if span.metadata().is_some_and(|m| m.name() == EXECUTE_SPAN) {
+        span.record("outcome", outcome);
     }
 }
