@@ -20,6 +20,7 @@ use crate::decision::{
 use crate::error::Error;
 use crate::key::{Fingerprint, OwnerToken, RecordKey};
 use crate::metrics::{Counter, Metrics, Op};
+use crate::record::Status;
 use crate::repository::{Capabilities, Reservation, ReserveRequest, SharedRepository};
 use crate::time::{Clock, SystemClock, Timestamp};
 
@@ -685,6 +686,14 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                     record_outcome("executed");
                     return Outcome::Executed(value);
                 }
+                Err(Error::LeaseLost { .. })
+                    if last_error.is_some()
+                        && self.finished_by_us(key, owner, Status::Completed).await =>
+                {
+                    // An earlier attempt was applied; only its reply was lost.
+                    record_outcome("executed");
+                    return Outcome::Executed(value);
+                }
                 Err(Error::LeaseLost { .. }) => {
                     self.inner.metrics.count(Counter::LeaseLost);
                     record_outcome("lease_lost");
@@ -714,6 +723,18 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         Outcome::Unrecorded { value, error }
     }
 
+    /// Whether the record is `status` under `owner`: after a `complete` or
+    /// `fail` whose reply was lost (a timeout, a dropped connection), the retry
+    /// finds the record no longer `Processing`; if it carries this attempt's
+    /// owner token, the lost attempt was applied. Only asked on that path.
+    async fn finished_by_us(&self, key: &RecordKey, owner: OwnerToken, status: Status) -> bool {
+        let now = self.inner.clock.now();
+        matches!(
+            self.inner.repo.get(key, now).await,
+            Ok(Some(r)) if r.owner == owner && r.status == status
+        )
+    }
+
     async fn record_failure<E: fmt::Display>(
         &self,
         key: &RecordKey,
@@ -722,6 +743,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     ) {
         let config = &self.inner.config;
         let action = failure_action(err.kind(), config.failure_policy);
+        let mut retrying = false;
         for pause in std::iter::once(Duration::ZERO).chain(FINISH_RETRY_PAUSES) {
             if !pause.is_zero() {
                 tokio::time::sleep(pause).await;
@@ -754,11 +776,20 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 .operation(op, started.elapsed(), r.is_ok());
             match r {
                 Ok(()) => return,
+                // An earlier attempt stored the failure; only its reply was lost.
+                Err(Error::LeaseLost { .. })
+                    if retrying
+                        && action == FailureAction::StoreFailed
+                        && self.finished_by_us(key, owner, Status::Failed).await =>
+                {
+                    return;
+                }
                 Err(Error::LeaseLost { .. }) => {
                     self.inner.metrics.count(Counter::LeaseLost);
                     return;
                 }
                 Err(e) if e.is_retryable() => {
+                    retrying = true;
                     tracing::warn!(error = %e, operation = op.as_str(), "could not record the handler failure; retrying");
                 }
                 Err(e) => {

@@ -20,7 +20,23 @@ struct Flaky {
     down: AtomicBool,
     /// Only `complete` fails (the store dies after the handler ran).
     complete_down: AtomicBool,
+    /// The next `complete` or `fail` is applied, but its reply is lost.
+    lose_finish_reply: AtomicBool,
     extends: AtomicUsize,
+}
+
+impl Flaky {
+    /// A lost reply: the store applied the write, the caller saw a timeout.
+    fn lost(&self, applied: Result<(), Error>, operation: &'static str) -> Result<(), Error> {
+        applied?;
+        if self.lose_finish_reply.swap(false, Ordering::SeqCst) {
+            return Err(Error::Timeout {
+                backend: "flaky",
+                operation,
+            });
+        }
+        Ok(())
+    }
 }
 
 impl Flaky {
@@ -61,7 +77,8 @@ impl Repository for Flaky {
                 operation: "complete",
             });
         }
-        self.inner.complete(k, o, r, e, n).await
+        let applied = self.inner.complete(k, o, r, e, n).await;
+        self.lost(applied, "complete")
     }
     async fn fail(
         &self,
@@ -72,7 +89,8 @@ impl Repository for Flaky {
         n: Timestamp,
     ) -> Result<(), Error> {
         self.check()?;
-        self.inner.fail(k, o, r, e, n).await
+        let applied = self.inner.fail(k, o, r, e, n).await;
+        self.lost(applied, "fail")
     }
     async fn release(&self, k: &RecordKey, o: OwnerToken, n: Timestamp) -> Result<(), Error> {
         self.check()?;
@@ -168,6 +186,54 @@ async fn outage_fails_open_when_configured() {
         mismatch,
         Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))
     ));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completion_whose_reply_was_lost_is_not_lease_lost() {
+    let repo = Arc::new(Flaky::default());
+    let clock = ManualClock::starting_now();
+    let m = manager(repo.clone(), Config::default(), &clock);
+    // The store records the completion, the reply times out, the manager
+    // retries and finds the record completed under its own owner token.
+    repo.lose_finish_reply.store(true, Ordering::SeqCst);
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(7) })
+        .await
+        .unwrap();
+    assert!(matches!(r, idempotency_core::Outcome::Executed(7)), "{r:?}");
+    assert!(
+        !repo.lose_finish_reply.load(Ordering::SeqCst),
+        "the reply was lost"
+    );
+    let again = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(8) })
+        .await
+        .unwrap();
+    assert!(
+        matches!(again, idempotency_core::Outcome::Cached(7)),
+        "{again:?}"
+    );
+
+    // The same for a stored failure (StoreAndRetry keeps the error).
+    let store = Config {
+        failure_policy: idempotency_core::FailurePolicy::StoreAndRetry,
+        ..Config::default()
+    };
+    let m = manager(repo.clone(), store, &clock);
+    repo.lose_finish_reply.store(true, Ordering::SeqCst);
+    let failed = m
+        .execute("f", &(), || async {
+            Err::<u32, _>(HandlerError::permanent("declined".to_owned()))
+        })
+        .await;
+    assert!(
+        matches!(failed, Err(ExecuteError::Handler(ref e)) if e == "declined"),
+        "{failed:?}"
+    );
+    assert!(!repo.lose_finish_reply.load(Ordering::SeqCst));
+    let key = m.record_key("f").unwrap();
+    let record = repo.inner.get(&key, clock.now()).await.unwrap().unwrap();
+    assert_eq!(record.status, Status::Failed);
 }
 
 #[tokio::test(start_paused = true)]

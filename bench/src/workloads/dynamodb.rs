@@ -14,7 +14,7 @@ use idempotency_dynamodb::aws_sdk_dynamodb::types::{
 };
 use idempotency_dynamodb::{AttributeNames, DynamoDbRepository, RequestCounter};
 
-use super::{config, execute, key_id, receipt_bytes, Lane, Workload};
+use super::{config, execute, key_id, populate, receipt_bytes, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// DynamoDB workload on a table of its own, library and raw on one SDK client
@@ -168,12 +168,7 @@ impl Workload for DynamoDbWorkload {
     }
 
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
-        use futures::stream::{self, StreamExt, TryStreamExt};
-        stream::iter(0..ops)
-            .map(|i| execute(&self.manager, Scenario::Fresh, ns, i))
-            .buffer_unordered(16)
-            .try_collect::<()>()
-            .await
+        populate(&self.manager, ns, ops, 16).await
     }
 
     async fn op(

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use idempotency_core::{IdempotencyManager, MemoryRepository};
 
-use super::{config, execute, handler, Lane, Workload};
+use super::{config, execute, handler, populate, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// The manager over a [`MemoryRepository`]; the raw variant awaits the handler.
@@ -38,10 +38,7 @@ impl Workload for MemoryWorkload {
     }
 
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
-        for i in 0..ops {
-            execute(&self.manager, Scenario::Fresh, ns, i).await?;
-        }
-        Ok(())
+        populate(&self.manager, ns, ops, 1).await
     }
 
     async fn op(

@@ -130,6 +130,23 @@ pub async fn execute(
     }
 }
 
+/// Completes keys `0..ops` of `ns` through `manager`, `concurrency` at a time
+/// (bounded: a burst of tens of thousands of calls on one connection would
+/// measure client-side timeouts, not the store).
+pub async fn populate(
+    manager: &IdempotencyManager,
+    ns: &str,
+    ops: usize,
+    concurrency: usize,
+) -> Result<(), BoxError> {
+    use futures::stream::{self, StreamExt, TryStreamExt};
+    stream::iter(0..ops)
+        .map(|i| execute(manager, Scenario::Fresh, ns, i))
+        .buffer_unordered(concurrency.max(1))
+        .try_collect::<()>()
+        .await
+}
+
 /// The bench's manager configuration: the defaults (payload validation and
 /// result caching on), under the `bench` prefix.
 pub fn config() -> idempotency_core::Config {

@@ -11,7 +11,7 @@ use idempotency_core::{Clock, IdempotencyManager, SystemClock};
 use idempotency_postgres::sqlx::{self, PgPool, Row};
 use idempotency_postgres::PgRepository;
 
-use super::{config, execute, key_id, receipt_bytes, Lane, Workload};
+use super::{config, execute, key_id, populate, receipt_bytes, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// The library and the raw client over one pool.
@@ -149,12 +149,7 @@ impl Workload for PostgresWorkload {
     }
 
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
-        use futures::stream::{self, StreamExt, TryStreamExt};
-        stream::iter(0..ops)
-            .map(|i| execute(&self.timed.manager, Scenario::Fresh, ns, i))
-            .buffer_unordered(self.pool_size as usize)
-            .try_collect::<()>()
-            .await
+        populate(&self.timed.manager, ns, ops, self.pool_size as usize).await
     }
 
     async fn op(

@@ -13,7 +13,7 @@ use idempotency_redis::redis::aio::{ConnectionManager, MultiplexedConnection};
 use idempotency_redis::redis::{self, Value};
 use idempotency_redis::RedisRepository;
 
-use super::{config, execute, key_id, receipt_bytes, Lane, Workload};
+use super::{config, execute, key_id, populate, receipt_bytes, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// The library and the raw client over one connection manager.
@@ -170,11 +170,7 @@ impl Workload for RedisWorkload {
     }
 
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
-        futures::future::try_join_all(
-            (0..ops).map(|i| execute(&self.timed.manager, Scenario::Fresh, ns, i)),
-        )
-        .await?;
-        Ok(())
+        populate(&self.timed.manager, ns, ops, 256).await
     }
 
     async fn op(
