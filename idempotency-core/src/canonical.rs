@@ -507,57 +507,30 @@ impl Array<'_> {
     }
 }
 
-impl ser::SerializeSeq for Array<'_> {
-    type Ok = ();
-    type Error = FastError;
+/// The four sequence-like `Serialize*` traits: each writes array elements.
+macro_rules! array_impls {
+    ($($serialize:ident :: $element:ident),* $(,)?) => {$(
+        impl ser::$serialize for Array<'_> {
+            type Ok = ();
+            type Error = FastError;
 
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), FastError> {
-        self.element(value)
-    }
+            fn $element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), FastError> {
+                self.element(value)
+            }
 
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
+            fn end(self) -> Result<(), FastError> {
+                self.close()
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeTuple for Array<'_> {
-    type Ok = ();
-    type Error = FastError;
-
-    fn serialize_element<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), FastError> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
-}
-
-impl ser::SerializeTupleStruct for Array<'_> {
-    type Ok = ();
-    type Error = FastError;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), FastError> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
-}
-
-impl ser::SerializeTupleVariant for Array<'_> {
-    type Ok = ();
-    type Error = FastError;
-
-    fn serialize_field<T: Serialize + ?Sized>(&mut self, value: &T) -> Result<(), FastError> {
-        self.element(value)
-    }
-
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
-}
+array_impls!(
+    SerializeSeq::serialize_element,
+    SerializeTuple::serialize_element,
+    SerializeTupleStruct::serialize_field,
+    SerializeTupleVariant::serialize_field,
+);
 
 /// An object being written. Its body starts at `out[body]`; its entries and
 /// map keys are `entries[entries..]` and `keys[keys..]`.
@@ -687,39 +660,29 @@ impl ser::SerializeMap for Object<'_> {
     }
 }
 
-impl ser::SerializeStruct for Object<'_> {
-    type Ok = ();
-    type Error = FastError;
+/// Structs and struct variants: named fields, written as object entries.
+macro_rules! struct_impls {
+    ($($serialize:ident),* $(,)?) => {$(
+        impl ser::$serialize for Object<'_> {
+            type Ok = ();
+            type Error = FastError;
 
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        key: &'static str,
-        value: &T,
-    ) -> Result<(), FastError> {
-        self.field(key, value)
-    }
+            fn serialize_field<T: Serialize + ?Sized>(
+                &mut self,
+                key: &'static str,
+                value: &T,
+            ) -> Result<(), FastError> {
+                self.field(key, value)
+            }
 
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
+            fn end(self) -> Result<(), FastError> {
+                self.close()
+            }
+        }
+    )*};
 }
 
-impl ser::SerializeStructVariant for Object<'_> {
-    type Ok = ();
-    type Error = FastError;
-
-    fn serialize_field<T: Serialize + ?Sized>(
-        &mut self,
-        key: &'static str,
-        value: &T,
-    ) -> Result<(), FastError> {
-        self.field(key, value)
-    }
-
-    fn end(self) -> Result<(), FastError> {
-        self.close()
-    }
-}
+struct_impls!(SerializeStruct, SerializeStructVariant);
 
 /// Writes a map key as a JSON string and returns its unescaped form, for the
 /// key kinds `to_value`'s key serializer turns into strings the obvious way.
