@@ -110,14 +110,9 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Record, String> {
 /// buffer with the header shifted out, not a copy.
 pub(crate) fn decode_owned(mut bytes: Vec<u8>) -> Result<Record, String> {
     let (mut record, payload_at) = decode_fixed(&bytes)?;
-    let payload = |mut bytes: Vec<u8>| {
+    if let Some(payload) = record.result.as_mut().or(record.error.as_mut()) {
         bytes.drain(..payload_at);
-        bytes
-    };
-    if record.result.is_some() {
-        record.result = Some(payload(std::mem::take(&mut bytes)));
-    } else if record.error.is_some() {
-        record.error = Some(payload(std::mem::take(&mut bytes)));
+        *payload = bytes;
     }
     Ok(record)
 }
