@@ -1,4 +1,4 @@
-//! Configuration of the manager, with the defaults of `SPEC.md` §4.
+//! Configuration of the manager, with the defaults of the contract (§4).
 
 use std::time::Duration;
 
@@ -52,7 +52,29 @@ pub enum OutagePolicy {
     FailOpen,
 }
 
-/// Manager configuration. Every field has the default of `SPEC.md` §4, so a config
+/// What happens to the record when the caller drops the `execute` future while
+/// the handler runs (an HTTP client disconnects, an outer timeout fires).
+///
+/// The handler may already have applied its effect when it is dropped, so the
+/// default never makes the key re-runnable at once. To let the handler finish
+/// and record its outcome although the caller left, use
+/// [`IdempotencyManager::execute_detached`](crate::IdempotencyManager::execute_detached).
+/// Whatever the policy, a drop before the handler started releases the record
+/// (no effect can have happened), and a drop after it finished records its
+/// outcome in the background.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CancelPolicy {
+    /// The record keeps its lease until it ends (default): duplicates get
+    /// `InProgress` meanwhile, and a delivery after the lease takes over.
+    #[default]
+    KeepLease,
+    /// Release the record at once so a redelivery runs the handler again. Only
+    /// for handlers with no effect before they return (opt-in).
+    Release,
+}
+
+/// Manager configuration. Every field has the default of the contract (§4), so a config
 /// file only names what it changes.
 ///
 /// Durations deserialize from integers (seconds) or strings with a unit
@@ -105,9 +127,20 @@ pub struct Config {
     #[serde(with = "duration")]
     pub clock_skew: Duration,
     /// When set, the lease is extended by `processing_timeout` at this interval
-    /// while the handler runs, so long handlers are not taken over (default off).
+    /// while the handler runs (and while its outcome is being recorded), so long
+    /// handlers are not taken over; the record's expiry moves with the lease
+    /// (default off).
     #[serde(with = "option_duration")]
     pub lease_extension_interval: Option<Duration>,
+    /// The longest the manager waits for one store call before treating it as
+    /// [`Error::Timeout`] — an ambiguous failure: the call may have been applied
+    /// (default 5 s). Backends have their own timeouts too; this one also bounds
+    /// a custom backend whose reply never comes.
+    #[serde(with = "duration")]
+    pub store_timeout: Duration,
+    /// What a dropped `execute` future does to the record (default: keep the
+    /// lease until it ends).
+    pub on_cancel: CancelPolicy,
 }
 
 impl Default for Config {
@@ -124,6 +157,8 @@ impl Default for Config {
             on_store_outage: OutagePolicy::FailClosed,
             clock_skew: Duration::ZERO,
             lease_extension_interval: None,
+            store_timeout: Duration::from_secs(5),
+            on_cancel: CancelPolicy::KeepLease,
         }
     }
 }
@@ -132,18 +167,25 @@ impl Config {
     /// Checks the values against each other.
     ///
     /// # Errors
-    /// [`Error::Config`] when the TTL or processing timeout is zero, the TTL is
-    /// shorter than the processing timeout, or the lease extension interval is
-    /// not shorter than the processing timeout.
+    /// [`Error::Config`] when the TTL, processing timeout or store timeout is
+    /// zero, the TTL is shorter than `processing_timeout + clock_skew` (a record
+    /// must never expire before its lease ends, or a duplicate would run the
+    /// handler again beside the first), or the lease extension interval is not
+    /// shorter than the processing timeout.
     pub fn validate(&self) -> Result<(), Error> {
         if self.ttl.is_zero() || self.processing_timeout.is_zero() {
             return Err(Error::config("ttl and processing_timeout must be positive"));
         }
-        if self.ttl < self.processing_timeout {
+        if self.store_timeout.is_zero() {
+            return Err(Error::config("store_timeout must be positive"));
+        }
+        let lease_span = self.processing_timeout.saturating_add(self.clock_skew);
+        if self.ttl < lease_span {
             return Err(Error::config(format!(
-                "ttl ({:?}) must not be shorter than processing_timeout ({:?}): the record \
-                 would expire while its handler runs",
-                self.ttl, self.processing_timeout
+                "ttl ({:?}) must be at least processing_timeout + clock_skew ({:?}): the \
+                 record would expire while its lease is live, and a duplicate would run \
+                 the handler again",
+                self.ttl, lease_span
             )));
         }
         if let Some(i) = self.lease_extension_interval {
@@ -264,6 +306,8 @@ mod tests {
         assert_eq!(c.failure_policy, FailurePolicy::Release);
         assert_eq!(c.in_progress, InProgressPolicy::FailFast);
         assert_eq!(c.on_store_outage, OutagePolicy::FailClosed);
+        assert_eq!(c.on_cancel, CancelPolicy::KeepLease);
+        assert_eq!(c.store_timeout, Duration::from_secs(5));
         c.validate().unwrap();
     }
 
@@ -298,5 +342,23 @@ mod tests {
             ..Config::default()
         };
         assert!(bad_extension.validate().is_err());
+        // The TTL must cover the lease plus the skew allowance.
+        let skewed = Config {
+            ttl: Duration::from_secs(300),
+            clock_skew: Duration::from_secs(1),
+            ..Config::default()
+        };
+        assert!(matches!(skewed.validate(), Err(Error::Config { .. })));
+        Config {
+            ttl: Duration::from_secs(301),
+            ..skewed
+        }
+        .validate()
+        .unwrap();
+        let no_timeout = Config {
+            store_timeout: Duration::ZERO,
+            ..Config::default()
+        };
+        assert!(no_timeout.validate().is_err());
     }
 }

@@ -23,6 +23,13 @@ pub enum ReserveTransition {
         /// `previous attempt + 1`.
         attempt: u32,
     },
+    /// The requesting owner already holds the live `Processing` record (a
+    /// `reserve` re-sent after its reply was lost): answer `Acquired` with the
+    /// stored attempt and write nothing.
+    AlreadyHeld {
+        /// The stored attempt.
+        attempt: u32,
+    },
     /// Leave the record as it is and return it.
     Existing,
 }
@@ -41,12 +48,17 @@ pub fn reserve_transition(
     let Some(record) = existing.filter(|r| !r.is_expired(req.now)) else {
         return ReserveTransition::Create;
     };
+    if record.status == Status::Processing && record.owner == req.owner {
+        return ReserveTransition::AlreadyHeld {
+            attempt: record.attempt,
+        };
+    }
     if fingerprints_conflict(record.fingerprint.as_ref(), req.fingerprint.as_ref()) {
         return ReserveTransition::Existing;
     }
     let takeover = match record.status {
         Status::Processing => record.lease_until <= req.lease_cutoff(),
-        Status::Failed => req.retry_failed,
+        Status::Failed => req.retry_failed && record.retryable,
         Status::Completed => false,
     };
     if takeover {
@@ -59,23 +71,26 @@ pub fn reserve_transition(
 }
 
 /// Builds the record a [`ReserveTransition::Create`] or
-/// [`ReserveTransition::Takeover`] stores.
+/// [`ReserveTransition::Takeover`] stores: on a takeover (`attempt > 1`) it keeps
+/// `created_at` and, when the request carries none, the stored fingerprint (a
+/// consumer without payload validation must not erase it).
 pub fn reserved_record(
     existing: Option<&Record>,
     req: &ReserveRequest<'_>,
     attempt: u32,
 ) -> Record {
-    let created_at = match existing {
-        Some(r) if attempt > 1 => r.created_at,
-        _ => req.now,
+    let (created_at, fingerprint) = match existing {
+        Some(r) if attempt > 1 => (r.created_at, req.fingerprint.or(r.fingerprint)),
+        _ => (req.now, req.fingerprint),
     };
     Record {
         status: Status::Processing,
         owner: req.owner,
         attempt,
-        fingerprint: req.fingerprint,
+        fingerprint,
         result: None,
         error: None,
+        retryable: false,
         lease_until: req.lease_until,
         expires_at: req.expires_at,
         created_at,
@@ -101,7 +116,7 @@ pub enum DuplicateDecision {
     PreviouslyFailed(Vec<u8>),
 }
 
-/// The decision for an [`Existing`](crate::Reservation::Existing) record (SPEC
+/// The decision for an [`Existing`](crate::Reservation::Existing) record (contract
 /// §4 step 2).
 pub fn decide_duplicate(
     record: Record,
@@ -142,22 +157,29 @@ pub enum FailureAction {
     /// Delete the record: the next delivery runs the handler again.
     Release,
     /// Store `Failed` with the error.
-    StoreFailed,
+    StoreFailed {
+        /// Whether a later delivery may take the failure over (only under
+        /// [`FailurePolicy::StoreAndRetry`], never for a permanent error).
+        retryable: bool,
+    },
 }
 
-/// The action for a handler error of `kind` under `policy` (SPEC §4 step 5).
+/// The action for a handler error of `kind` under `policy` (contract §4 step 5).
 pub fn failure_action(kind: FailureKind, policy: FailurePolicy) -> FailureAction {
     match (kind, policy) {
         (FailureKind::Transient, _) => FailureAction::Release,
-        (FailureKind::Permanent, _) => FailureAction::StoreFailed,
+        (FailureKind::Permanent, _) => FailureAction::StoreFailed { retryable: false },
         (FailureKind::Default, FailurePolicy::Release) => FailureAction::Release,
-        (FailureKind::Default, FailurePolicy::Store | FailurePolicy::StoreAndRetry) => {
-            FailureAction::StoreFailed
+        (FailureKind::Default, FailurePolicy::Store) => {
+            FailureAction::StoreFailed { retryable: false }
+        }
+        (FailureKind::Default, FailurePolicy::StoreAndRetry) => {
+            FailureAction::StoreFailed { retryable: true }
         }
     }
 }
 
-/// Whether a serialized result of `size` bytes is cached (SPEC §4 step 4): caching
+/// Whether a serialized result of `size` bytes is cached (contract §4 step 4): caching
 /// is on and it fits `min(max_result_size, store limit)`.
 pub fn should_cache_result(
     size: usize,
@@ -185,6 +207,7 @@ mod tests {
             fingerprint: fp.map(|b| Fingerprint::from_bytes([b; 32])),
             result: (status == Status::Completed).then(|| b"r".to_vec()),
             error: (status == Status::Failed).then(|| b"e".to_vec()),
+            retryable: status == Status::Failed,
             lease_until: t(lease_until),
             expires_at: t(expires_at),
             created_at: t(1),
@@ -202,48 +225,82 @@ mod tests {
     fn reserve_transition_exhaustive() {
         let key = RecordKey::new("ns", "id", 256).unwrap();
         let now = 1_000;
-        for status in STATUSES {
-            for lease in [now - 500, now - 100, now, now + 100] {
-                for expires in [now - 1, now, now + 1, now + 10_000] {
-                    for stored_fp in FPS {
-                        for req_fp in FPS {
-                            for retry_failed in [false, true] {
-                                for skew in [0, 100, 400] {
-                                    let rec = record(status, lease, expires, stored_fp);
-                                    let req = ReserveRequest {
-                                        key: &key,
-                                        owner: OwnerToken::from_u128(2),
-                                        fingerprint: req_fp
-                                            .map(|b| Fingerprint::from_bytes([b; 32])),
-                                        now: t(now),
-                                        lease_until: t(now + 30),
-                                        expires_at: t(now + 60),
-                                        retry_failed,
-                                        clock_skew: Duration::from_millis(skew),
-                                    };
-                                    let got = reserve_transition(Some(&rec), &req);
-                                    let expired = expires <= now;
-                                    let conflict =
-                                        matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
-                                    let stale = lease + skew <= now;
-                                    let want = if expired {
-                                        ReserveTransition::Create
-                                    } else if conflict {
-                                        ReserveTransition::Existing
-                                    } else if (status == Status::Processing && stale)
-                                        || (status == Status::Failed && retry_failed)
-                                    {
-                                        ReserveTransition::Takeover { attempt: 4 }
-                                    } else {
-                                        ReserveTransition::Existing
-                                    };
-                                    assert_eq!(got, want, "{status:?} lease={lease} exp={expires} fp={stored_fp:?}/{req_fp:?} retry={retry_failed} skew={skew}");
-                                }
-                            }
-                        }
-                    }
-                }
-            }
+        let cases = STATUSES.iter().flat_map(|&status| {
+            [now - 500, now - 100, now, now + 100]
+                .into_iter()
+                .flat_map(move |lease| {
+                    [now - 1, now, now + 1, now + 10_000]
+                        .into_iter()
+                        .flat_map(move |expires| {
+                            FPS.into_iter().flat_map(move |stored_fp| {
+                                FPS.into_iter().flat_map(move |req_fp| {
+                                    [false, true].into_iter().flat_map(move |retry_failed| {
+                                        [false, true].into_iter().flat_map(move |retryable| {
+                                            [false, true].into_iter().flat_map(move |ours| {
+                                                [0, 100, 400].into_iter().map(move |skew| {
+                                                    (
+                                                        status,
+                                                        lease,
+                                                        expires,
+                                                        stored_fp,
+                                                        req_fp,
+                                                        retry_failed,
+                                                        retryable,
+                                                        ours,
+                                                        skew,
+                                                    )
+                                                })
+                                            })
+                                        })
+                                    })
+                                })
+                            })
+                        })
+                })
+        });
+        for (status, lease, expires, stored_fp, req_fp, retry_failed, retryable, ours, skew) in
+            cases
+        {
+            let mut rec = record(status, lease, expires, stored_fp);
+            rec.retryable = retryable;
+            let owner = if ours {
+                rec.owner
+            } else {
+                OwnerToken::from_u128(2)
+            };
+            let req = ReserveRequest {
+                key: &key,
+                owner,
+                fingerprint: req_fp.map(|b| Fingerprint::from_bytes([b; 32])),
+                now: t(now),
+                lease_until: t(now + 30),
+                expires_at: t(now + 60),
+                retry_failed,
+                clock_skew: Duration::from_millis(skew),
+            };
+            let got = reserve_transition(Some(&rec), &req);
+            // The contract's rule, written out independently.
+            let expired = expires <= now;
+            let conflict = matches!((stored_fp, req_fp), (Some(a), Some(b)) if a != b);
+            let stale = lease + skew <= now;
+            let want = if expired {
+                ReserveTransition::Create
+            } else if ours && status == Status::Processing {
+                ReserveTransition::AlreadyHeld { attempt: 3 }
+            } else if conflict {
+                ReserveTransition::Existing
+            } else if (status == Status::Processing && stale)
+                || (status == Status::Failed && retry_failed && retryable)
+            {
+                ReserveTransition::Takeover { attempt: 4 }
+            } else {
+                ReserveTransition::Existing
+            };
+            assert_eq!(
+                got, want,
+                "{status:?} lease={lease} exp={expires} fp={stored_fp:?}/{req_fp:?} \
+                 retry={retry_failed} retryable={retryable} ours={ours} skew={skew}"
+            );
         }
         let req = ReserveRequest {
             key: &key,
@@ -275,13 +332,28 @@ mod tests {
         let taken = reserved_record(Some(&old), &req, 4);
         assert_eq!(taken.created_at, t(1));
         assert_eq!(taken.owner, OwnerToken::from_u128(9));
+        // No request fingerprint: the stored one is kept.
         assert_eq!(
-            (taken.result, taken.error, taken.fingerprint),
-            (None, None, None)
+            (
+                taken.result,
+                taken.error,
+                taken.fingerprint,
+                taken.retryable
+            ),
+            (None, None, old.fingerprint, false)
+        );
+        let with_fp = ReserveRequest {
+            fingerprint: Some(Fingerprint::from_bytes([7; 32])),
+            ..req.clone()
+        };
+        assert_eq!(
+            reserved_record(Some(&old), &with_fp, 4).fingerprint,
+            with_fp.fingerprint
         );
         assert_eq!(taken.status, Status::Processing);
         let fresh = reserved_record(Some(&old), &req, 1);
         assert_eq!(fresh.created_at, t(500));
+        assert_eq!(fresh.fingerprint, None);
     }
 
     #[test]
@@ -339,16 +411,18 @@ mod tests {
         use FailureAction::*;
         use FailureKind as K;
         use FailurePolicy as P;
+        let kept = StoreFailed { retryable: false };
+        let retried = StoreFailed { retryable: true };
         let table = [
             (K::Default, P::Release, Release),
-            (K::Default, P::Store, StoreFailed),
-            (K::Default, P::StoreAndRetry, StoreFailed),
+            (K::Default, P::Store, kept),
+            (K::Default, P::StoreAndRetry, retried),
             (K::Transient, P::Release, Release),
             (K::Transient, P::Store, Release),
             (K::Transient, P::StoreAndRetry, Release),
-            (K::Permanent, P::Release, StoreFailed),
-            (K::Permanent, P::Store, StoreFailed),
-            (K::Permanent, P::StoreAndRetry, StoreFailed),
+            (K::Permanent, P::Release, kept),
+            (K::Permanent, P::Store, kept),
+            (K::Permanent, P::StoreAndRetry, kept),
         ];
         for (kind, policy, want) in table {
             assert_eq!(failure_action(kind, policy), want, "{kind:?} {policy:?}");

@@ -142,6 +142,49 @@ impl RecordKey {
     }
 }
 
+/// One part of a composed key or namespace, with `%` and `:` percent-escaped so
+/// that `:` always separates parts: borrowed when there is nothing to escape.
+///
+/// ```
+/// use idempotency_core::escape_part;
+/// assert_eq!(escape_part("orders"), "orders");
+/// assert_eq!(escape_part("order:created"), "order%3Acreated");
+/// assert_eq!(escape_part("100%"), "100%25");
+/// ```
+pub fn escape_part(part: &str) -> Cow<'_, str> {
+    if !part.contains(['%', ':']) {
+        return Cow::Borrowed(part);
+    }
+    let mut out = String::with_capacity(part.len() + 6);
+    for c in part.chars() {
+        match c {
+            '%' => out.push_str("%25"),
+            ':' => out.push_str("%3A"),
+            c => out.push(c),
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// `head:tail`, composed injectively: `head` is escaped with [`escape_part`],
+/// so the first `:` always ends it, and `tail` follows verbatim. Key strategies
+/// (`{event_type}:{event_id}`) and multi-step keys (`{event_id}:{step}`) use
+/// it, so `("order:created", "1")` and `("order", "created:1")` are two keys.
+///
+/// ```
+/// use idempotency_core::compose_parts;
+/// assert_eq!(compose_parts("Charge", "evt-7"), "Charge:evt-7");
+/// assert_ne!(compose_parts("order:created", "1"), compose_parts("order", "created:1"));
+/// ```
+pub fn compose_parts(head: &str, tail: &str) -> String {
+    let head = escape_part(head);
+    let mut out = String::with_capacity(head.len() + 1 + tail.len());
+    out.push_str(&head);
+    out.push(':');
+    out.push_str(tail);
+    out
+}
+
 /// Appends the escaped form of a namespace (see [`RecordKey::encode`]).
 pub fn escape_namespace_into(namespace: &str, out: &mut String) {
     // Writing into a `String` cannot fail.

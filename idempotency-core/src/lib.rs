@@ -11,6 +11,9 @@
 //! - [`IdempotencyManager`]: the state machine around a handler.
 //! - [`decision`]: the state machine's decisions as pure functions.
 //! - [`MemoryRepository`]: the embedded default store.
+//! - [`contract`]: the behaviour contract all of this is held to.
+//! - [`testing`]: a fault-injecting repository wrapper and a Tokio-time clock,
+//!   for testing handlers and backends under failure.
 //! - [`KeyStrategy`], [`Fingerprint`], [`Dispatcher`], [`IdempotentHandler`]:
 //!   deriving keys from events and wrapping event handlers.
 //!
@@ -43,10 +46,14 @@
 //! ```
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[doc = include_str!("../docs/contract.md")]
+pub mod contract {}
+
 mod canonical;
 mod codec;
 mod config;
 pub mod decision;
+mod engine;
 mod error;
 mod key;
 mod manager;
@@ -55,16 +62,21 @@ pub mod metrics;
 mod middleware;
 mod record;
 mod repository;
+pub mod stages;
 mod strategy;
+pub mod testing;
 mod time;
 
 pub use codec::{Codec, JsonCodec};
-pub use config::{parse_duration, Config, FailurePolicy, InProgressPolicy, OutagePolicy};
+pub use config::{
+    parse_duration, CancelPolicy, Config, FailurePolicy, InProgressPolicy, OutagePolicy,
+};
 pub use decision::FailureKind;
+pub use engine::lease::ExecutionContext;
 pub use error::{BoxError, Error};
 pub use key::{
-    escape_namespace, escape_namespace_into, Fingerprint, OwnerToken, RecordKey, DIGEST_PREFIX,
-    MAX_NAMESPACE_BYTES,
+    compose_parts, escape_namespace, escape_namespace_into, escape_part, Fingerprint, OwnerToken,
+    RecordKey, DIGEST_PREFIX, MAX_NAMESPACE_BYTES,
 };
 pub use manager::{ExecuteError, HandlerError, HandlerResult, IdempotencyManager, Outcome};
 pub use memory::MemoryRepository;

@@ -137,12 +137,14 @@ impl MemoryRepository {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn finish(
         &self,
         key: &RecordKey,
         owner: OwnerToken,
         status: Status,
         value: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -162,6 +164,7 @@ impl MemoryRepository {
             } else {
                 r.error = value;
             }
+            r.retryable = retryable;
             r.expires_at = expires_at;
             r.updated_at = now;
             true
@@ -190,6 +193,7 @@ impl Repository for MemoryRepository {
                 shard.insert(req.key.clone(), record);
                 Ok(Reservation::Acquired { attempt })
             }
+            ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
             ReserveTransition::Existing => match existing {
                 Some(r) => Ok(Reservation::Existing(r.clone())),
                 None => Err(Error::corrupt(req.key, "reserve found no record to return")),
@@ -205,7 +209,15 @@ impl Repository for MemoryRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Completed, result, expires_at, now)
+        self.finish(
+            key,
+            owner,
+            Status::Completed,
+            result,
+            false,
+            expires_at,
+            now,
+        )
     }
 
     async fn fail(
@@ -213,10 +225,19 @@ impl Repository for MemoryRepository {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Failed, error, expires_at, now)
+        self.finish(
+            key,
+            owner,
+            Status::Failed,
+            error,
+            retryable,
+            expires_at,
+            now,
+        )
     }
 
     async fn release(
@@ -233,10 +254,12 @@ impl Repository for MemoryRepository {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
         self.with_owned(key, owner, now, |r| {
             r.lease_until = lease_until;
+            r.expires_at = r.expires_at.max(expires_at);
             r.updated_at = now;
             true
         })

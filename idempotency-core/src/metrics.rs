@@ -40,10 +40,18 @@ pub(crate) enum Op {
     Fail,
     Release,
     Extend,
+    Get,
 }
 
 impl Op {
-    const ALL: [Op; 5] = [Op::Reserve, Op::Complete, Op::Fail, Op::Release, Op::Extend];
+    const ALL: [Op; 6] = [
+        Op::Reserve,
+        Op::Complete,
+        Op::Fail,
+        Op::Release,
+        Op::Extend,
+        Op::Get,
+    ];
 
     pub(crate) const fn as_str(self) -> &'static str {
         match self {
@@ -52,6 +60,7 @@ impl Op {
             Op::Fail => "fail",
             Op::Release => "release",
             Op::Extend => "extend",
+            Op::Get => "get",
         }
     }
 }

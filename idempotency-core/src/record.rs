@@ -62,7 +62,7 @@ impl fmt::Display for Status {
     }
 }
 
-/// One idempotency record, as a repository returns it (SPEC §2).
+/// One idempotency record, as a repository returns it (contract §2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Record {
     /// Where the record is in its life.
@@ -77,6 +77,9 @@ pub struct Record {
     pub result: Option<Vec<u8>>,
     /// The stored outcome of a `Failed` record.
     pub error: Option<Vec<u8>>,
+    /// Whether a `Failed` record may be taken over by a later delivery (the
+    /// handler's failure was retryable); `false` for every other status.
+    pub retryable: bool,
     /// While `Processing`: from this instant another consumer may take over.
     pub lease_until: Timestamp,
     /// From this instant the record is logically gone, in every status.

@@ -108,7 +108,8 @@ pub enum Reservation {
     Existing(Record),
 }
 
-/// An idempotency store: the atomic operations of `SPEC.md` §3.
+/// An idempotency store: the atomic operations of the contract
+/// ([`contract`](crate::contract), section 3).
 ///
 /// # Contract
 ///
@@ -122,24 +123,33 @@ pub enum Reservation {
 ///   ([`delete`](Repository::delete)) act on what is physically stored.
 /// - **`reserve`** creates a `Processing` record (attempt 1) when none is live.
 ///   It *takes over* — new owner, `attempt + 1`, new lease and expiry, the
-///   request's fingerprint, no result or error, `created_at` kept — a
-///   `Processing` record whose `lease_until <= now - clock_skew`, or a `Failed`
-///   record when `retry_failed`; never when the stored and requested fingerprints
-///   are both present and differ. Otherwise it returns the record unchanged as
-///   [`Reservation::Existing`].
+///   request's fingerprint or else the stored one, no result or error,
+///   `retryable` cleared, `created_at` kept — a `Processing` record whose
+///   `lease_until <= now - clock_skew`, or a `Failed` record that is `retryable`
+///   when the request has `retry_failed`; never when the stored and requested
+///   fingerprints are both present and differ. A live `Processing` record that
+///   the request's owner already holds is answered `Acquired` with its attempt,
+///   unchanged: a `reserve` re-sent after a lost reply is harmless. Otherwise it
+///   returns the record unchanged as [`Reservation::Existing`].
 /// - **Fencing.** [`complete`](Repository::complete), [`fail`](Repository::fail),
 ///   [`release`](Repository::release) and [`extend`](Repository::extend) apply
 ///   only to a live `Processing` record whose owner equals the given token; the
 ///   lease's end does not matter (the token, not the clock, decides). Otherwise
 ///   they return [`Error::LeaseLost`] and leave the record untouched.
+/// - **Lease and expiry.** A `Processing` record never expires before its lease:
+///   [`extend`](Repository::extend) moves `lease_until` and raises `expires_at`
+///   to at least the given instant in the same atomic step, and a backend with
+///   native expiry (a key TTL, a TTL attribute) moves that with it.
 /// - **Errors.** A store that cannot be reached yields [`Error::Unavailable`] or
-///   [`Error::Timeout`]; a stored value that does not parse yields
-///   [`Error::Corrupt`] naming the key (never a panic); a result larger than
+///   [`Error::Timeout`] (retryable: the operation may or may not have been
+///   applied); a stored value that does not parse yields [`Error::Corrupt`]
+///   naming the key (never a panic); a result larger than
 ///   [`Capabilities::max_result_bytes`] yields [`Error::TooLarge`].
 /// - **Bytes.** Results and errors are opaque bytes: any byte, including NUL and
 ///   non-UTF-8, round-trips; an empty result is distinct from no result. Ids and
 ///   namespaces are arbitrary UTF-8 (including `:`, `#`, `/`, control
-///   characters); the backend's encoding of (namespace, id) is injective.
+///   characters); the backend's encoding of (namespace, id) is injective and
+///   byte-exact (no case folding, trimming or normalization).
 ///
 /// The conformance suite (`idempotency-conformance`) checks all of this.
 ///
@@ -201,12 +211,15 @@ pub trait Repository: Send + Sync + Debug + 'static {
     ) -> Result<(), Error>;
 
     /// `Processing → Failed` with an optional stored error, if `owner` holds the
-    /// live record; sets `expires_at`.
+    /// live record; sets `expires_at` and remembers whether the failure is
+    /// `retryable` (a later `reserve` with `retry_failed` may take over only a
+    /// retryable failure).
     async fn fail(
         &self,
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error>;
@@ -220,12 +233,16 @@ pub trait Repository: Send + Sync + Debug + 'static {
         now: Timestamp,
     ) -> Result<(), Error>;
 
-    /// Moves the lease of the `Processing` record `owner` holds to `lease_until`.
+    /// Moves the lease of the `Processing` record `owner` holds to `lease_until`
+    /// and raises its expiry to at least `expires_at` (never lowers it), with the
+    /// backend's native TTL, in one atomic step. The manager passes
+    /// `expires_at = lease_until + clock_skew`, so the record outlives its lease.
     async fn extend(
         &self,
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error>;
 
@@ -265,10 +282,13 @@ macro_rules! forward_repository {
                 key: &RecordKey,
                 owner: OwnerToken,
                 error: Option<&[u8]>,
+                retryable: bool,
                 expires_at: Timestamp,
                 now: Timestamp,
             ) -> Result<(), Error> {
-                (**self).fail(key, owner, error, expires_at, now).await
+                (**self)
+                    .fail(key, owner, error, retryable, expires_at, now)
+                    .await
             }
             async fn release(
                 &self,
@@ -283,9 +303,12 @@ macro_rules! forward_repository {
                 key: &RecordKey,
                 owner: OwnerToken,
                 lease_until: Timestamp,
+                expires_at: Timestamp,
                 now: Timestamp,
             ) -> Result<(), Error> {
-                (**self).extend(key, owner, lease_until, now).await
+                (**self)
+                    .extend(key, owner, lease_until, expires_at, now)
+                    .await
             }
             async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
                 (**self).get(key, now).await

@@ -144,7 +144,7 @@ impl KeyStrategy {
                 reason: format!("the {self:?} key of a {} event is empty", event.event_type),
             });
         }
-        Ok(format!("{}:{part}", event.event_type))
+        Ok(crate::key::compose_parts(&event.event_type, &part))
     }
 }
 

@@ -1,0 +1,162 @@
+//! Stage 3: record the outcome.
+//!
+//! A finishing write (`complete`, `fail`, `release`) that fails ambiguously is
+//! retried with the same owner token until shortly before the lease ends: a
+//! store failover of a few seconds must not turn a success into `Unrecorded`.
+//! Every `LeaseLost` is checked against "finished by us": a client library that
+//! re-sent our write after a lost reply (the Redis cluster client, the AWS SDK)
+//! makes our own applied write look like somebody else's.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::codec::Codec;
+use crate::error::Error;
+use crate::metrics::Op;
+use crate::record::Status;
+
+use super::lease::Lease;
+use super::{backoff, Engine};
+
+/// A write that finishes an execution.
+#[derive(Debug)]
+pub(crate) enum Pending {
+    /// `Processing → Completed`, with the cached result if any.
+    Complete(Option<Vec<u8>>),
+    /// `Processing → Failed` with the stored error.
+    Fail {
+        /// The stored error.
+        error: Vec<u8>,
+        /// Whether a later delivery may take it over.
+        retryable: bool,
+    },
+    /// Delete the record so a redelivery runs again.
+    Release,
+}
+
+impl Pending {
+    fn op(&self) -> Op {
+        match self {
+            Pending::Complete(_) => Op::Complete,
+            Pending::Fail { .. } => Op::Fail,
+            Pending::Release => Op::Release,
+        }
+    }
+}
+
+/// How a finishing write ended.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// Applied (perhaps by an earlier attempt whose reply was lost).
+    Applied,
+    /// Another owner holds the key: the write was not applied.
+    LeaseLost,
+    /// The store kept failing until the deadline, or failed permanently.
+    Failed(Error),
+}
+
+impl Engine {
+    /// The result bytes to cache for `value` (see
+    /// [`cacheable_result`](crate::stages::cacheable_result)).
+    pub(crate) fn result_bytes<T: serde::Serialize, C: Codec>(
+        &self,
+        codec: &C,
+        value: &T,
+    ) -> Option<Vec<u8>> {
+        crate::stages::cacheable_result(codec, &self.config, self.caps.max_result_bytes, value)
+    }
+
+    /// Until when a failing finish is retried: shortly before the lease ends
+    /// (a tenth of the processing timeout, at most a second, before it).
+    pub(crate) fn finish_deadline(&self, lease: &Lease) -> Instant {
+        let margin = (self.config.processing_timeout / 10).min(Duration::from_secs(1));
+        let deadline = lease.deadline();
+        deadline.checked_sub(margin).unwrap_or(deadline)
+    }
+
+    /// Applies `pending` for the lease's owner, retrying ambiguous failures
+    /// until `deadline` (at least once).
+    pub(crate) async fn finish(
+        &self,
+        lease: &Lease,
+        pending: &Pending,
+        deadline: Instant,
+    ) -> Finished {
+        match self.finish_once_retrying(lease, pending, deadline).await {
+            // The store's real limit is below the one it declared: keep the
+            // protection, drop the cached result.
+            Finished::Failed(Error::TooLarge { .. })
+                if matches!(pending, Pending::Complete(Some(_))) =>
+            {
+                self.finish_once_retrying(lease, &Pending::Complete(None), deadline)
+                    .await
+            }
+            other => other,
+        }
+    }
+
+    async fn finish_once_retrying(
+        &self,
+        lease: &Lease,
+        pending: &Pending,
+        deadline: Instant,
+    ) -> Finished {
+        let mut retry = 0;
+        loop {
+            match self.store(pending.op(), self.write(lease, pending)).await {
+                Ok(()) => return Finished::Applied,
+                Err(Error::LeaseLost { .. }) => {
+                    return if self.finished_by_us(lease, pending).await {
+                        Finished::Applied
+                    } else {
+                        Finished::LeaseLost
+                    };
+                }
+                Err(e)
+                    if e.is_store_outage()
+                        && (retry == 0 || Instant::now() + backoff(retry) < deadline) =>
+                {
+                    tracing::warn!(error = %e, operation = pending.op().as_str(), retry, "could not record the outcome; retrying with the same owner token");
+                    tokio::time::sleep(backoff(retry)).await;
+                    retry += 1;
+                }
+                Err(e) => return Finished::Failed(e),
+            }
+        }
+    }
+
+    async fn write(&self, lease: &Lease, pending: &Pending) -> Result<(), Error> {
+        let (key, owner, now) = (&lease.key, lease.owner, self.now());
+        let expires_at = now + self.config.ttl;
+        match pending {
+            Pending::Complete(result) => {
+                self.repo
+                    .complete(key, owner, result.as_deref(), expires_at, now)
+                    .await
+            }
+            Pending::Fail { error, retryable } => {
+                self.repo
+                    .fail(key, owner, Some(error), *retryable, expires_at, now)
+                    .await
+            }
+            Pending::Release => self.repo.release(key, owner, now).await,
+        }
+    }
+
+    /// After `LeaseLost`: whether our own write was applied after all (a lost
+    /// reply, a write the client re-sent). A completed or failed record under
+    /// our owner token is ours; for a release, a record that is gone.
+    async fn finished_by_us(&self, lease: &Lease, pending: &Pending) -> bool {
+        let record = self
+            .store(Op::Get, self.repo.get(&lease.key, self.now()))
+            .await;
+        let ours =
+            |status| matches!(&record, Ok(Some(r)) if r.owner == lease.owner && r.status == status);
+        match pending {
+            Pending::Complete(_) => ours(Status::Completed),
+            Pending::Fail { .. } => ours(Status::Failed),
+            Pending::Release => matches!(record, Ok(None)),
+        }
+    }
+}

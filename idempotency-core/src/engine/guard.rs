@@ -1,0 +1,93 @@
+//! Stage 4: what a dropped execution leaves behind.
+//!
+//! The caller may drop the `execute` future at any await point (an HTTP client
+//! disconnects, an outer timeout fires). What happens to the record depends on
+//! the phase the execution was in, and is decided here only:
+//!
+//! | dropped while | the record | why |
+//! |---|---|---|
+//! | reserving | released in the background | no handler ran; a reserve whose reply was lost may have created it under our token |
+//! | the handler runs | [`CancelPolicy`]: kept until its lease ends (default), or released | the handler may already have applied its effect |
+//! | the outcome is recorded | the outcome is recorded in the background | the effect happened; only its record is missing |
+//!
+//! A reserve that failed for good also leaves the reserving phase behind, so
+//! the record a lost reply may have created is released too.
+
+use std::sync::Arc;
+
+use crate::config::CancelPolicy;
+
+use super::finish::{Finished, Pending};
+use super::lease::Lease;
+use super::Engine;
+
+/// Where an execution is.
+#[derive(Debug)]
+pub(crate) enum Phase {
+    Reserving,
+    Running,
+    Recording(Pending),
+    Done,
+}
+
+/// Owns an execution's hold on its key; on drop, cleans up per [`Phase`].
+#[derive(Debug)]
+pub(crate) struct ExecutionGuard {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) lease: Arc<Lease>,
+    pub(crate) phase: Phase,
+}
+
+/// What a phase's pending write is, for the recording stage.
+static RELEASE: Pending = Pending::Release;
+
+impl ExecutionGuard {
+    pub(crate) fn new(engine: Arc<Engine>, lease: Arc<Lease>) -> Self {
+        ExecutionGuard {
+            engine,
+            lease,
+            phase: Phase::Reserving,
+        }
+    }
+
+    /// The write the recording phase applies.
+    pub(crate) fn pending(&self) -> &Pending {
+        match &self.phase {
+            Phase::Recording(p) => p,
+            _ => &RELEASE,
+        }
+    }
+}
+
+impl Drop for ExecutionGuard {
+    fn drop(&mut self) {
+        // Whatever happened, this execution no longer keeps the lease.
+        self.lease.mark_lost();
+        let pending = match std::mem::replace(&mut self.phase, Phase::Done) {
+            Phase::Done => return,
+            Phase::Reserving => Pending::Release,
+            Phase::Running => match self.engine.config.on_cancel {
+                CancelPolicy::KeepLease => {
+                    tracing::info!(key = %self.lease.key, lease_until = %self.lease.until(), "execution dropped while the handler ran; the record keeps its lease until it ends");
+                    return;
+                }
+                CancelPolicy::Release => Pending::Release,
+            },
+            Phase::Recording(pending) => pending,
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(key = %self.lease.key, "execution dropped outside a Tokio runtime; the record stays as it is until its lease ends");
+            return;
+        };
+        let (engine, lease) = (self.engine.clone(), self.lease.clone());
+        runtime.spawn(async move {
+            let deadline = engine.finish_deadline(&lease);
+            match engine.finish(&lease, &pending, deadline).await {
+                Finished::Applied | Finished::LeaseLost => {}
+                Finished::Failed(e) => {
+                    tracing::warn!(key = %lease.key, error = %e, "could not clean up after a dropped execution; the record keeps its lease until it ends");
+                }
+            }
+        });
+    }
+}

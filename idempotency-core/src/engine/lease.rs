@@ -1,0 +1,272 @@
+//! Stage 2: run under the lease.
+//!
+//! The lease keeper runs *beside* the handler (one `select!`, the handler polled
+//! first), never in its way: a store call that hangs delays the next extension,
+//! not the handler. Each extension is time-boxed below the extension interval
+//! and the lease's end. The keeper also runs while the outcome is recorded, so
+//! completion retries during a store blip keep the key protected.
+//!
+//! The handler sees its lease through [`ExecutionContext`]: its attempt number
+//! (a fencing token), its owner token, and a signal that fires when the lease
+//! can no longer be confirmed.
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+use crate::error::Error;
+use crate::key::{OwnerToken, RecordKey};
+use crate::metrics::Op;
+use crate::time::Timestamp;
+
+use super::Engine;
+
+/// One execution's hold on its key, shared by the engine and the handler's
+/// [`ExecutionContext`].
+pub(crate) struct Lease {
+    pub(crate) key: RecordKey,
+    pub(crate) owner: OwnerToken,
+    attempt: AtomicU32,
+    /// The last confirmed `lease_until`, by the manager's clock (ms).
+    until: AtomicU64,
+    /// The same instant on Tokio's clock, which timers use (so paused-time
+    /// tests drive it).
+    deadline: Mutex<Instant>,
+    lost: AtomicBool,
+    lost_notify: Notify,
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("key", &self.key)
+            .field("owner", &self.owner)
+            .field("attempt", &self.attempt())
+            .field("until", &self.until())
+            .field("lost", &self.is_lost())
+            .finish()
+    }
+}
+
+impl Lease {
+    pub(crate) fn new(key: RecordKey, owner: OwnerToken) -> Self {
+        Lease {
+            key,
+            owner,
+            attempt: AtomicU32::new(0),
+            until: AtomicU64::new(0),
+            deadline: Mutex::new(Instant::now()),
+            lost: AtomicBool::new(false),
+            lost_notify: Notify::new(),
+        }
+    }
+
+    /// Records that the store holds the lease until `until`, as confirmed by a
+    /// call sent at `sent_at` (the lease is counted from the send, never from
+    /// the answer). Never moves the lease back.
+    pub(crate) fn confirm(&self, until: Timestamp, sent_at: Timestamp, sent: Instant) {
+        let previous = self.until.fetch_max(until.as_millis(), Ordering::SeqCst);
+        if until.as_millis() > previous {
+            let local = sent + until.duration_since(sent_at);
+            let mut deadline = self.deadline.lock();
+            *deadline = (*deadline).max(local);
+        }
+    }
+
+    pub(crate) fn set_attempt(&self, attempt: u32) {
+        self.attempt.store(attempt, Ordering::SeqCst);
+    }
+
+    pub(crate) fn attempt(&self) -> u32 {
+        self.attempt.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn until(&self) -> Timestamp {
+        Timestamp::from_millis(self.until.load(Ordering::SeqCst))
+    }
+
+    /// When the lease ends, on Tokio's clock.
+    pub(crate) fn deadline(&self) -> Instant {
+        *self.deadline.lock()
+    }
+
+    /// The lease can no longer be counted on (or the execution ended).
+    pub(crate) fn mark_lost(&self) {
+        if !self.lost.swap(true, Ordering::SeqCst) {
+            self.lost_notify.notify_waiters();
+        }
+    }
+
+    pub(crate) fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::SeqCst)
+    }
+
+    async fn wait_lost(&self) {
+        loop {
+            let notified = self.lost_notify.notified();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+/// What a handler knows of its execution: pass a handler taking it to
+/// [`IdempotencyManager::execute_with_context`](crate::IdempotencyManager::execute_with_context).
+///
+/// - [`attempt`](Self::attempt) is a **fencing token**: 1 for a new record, +1
+///   on every takeover, so a consumer that lost its lease (paused, partitioned)
+///   carries a smaller number than the one that took over. Downstream writes can
+///   carry it, and a store can refuse an older one:
+///   `UPDATE accounts SET balance = balance - $2, fence = $3 WHERE id = $1 AND fence < $3`.
+/// - [`lease_lost`](Self::lease_lost) resolves when the lease can no longer be
+///   confirmed — extension failed until the lease ended, another owner took
+///   over, or (without lease extension) the processing timeout passed — so a
+///   long handler can stop before another consumer's takeover runs it again.
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotency_core::{Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+/// let outcome = manager
+///     .execute_with_context("order-1", &(), |ctx: ExecutionContext| async move {
+///         assert_eq!(ctx.attempt(), 1); // the first attempt on this key
+///         tokio::select! {
+///             _ = ctx.lease_lost() => Err(HandlerError::transient("lease lost; stopping".to_owned())),
+///             receipt = async { Ok("charged".to_owned()) } => receipt,
+///         }
+///     })
+///     .await?;
+/// assert_eq!(outcome.into_value().as_deref(), Some("charged"));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[derive(Clone)]
+pub struct ExecutionContext(Arc<Lease>);
+
+impl fmt::Debug for ExecutionContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("ExecutionContext").field(&self.0).finish()
+    }
+}
+
+impl ExecutionContext {
+    pub(crate) fn new(lease: Arc<Lease>) -> Self {
+        ExecutionContext(lease)
+    }
+
+    /// The record key this execution holds.
+    pub fn key(&self) -> &RecordKey {
+        &self.0.key
+    }
+
+    /// The attempt number: a fencing token, monotonic per key while the record
+    /// exists (see the type's docs). `0` for an unprotected run (the store was
+    /// unreachable and the outage policy is fail-open).
+    pub fn attempt(&self) -> u32 {
+        self.0.attempt()
+    }
+
+    /// The random owner token of this attempt.
+    pub fn owner(&self) -> OwnerToken {
+        self.0.owner
+    }
+
+    /// The lease's end as last confirmed by the store (manager's clock).
+    pub fn lease_until(&self) -> Timestamp {
+        self.0.until()
+    }
+
+    /// Whether the lease can no longer be confirmed (or the execution ended).
+    pub fn is_lease_lost(&self) -> bool {
+        self.0.is_lost()
+    }
+
+    /// Resolves when the lease can no longer be confirmed: the extension failed
+    /// until the lease ended, the store answered that another owner holds the
+    /// key, or the lease ran out without extension. Also resolves once the
+    /// execution has ended (its outcome recorded, or its future dropped).
+    pub async fn lease_lost(&self) {
+        self.0.wait_lost().await;
+    }
+}
+
+impl Engine {
+    /// Runs `work` (the handler, then the recording of its outcome) beside the
+    /// lease keeper.
+    pub(crate) async fn under_lease<W: Future>(&self, lease: &Lease, work: W) -> W::Output {
+        let keeper = self.keep_lease(lease);
+        tokio::select! {
+            biased;
+            out = work => out,
+            never = keeper => match never {},
+        }
+    }
+
+    /// Extends the lease at the configured interval; marks it lost when it ends
+    /// unconfirmed or another owner holds the key. Never returns: it is dropped
+    /// with the execution.
+    async fn keep_lease(&self, lease: &Lease) -> Infallible {
+        let interval = self.config.lease_extension_interval;
+        // Ticks keep their cadence whatever an extension costs.
+        let mut next_tick = interval.map(|i| Instant::now() + i);
+        loop {
+            let deadline = lease.deadline();
+            match next_tick {
+                Some(tick) if tick < deadline => tokio::time::sleep_until(tick).await,
+                _ => {
+                    tokio::time::sleep_until(deadline).await;
+                    if lease.deadline() <= Instant::now() {
+                        tracing::warn!(key = %lease.key, "the lease ended without confirmation; another consumer may take over");
+                        lease.mark_lost();
+                        return std::future::pending().await;
+                    }
+                    continue;
+                }
+            }
+            let Some(interval) = interval else { continue };
+            next_tick = next_tick.map(|t| (t + interval).max(Instant::now()));
+            // Time-boxed below the interval, and never past the lease's end.
+            let limit = (interval / 2)
+                .min(self.config.store_timeout)
+                .min(deadline.saturating_duration_since(Instant::now()));
+            if let Err(Error::LeaseLost { .. }) = self.extend(lease, limit).await {
+                tracing::warn!(key = %lease.key, "lease lost while the handler runs; another attempt took over");
+                lease.mark_lost();
+                return std::future::pending().await;
+            }
+        }
+    }
+
+    /// One extension, time-boxed by `limit`.
+    async fn extend(&self, lease: &Lease, limit: Duration) -> Result<(), Error> {
+        let sent = Instant::now();
+        let now = self.now();
+        let until = now + self.config.processing_timeout;
+        let expires_at = until + self.config.clock_skew;
+        let call = self
+            .repo
+            .extend(&lease.key, lease.owner, until, expires_at, now);
+        let r = self.call(Op::Extend, limit, call).await;
+        match &r {
+            Ok(()) => {
+                lease.confirm(until, now, sent);
+                tracing::trace!(lease_until = %until, "lease extended");
+            }
+            Err(Error::LeaseLost { .. }) => {}
+            Err(e) => tracing::warn!(error = %e, "could not extend the lease; will retry"),
+        }
+        r
+    }
+}

@@ -1,0 +1,129 @@
+//! The execution engine: the stages of one execution, in the order they run.
+//!
+//! 1. [`reserve`]: reserve the key (retrying an ambiguous failure with the same
+//!    owner token) and decide what a duplicate gets;
+//! 2. [`lease`]: run the handler under its lease, extending it beside the
+//!    handler, never in its way, and telling the handler when the lease can no
+//!    longer be confirmed;
+//! 3. [`finish`]: record the outcome (complete, fail or release), retrying until
+//!    shortly before the lease ends and recognising our own earlier writes;
+//! 4. [`guard`]: what a dropped execution leaves behind, per phase.
+//!
+//! Each policy lives in exactly one of these modules; the manager only strings
+//! them together, and the PostgreSQL transactional manager reuses the pieces it
+//! needs.
+
+pub(crate) mod finish;
+pub(crate) mod guard;
+pub(crate) mod lease;
+pub(crate) mod reserve;
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use crate::config::{Config, FailurePolicy};
+use crate::error::Error;
+use crate::key::{Fingerprint, OwnerToken, RecordKey};
+use crate::metrics::{Metrics, Op};
+use crate::repository::{Capabilities, ReserveRequest, SharedRepository};
+use crate::time::{Clock, Timestamp};
+
+/// What every stage shares: the store, the configuration, the clock.
+pub(crate) struct Engine {
+    pub(crate) repo: SharedRepository,
+    pub(crate) config: Config,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) caps: Capabilities,
+    pub(crate) metrics: Metrics,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("repo", &self.repo)
+            .field("config", &self.config)
+            .field("clock", &self.clock)
+            .finish()
+    }
+}
+
+impl Engine {
+    pub(crate) fn new(repo: SharedRepository, config: Config, clock: Arc<dyn Clock>) -> Self {
+        let caps = repo.capabilities();
+        Engine {
+            metrics: Metrics::new(caps.backend),
+            repo,
+            config,
+            clock,
+            caps,
+        }
+    }
+
+    /// One store call, measured and time-boxed by `limit`: a call that does not
+    /// answer in time is [`Error::Timeout`] (ambiguous: it may have been
+    /// applied). A call that completes on its first poll (the memory store)
+    /// never arms a timer.
+    pub(crate) async fn call<T, F>(&self, op: Op, limit: Duration, call: F) -> Result<T, Error>
+    where
+        F: Future<Output = Result<T, Error>>,
+    {
+        let started = Instant::now();
+        let mut call = pin!(call);
+        let result = match futures::poll!(call.as_mut()) {
+            Poll::Ready(r) => r,
+            Poll::Pending => match tokio::time::timeout(limit, call).await {
+                Ok(r) => r,
+                Err(_elapsed) => Err(Error::Timeout {
+                    backend: self.caps.backend,
+                    operation: op.as_str(),
+                }),
+            },
+        };
+        self.metrics
+            .operation(op, started.elapsed(), result.is_ok());
+        result
+    }
+
+    /// [`Engine::call`] with the configured store timeout.
+    pub(crate) async fn store<T, F>(&self, op: Op, call: F) -> Result<T, Error>
+    where
+        F: Future<Output = Result<T, Error>>,
+    {
+        self.call(op, self.config.store_timeout, call).await
+    }
+
+    pub(crate) fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+}
+
+/// The reservation a configuration asks for at `now`: lease `processing_timeout`,
+/// expiry `ttl` (validated to cover the lease plus the skew allowance).
+pub fn reserve_request<'k>(
+    config: &Config,
+    key: &'k RecordKey,
+    owner: OwnerToken,
+    fingerprint: Option<Fingerprint>,
+    now: Timestamp,
+) -> ReserveRequest<'k> {
+    ReserveRequest {
+        key,
+        owner,
+        fingerprint,
+        now,
+        lease_until: now + config.processing_timeout,
+        expires_at: now + config.ttl,
+        retry_failed: config.failure_policy == FailurePolicy::StoreAndRetry,
+        clock_skew: config.clock_skew,
+    }
+}
+
+/// The pauses between attempts of a store call that failed ambiguously; the
+/// number of retries is their count.
+pub(crate) fn backoff(attempt: u32) -> Duration {
+    // 20 ms, 40 ms, 80 ms … capped at 1 s.
+    Duration::from_millis(20u64.saturating_mul(1 << attempt.min(6))).min(Duration::from_secs(1))
+}

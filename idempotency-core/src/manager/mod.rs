@@ -1,0 +1,664 @@
+//! The manager: the contract's state machine (§4) around a handler.
+//!
+//! The manager only strings the engine's stages together (see
+//! [`crate::engine`]): reserve and decide, run under the lease, record the
+//! outcome; a guard decides what a dropped execution leaves behind.
+
+mod outcome;
+
+use std::any::Any;
+use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::Instrument;
+
+use crate::codec::{Codec, JsonCodec};
+use crate::config::{Config, OutagePolicy};
+use crate::decision::{DuplicateDecision, FailureKind};
+use crate::engine::finish::{Finished, Pending};
+use crate::engine::guard::{ExecutionGuard, Phase};
+use crate::engine::lease::{ExecutionContext, Lease};
+use crate::engine::reserve::Reserved;
+use crate::engine::Engine;
+use crate::error::Error;
+use crate::key::{compose_parts, escape_part, Fingerprint, OwnerToken, RecordKey};
+use crate::metrics::Counter;
+use crate::repository::SharedRepository;
+use crate::stages::{answer_duplicate, failure_record, FailureRecord};
+use crate::time::{Clock, SystemClock, Timestamp};
+
+pub use outcome::{ExecuteError, HandlerError, HandlerResult, Outcome};
+
+/// A panic caught from a handler, resumed once the record is taken care of.
+type Panic = Box<dyn Any + Send>;
+
+/// Wraps handlers so that each key's first delivery runs them and every duplicate
+/// gets the recorded outcome (contract §4). Cheap to clone; clones share the
+/// repository, configuration and clock.
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::sync::atomic::{AtomicU32, Ordering};
+/// use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository, Outcome};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+/// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
+///     .scoped("payments");
+/// let charges = AtomicU32::new(0);
+/// let payload = serde_json::json!({"account": "A-1", "amount": 25});
+/// for _delivery in 0..3 {
+///     let outcome = manager
+///         .execute("payment-7", &payload, || async {
+///             charges.fetch_add(1, Ordering::SeqCst);
+///             Ok::<_, HandlerError<String>>(format!("charged {}", payload["amount"]))
+///         })
+///         .await?;
+///     assert_eq!(outcome.value().map(String::as_str), Some("charged 25"));
+/// }
+/// assert_eq!(charges.load(Ordering::SeqCst), 1);
+///
+/// // The same key with another payload is refused.
+/// let other = serde_json::json!({"account": "A-1", "amount": 99});
+/// let err = manager
+///     .execute("payment-7", &other, || async { Ok::<_, HandlerError<String>>(String::new()) })
+///     .await
+///     .unwrap_err();
+/// assert!(matches!(err.as_idempotency(), Some(idempotency_core::Error::PayloadMismatch { .. })));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// # })?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct IdempotencyManager<C: Codec = JsonCodec> {
+    engine: Arc<Engine>,
+    namespace: Arc<str>,
+    codec: C,
+}
+
+impl<C: Codec + Clone> Clone for IdempotencyManager<C> {
+    fn clone(&self) -> Self {
+        IdempotencyManager {
+            engine: self.engine.clone(),
+            namespace: self.namespace.clone(),
+            codec: self.codec.clone(),
+        }
+    }
+}
+
+impl<C: Codec> fmt::Debug for IdempotencyManager<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyManager")
+            .field("namespace", &self.namespace)
+            .field("engine", &self.engine)
+            .field("codec", &self.codec)
+            .finish()
+    }
+}
+
+impl IdempotencyManager<JsonCodec> {
+    /// A manager over `repo` with the system clock and JSON results.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `config` does not validate.
+    pub fn new(repo: SharedRepository, config: Config) -> Result<Self, Error> {
+        Self::with_parts(repo, config, Arc::new(SystemClock), JsonCodec)
+    }
+}
+
+impl<C: Codec + Clone> IdempotencyManager<C> {
+    /// A manager with an explicit clock and codec.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `config` does not validate.
+    pub fn with_parts(
+        repo: SharedRepository,
+        config: Config,
+        clock: Arc<dyn Clock>,
+        codec: C,
+    ) -> Result<Self, Error> {
+        config.validate()?;
+        let namespace = escape_part(&config.key_prefix).into();
+        Ok(IdempotencyManager {
+            engine: Arc::new(Engine::new(repo, config, clock)),
+            namespace,
+            codec,
+        })
+    }
+
+    /// The same manager with another clock (tests use a
+    /// [`ManualClock`](crate::ManualClock)).
+    pub fn with_clock(self, clock: Arc<dyn Clock>) -> Self {
+        let engine = Engine::new(self.engine.repo.clone(), self.engine.config.clone(), clock);
+        IdempotencyManager {
+            engine: Arc::new(engine),
+            namespace: self.namespace,
+            codec: self.codec,
+        }
+    }
+
+    /// The same manager with another result codec.
+    pub fn with_codec<C2: Codec + Clone>(self, codec: C2) -> IdempotencyManager<C2> {
+        IdempotencyManager {
+            engine: self.engine,
+            namespace: self.namespace,
+            codec,
+        }
+    }
+
+    /// A manager whose keys live in the sub-namespace `scope` (e.g. a handler or
+    /// operation name): the same id under two scopes is two records. Scopes
+    /// compose injectively (`%` and `:` in a scope are escaped):
+    /// `scoped("a").scoped("b")` and `scoped("a:b")` are two namespaces.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// assert_eq!(m.scoped("payments").namespace(), "idempotency:payments");
+    /// assert_ne!(m.scoped("a").scoped("b").namespace(), m.scoped("a:b").namespace());
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn scoped(&self, scope: &str) -> Self {
+        IdempotencyManager {
+            engine: self.engine.clone(),
+            namespace: format!("{}:{}", self.namespace, escape_part(scope)).into(),
+            codec: self.codec.clone(),
+        }
+    }
+
+    /// The namespace of this manager's keys.
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.engine.config
+    }
+
+    /// The repository.
+    pub fn repository(&self) -> &SharedRepository {
+        &self.engine.repo
+    }
+
+    /// The record key of `id` in this manager's namespace (validated; long ids
+    /// digested).
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`].
+    pub fn record_key(&self, id: &str) -> Result<RecordKey, Error> {
+        RecordKey::in_namespace(&self.namespace, id, self.engine.caps.max_id_bytes)
+    }
+
+    /// Runs `handler` once per key (contract §4).
+    ///
+    /// `payload` is fingerprinted (canonical JSON, SHA-256) when payload
+    /// validation is on, to refuse the same key with another payload; pass `&()`
+    /// when there is none. The handler's value is stored through the codec and
+    /// replayed to duplicates as [`Outcome::Cached`]. To see the attempt number
+    /// (a fencing token) and a lease-lost signal, use
+    /// [`execute_with_context`](Self::execute_with_context).
+    ///
+    /// A handler panic is treated as a failure of the configured policy's
+    /// default kind (released by default), then the panic continues.
+    ///
+    /// # Cancel safety
+    /// Dropping the returned future never makes the key re-runnable while the
+    /// handler's effect may still be happening:
+    /// - before the handler started, the record (if any) is released in the
+    ///   background;
+    /// - while the handler runs, [`Config::on_cancel`] decides: the record keeps
+    ///   its lease until it ends (default), or is released (opt-in);
+    /// - after the handler returned, its outcome is recorded in the background.
+    ///
+    /// Background work needs a Tokio runtime; without one the record keeps its
+    /// lease. To let the handler run to completion although the caller left, use
+    /// [`execute_detached`](Self::execute_detached).
+    ///
+    /// # Errors
+    /// [`ExecuteError::Handler`] with the handler's error, or
+    /// [`ExecuteError::Idempotency`]: [`Error::InProgress`],
+    /// [`Error::PayloadMismatch`], [`Error::PreviouslyFailed`],
+    /// [`Error::InvalidKey`], a codec error replaying a cached result, or a store
+    /// error (fail-closed).
+    pub async fn execute<P, T, E, F, Fut>(
+        &self,
+        key: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        self.execute_with_context(key, payload, |_: ExecutionContext| handler())
+            .await
+    }
+
+    /// [`execute`](Self::execute) with a handler that receives its
+    /// [`ExecutionContext`]: the attempt number (a fencing token for downstream
+    /// writes), the owner token, and a signal that fires when the lease can no
+    /// longer be confirmed.
+    ///
+    /// # Errors
+    /// As [`execute`](Self::execute).
+    pub async fn execute_with_context<P, T, E, F, Fut>(
+        &self,
+        key: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let (key, fingerprint) = self.prepare(key, payload)?;
+        self.run_instrumented(key, fingerprint, handler).await
+    }
+
+    /// [`execute_with_context`](Self::execute_with_context) on a task of its own:
+    /// if the caller drops the returned future (an HTTP client disconnects, an
+    /// outer timeout fires), the handler still runs to completion and its
+    /// outcome is recorded, so the caller's retry gets the stored outcome
+    /// instead of running the handler again. Needs a Tokio runtime.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository, Outcome};
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?.block_on(async {
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// // The client gives up after 1 s; the handler takes 2 s.
+    /// let first = tokio::time::timeout(
+    ///     Duration::from_secs(1),
+    ///     manager.execute_detached("order-1", &(), |_ctx| async {
+    ///         tokio::time::sleep(Duration::from_secs(2)).await;
+    ///         Ok::<_, HandlerError<String>>("charged".to_owned())
+    ///     }),
+    /// )
+    /// .await;
+    /// assert!(first.is_err(), "the caller gave up");
+    /// tokio::time::sleep(Duration::from_secs(2)).await;
+    /// // The retry gets the first execution's result; the handler ran once.
+    /// let retry = manager
+    ///     .execute("order-1", &(), || async { Ok::<_, HandlerError<String>>("twice".to_owned()) })
+    ///     .await?;
+    /// assert!(matches!(retry, Outcome::Cached(ref r) if r == "charged"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`execute`](Self::execute); [`Error::Backend`] if the runtime shut
+    /// down before the execution ended. A handler panic continues in the caller.
+    pub async fn execute_detached<P, T, E, F, Fut>(
+        &self,
+        key: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned + Send + 'static,
+        E: fmt::Display + Send + 'static,
+        F: FnOnce(ExecutionContext) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + Send + 'static,
+    {
+        let (key, fingerprint) = self.prepare(key, payload)?;
+        let this = self.clone();
+        let task =
+            tokio::spawn(async move { this.run_instrumented(key, fingerprint, handler).await });
+        match task.await {
+            Ok(result) => result,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_cancelled) => Err(Error::Backend {
+                backend: self.engine.caps.backend,
+                message: "the runtime shut down before the detached execution ended".into(),
+                source: None,
+            }
+            .into()),
+        }
+    }
+
+    /// Runs one step of a multi-step handler under a sub-key of (`event_id`,
+    /// `step`), composed injectively (`("a:b", "c")` and `("a", "b:c")` are two
+    /// keys): each step runs once even if a redelivery repeats the steps before
+    /// it.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository};
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// for _delivery in 0..2 {
+    ///     let reserved = manager.step("evt-1", "reserve-stock", &(), || async { Ok::<_, HandlerError<String>>(3) }).await?;
+    ///     let charged = manager.step("evt-1", "charge", &(), || async { Ok::<_, HandlerError<String>>(true) }).await?;
+    ///     assert_eq!((reserved.into_value(), charged.into_value()), (Some(3), Some(true)));
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`IdempotencyManager::execute`].
+    pub async fn step<P, T, E, F, Fut>(
+        &self,
+        event_id: &str,
+        step: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        self.execute(&compose_parts(event_id, step), payload, handler)
+            .await
+    }
+
+    /// The current instant of the manager's clock.
+    pub fn now(&self) -> Timestamp {
+        self.engine.now()
+    }
+
+    /// The record key and the payload's fingerprint (when validation is on).
+    fn prepare<P: Serialize + ?Sized>(
+        &self,
+        key: &str,
+        payload: &P,
+    ) -> Result<(RecordKey, Option<Fingerprint>), Error> {
+        let record_key = self.record_key(key)?;
+        let fingerprint = if self.engine.config.validate_payload {
+            Some(Fingerprint::of_json(payload)?)
+        } else {
+            None
+        };
+        Ok((record_key, fingerprint))
+    }
+
+    async fn run_instrumented<T, E, F, Fut>(
+        &self,
+        key: RecordKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let span = tracing::debug_span!(
+            EXECUTE_SPAN,
+            key = %key,
+            backend = self.engine.caps.backend,
+            outcome = tracing::field::Empty,
+        );
+        if span.is_disabled() {
+            // No subscriber wants the span: skip entering and leaving it on every
+            // poll (with `tracing`'s `log` feature on, each of those is a call).
+            self.run(key, fingerprint, handler).await
+        } else {
+            self.run(key, fingerprint, handler).instrument(span).await
+        }
+    }
+
+    /// Stage 1, then stages 2 and 3 under the lease.
+    async fn run<T, E, F, Fut>(
+        &self,
+        key: RecordKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let engine = &*self.engine;
+        let lease = Arc::new(Lease::new(key, OwnerToken::random()));
+        let mut guard = ExecutionGuard::new(self.engine.clone(), lease.clone());
+        match engine.reserve(&lease.key, lease.owner, fingerprint).await {
+            Ok(Reserved::Acquired {
+                attempt,
+                lease_until,
+                sent_at,
+                sent,
+            }) => {
+                lease.set_attempt(attempt);
+                lease.confirm(lease_until, sent_at, sent);
+            }
+            Ok(Reserved::Duplicate(decision)) => {
+                guard.phase = Phase::Done;
+                engine.metrics.count(Counter::DuplicatesBlocked);
+                return self.answer_duplicate(&lease.key, decision);
+            }
+            Err(e)
+                if e.is_store_outage()
+                    && engine.config.on_store_outage == OutagePolicy::FailOpen =>
+            {
+                return self.run_unprotected(guard, e, handler).await;
+            }
+            Err(e) => {
+                // After an outage the guard releases what a lost reply may have
+                // created under our token; any other error left nothing behind.
+                if !e.is_store_outage() {
+                    guard.phase = Phase::Done;
+                }
+                record_outcome("store_error");
+                return Err(e.into());
+            }
+        }
+        engine.metrics.count(Counter::CacheMisses);
+        let _active = engine.metrics.active();
+        tracing::debug!(attempt = lease.attempt(), "acquired");
+        guard.phase = Phase::Running;
+        let ctx = ExecutionContext::new(lease.clone());
+        engine
+            .under_lease(&lease, self.run_and_record(&mut guard, ctx, handler))
+            .await
+    }
+
+    /// Stages 2 and 3: the handler, then its outcome's record.
+    async fn run_and_record<T, E, F, Fut>(
+        &self,
+        guard: &mut ExecutionGuard,
+        ctx: ExecutionContext,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let engine = &*self.engine;
+        let result = catch_handler(handler, ctx).await;
+        guard.phase = Phase::Recording(self.pending_for(&result));
+        let finished = engine
+            .finish(
+                &guard.lease,
+                guard.pending(),
+                engine.finish_deadline(&guard.lease),
+            )
+            .await;
+        let was = std::mem::replace(&mut guard.phase, Phase::Done);
+        match result {
+            Ok(Ok(value)) => Ok(self.success_outcome(finished, value)),
+            Ok(Err(err)) => {
+                report_failure_record(engine, &finished, &was);
+                Err(ExecuteError::Handler(err.into_inner()))
+            }
+            Err(panic) => {
+                report_failure_record(engine, &finished, &was);
+                std::panic::resume_unwind(panic)
+            }
+        }
+    }
+
+    /// The store was unreachable and the policy is fail-open: run without
+    /// protection. A reserve whose reply was lost may have created the record
+    /// under our token: the guard completes (or releases) it in the background.
+    async fn run_unprotected<T, E, F, Fut>(
+        &self,
+        mut guard: ExecutionGuard,
+        error: Error,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        tracing::warn!(error = %error, "store unavailable; running the handler unprotected (fail-open)");
+        self.engine.metrics.count(Counter::FailOpen);
+        record_outcome("unprotected");
+        guard.phase = Phase::Running;
+        let result = catch_handler(handler, ExecutionContext::new(guard.lease.clone())).await;
+        let pending = match &result {
+            Ok(Ok(value)) => Pending::Complete(self.engine.result_bytes(&self.codec, value)),
+            _ => Pending::Release,
+        };
+        // Dropping the guard in the recording phase finishes in the background.
+        guard.phase = Phase::Recording(pending);
+        drop(guard);
+        match result {
+            Ok(Ok(value)) => Ok(Outcome::Unprotected(value)),
+            Ok(Err(err)) => Err(ExecuteError::Handler(err.into_inner())),
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// The write that records a handler's result.
+    fn pending_for<T: Serialize, E: fmt::Display>(
+        &self,
+        result: &Result<Result<T, HandlerError<E>>, Panic>,
+    ) -> Pending {
+        let (kind, message) = match result {
+            Ok(Ok(value)) => {
+                return Pending::Complete(self.engine.result_bytes(&self.codec, value))
+            }
+            Ok(Err(err)) => (err.kind(), err.to_string()),
+            Err(panic) => (
+                FailureKind::Default,
+                format!("handler panicked: {}", panic_message(panic)),
+            ),
+        };
+        let engine = &self.engine;
+        match failure_record(&engine.config, engine.caps.max_result_bytes, kind, message) {
+            FailureRecord::Release => Pending::Release,
+            FailureRecord::Store { error, retryable } => Pending::Fail { error, retryable },
+        }
+    }
+
+    fn success_outcome<T>(&self, finished: Finished, value: T) -> Outcome<T> {
+        match finished {
+            Finished::Applied => {
+                record_outcome("executed");
+                Outcome::Executed(value)
+            }
+            Finished::LeaseLost => {
+                self.engine.metrics.count(Counter::LeaseLost);
+                record_outcome("lease_lost");
+                tracing::warn!("handler finished after its lease was taken over");
+                Outcome::LeaseLost(value)
+            }
+            Finished::Failed(error) => {
+                tracing::error!(error = %error, "handler succeeded but its completion was not recorded before the lease ended");
+                record_outcome("unrecorded");
+                Outcome::Unrecorded { value, error }
+            }
+        }
+    }
+
+    fn answer_duplicate<T, E>(
+        &self,
+        key: &RecordKey,
+        decision: DuplicateDecision,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: DeserializeOwned,
+    {
+        let (outcome, counter) = match &decision {
+            DuplicateDecision::Replay(_) => ("cached", Some(Counter::CacheHits)),
+            DuplicateDecision::Duplicate => ("duplicate", None),
+            DuplicateDecision::PayloadMismatch => ("payload_mismatch", None),
+            DuplicateDecision::PreviouslyFailed(_) => ("previously_failed", None),
+            DuplicateDecision::InProgress { .. } => ("in_progress", None),
+        };
+        if let Some(counter) = counter {
+            self.engine.metrics.count(counter);
+        }
+        record_outcome(outcome);
+        answer_duplicate(&self.codec, key, decision)
+    }
+}
+
+/// Runs the handler, catching a panic in its call or its future.
+async fn catch_handler<T, E, F, Fut>(
+    handler: F,
+    ctx: ExecutionContext,
+) -> Result<Result<T, HandlerError<E>>, Panic>
+where
+    F: FnOnce(ExecutionContext) -> Fut,
+    Fut: Future<Output = Result<T, HandlerError<E>>>,
+{
+    match std::panic::catch_unwind(AssertUnwindSafe(|| handler(ctx))) {
+        Ok(fut) => AssertUnwindSafe(fut).catch_unwind().await,
+        Err(panic) => Err(panic),
+    }
+}
+
+/// Logs how recording a handler's failure ended.
+fn report_failure_record(engine: &Engine, finished: &Finished, pending: &Phase) {
+    let op = match pending {
+        Phase::Recording(Pending::Release) => "release",
+        _ => "fail",
+    };
+    match finished {
+        Finished::Applied => {}
+        Finished::LeaseLost => engine.metrics.count(Counter::LeaseLost),
+        Finished::Failed(e) => {
+            tracing::error!(error = %e, operation = op, "could not record the handler failure; the record stays Processing until its lease ends");
+        }
+    }
+}
+
+fn panic_message(panic: &Panic) -> &str {
+    panic
+        .downcast_ref::<String>()
+        .map(String::as_str)
+        .or_else(|| panic.downcast_ref::<&str>().copied())
+        .unwrap_or("non-string panic")
+}
+
+/// The name of the span around each execution.
+const EXECUTE_SPAN: &str = "idempotency.execute";
+
+/// Records the execution's outcome on its span. Only on its own span: when a
+/// filter disables it, the current span is the caller's, not ours to write to
+/// (and with no subscriber at all this is one check).
+fn record_outcome(outcome: &'static str) {
+    let span = tracing::Span::current();
+    if span.metadata().is_some_and(|m| m.name() == EXECUTE_SPAN) {
+        span.record("outcome", outcome);
+    }
+}

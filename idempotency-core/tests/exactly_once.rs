@@ -1,0 +1,553 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! One test per way the execution engine used to run a handler twice or block a
+//! key for nothing (the execution-engine issue), each reproducing its scenario
+//! deterministically with the fault-injecting repository and paused Tokio time.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use idempotency_core::testing::{Fault, FaultyRepository, Operation, TokioClock};
+use idempotency_core::{
+    CancelPolicy, Config, Error, ExecuteError, ExecutionContext, FailurePolicy, HandlerError,
+    IdempotencyManager, JsonCodec, MemoryRepository, OutagePolicy, Outcome, Repository,
+    SharedRepository, Status,
+};
+
+type Store = Arc<FaultyRepository<MemoryRepository>>;
+
+fn store() -> Store {
+    Arc::new(FaultyRepository::new(MemoryRepository::new()))
+}
+
+fn manager(repo: &Store, config: Config, clock: &TokioClock) -> IdempotencyManager {
+    IdempotencyManager::with_parts(
+        repo.clone() as SharedRepository,
+        config,
+        Arc::new(clock.clone()),
+        JsonCodec,
+    )
+    .unwrap()
+}
+
+/// A handler with an effect: counts its runs.
+fn charge(runs: &AtomicU32) -> Result<u32, HandlerError<String>> {
+    Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
+}
+
+/// Waits (bounded, by yielding) until `done` holds.
+async fn eventually(mut done: impl AsyncFnMut() -> bool) {
+    for _ in 0..10_000 {
+        if done().await {
+            return;
+        }
+        tokio::task::yield_now().await;
+    }
+    panic!("condition not reached");
+}
+
+/// 1. Lease extension moves expiry: a handler that outlives its TTL keeps its
+///    record, so a duplicate meanwhile is `InProgress`, not a second run.
+#[tokio::test(start_paused = true)]
+async fn a_handler_outliving_its_ttl_keeps_its_record_with_extension() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        ttl: Duration::from_secs(30),
+        processing_timeout: Duration::from_secs(30),
+        lease_extension_interval: Some(Duration::from_secs(10)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let runs = AtomicU32::new(0);
+    let first = m.execute("k", &(), || async {
+        let r = charge(&runs);
+        tokio::time::sleep(Duration::from_secs(95)).await; // > 3 TTLs
+        r
+    });
+    let duplicate = async {
+        tokio::time::sleep(Duration::from_secs(80)).await;
+        m.execute("k", &(), || async { charge(&runs) }).await
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert!(matches!(first, Ok(Outcome::Executed(1))), "{first:?}");
+    assert!(
+        matches!(
+            duplicate,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{duplicate:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 2. Clock skew is honoured by expiry too: a consumer whose clock runs ahead
+///    (within the skew) does not treat a live lease's record as expired.
+#[tokio::test(start_paused = true)]
+async fn a_consumer_whose_clock_runs_ahead_does_not_rerun_a_live_lease() {
+    let repo = store();
+    let skew = Duration::from_secs(5);
+    let config = Config {
+        ttl: Duration::from_secs(65),
+        processing_timeout: Duration::from_secs(60),
+        clock_skew: skew,
+        ..Config::default()
+    };
+    let clock = TokioClock::starting_now();
+    let ahead = TokioClock::starting_at(clock.now() + Duration::from_secs(4));
+    let slow = manager(&repo, config.clone(), &clock);
+    let fast = manager(&repo, config, &ahead);
+    let runs = AtomicU32::new(0);
+    let first = slow.execute("k", &(), || async {
+        let r = charge(&runs);
+        tokio::time::sleep(Duration::from_secs(59)).await;
+        r
+    });
+    let duplicate = async {
+        // Just before the lease ends by the slow clock: the fast clock reads
+        // past the lease, within the skew.
+        tokio::time::sleep(Duration::from_secs(58)).await;
+        fast.execute("k", &(), || async { charge(&runs) }).await
+    };
+    let (first, duplicate) = tokio::join!(first, duplicate);
+    assert!(matches!(first, Ok(Outcome::Executed(1))), "{first:?}");
+    assert!(
+        matches!(
+            duplicate,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{duplicate:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 3. Extension runs beside the handler: a hanging `extend` neither pauses the
+///    handler nor outlives its time box.
+#[tokio::test(start_paused = true)]
+async fn a_hanging_extension_does_not_pause_the_handler() {
+    let repo = store();
+    repo.inject(Operation::Extend, Fault::Hang, usize::MAX);
+    let config = Config {
+        processing_timeout: Duration::from_secs(30),
+        lease_extension_interval: Some(Duration::from_secs(5)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let started = tokio::time::Instant::now();
+    let handler_took = Arc::new(parking_lot::Mutex::new(Duration::ZERO));
+    let r = m
+        .execute("k", &(), || async {
+            let t = tokio::time::Instant::now();
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            *handler_took.lock() = t.elapsed();
+            Ok::<_, HandlerError<String>>(())
+        })
+        .await;
+    assert!(matches!(r, Ok(Outcome::Executed(()))), "{r:?}");
+    assert_eq!(
+        *handler_took.lock(),
+        Duration::from_secs(20),
+        "never paused"
+    );
+    assert!(started.elapsed() < Duration::from_secs(21));
+    assert!(
+        repo.calls(Operation::Extend) >= 3,
+        "extension was attempted"
+    );
+}
+
+/// 4. A dropped execution does not make the key re-runnable while the handler's
+///    effect may be happening: by default the lease is kept.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_execution_keeps_its_lease_by_default() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let m = manager(&repo, Config::default(), &clock);
+    let runs = AtomicU32::new(0);
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        m.execute("k", &(), || async {
+            let r = charge(&runs); // the card is charged…
+            tokio::time::sleep(Duration::from_secs(10)).await; // …the reply is slow
+            r
+        }),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the caller gave up");
+    let retry = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(
+        matches!(
+            retry,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{retry:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    let key = m.record_key("k").unwrap();
+    let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
+    assert_eq!(record.status, Status::Processing);
+}
+
+/// 4. Release on cancel is opt-in.
+#[tokio::test(start_paused = true)]
+async fn release_on_cancel_is_opt_in() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        on_cancel: CancelPolicy::Release,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let key = m.record_key("k").unwrap();
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        m.execute("k", &(), || async {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            Ok::<_, HandlerError<String>>(())
+        }),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
+}
+
+/// 4. Detached: the handler finishes although the caller left, and the retry
+///    gets its stored outcome.
+#[tokio::test(start_paused = true)]
+async fn a_detached_execution_finishes_and_the_retry_replays_it() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = Arc::new(AtomicU32::new(0));
+    let handler = {
+        let runs = runs.clone();
+        move |_ctx: ExecutionContext| async move {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            charge(&runs)
+        }
+    };
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        m.execute_detached("k", &(), handler),
+    )
+    .await;
+    assert!(gave_up.is_err());
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let retry = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(retry, Ok(Outcome::Cached(1))), "{retry:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 4. A drop after the handler returned, while its completion is retried,
+///    still records the completion (in the background).
+#[tokio::test(start_paused = true)]
+async fn a_drop_while_recording_still_records_the_outcome() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let m = manager(&repo, Config::default(), &clock);
+    repo.inject(Operation::Complete, Fault::Unavailable, 5);
+    let runs = AtomicU32::new(0);
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(50),
+        m.execute("k", &(), || async { charge(&runs) }),
+    )
+    .await;
+    assert!(gave_up.is_err(), "dropped during the completion retries");
+    let key = m.record_key("k").unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
+    assert_eq!(record.status, Status::Completed);
+    let retry = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(retry, Ok(Outcome::Cached(1))), "{retry:?}");
+}
+
+/// 5. A reserve whose reply was lost is sent again with the same owner token
+///    and answered `Acquired`, not `InProgress` against ourselves.
+#[tokio::test(start_paused = true)]
+async fn a_reserve_whose_reply_was_lost_still_runs_the_handler_once() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::LoseReply, 1);
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = AtomicU32::new(0);
+    let r = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(r, Ok(Outcome::Executed(1))), "{r:?}");
+    assert_eq!(repo.calls(Operation::Reserve), 2);
+    let again = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(again, Ok(Outcome::Cached(1))), "{again:?}");
+}
+
+/// 5. A `complete` that the client re-sent after a reset answers `LeaseLost`
+///    on the second send; it is recognised as ours.
+#[tokio::test(start_paused = true)]
+async fn a_resent_complete_is_not_lease_lost() {
+    let repo = store();
+    repo.inject(Operation::Complete, Fault::Resend, 1);
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(3) })
+        .await;
+    assert!(matches!(r, Ok(Outcome::Executed(3))), "{r:?}");
+}
+
+/// 6. A store failover of several seconds during the completion does not turn
+///    a success into `Unrecorded`: the completion is retried (the lease
+///    extended meanwhile) until shortly before the lease ends.
+#[tokio::test(start_paused = true)]
+async fn a_failover_during_the_completion_is_ridden_out() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(60),
+        lease_extension_interval: Some(Duration::from_secs(20)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    // About 8 s of refused completions.
+    repo.inject(Operation::Complete, Fault::Unavailable, 12);
+    let started = tokio::time::Instant::now();
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(matches!(r, Ok(Outcome::Executed(1))), "{r:?}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let key = m.record_key("k").unwrap();
+    let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
+    assert_eq!(record.status, Status::Completed);
+}
+
+/// 7. Fail-open after a reserve whose replies were lost: the record created
+///    under our token is completed afterwards, so a duplicate is answered from
+///    it instead of being blocked for the whole lease.
+#[tokio::test(start_paused = true)]
+async fn fail_open_completes_the_record_a_lost_reserve_created() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::LoseReply, 3);
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        on_store_outage: OutagePolicy::FailOpen,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let runs = AtomicU32::new(0);
+    let r = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(r, Ok(Outcome::Unprotected(1))), "{r:?}");
+    let key = m.record_key("k").unwrap();
+    eventually(async || {
+        repo.inner()
+            .get(&key, clock.now())
+            .await
+            .unwrap()
+            .is_some_and(|r| r.status == Status::Completed)
+    })
+    .await;
+    let dup = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(dup, Ok(Outcome::Cached(1))), "{dup:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 7. Fail-closed after the same: the record is released, not left blocking
+///    the key until its lease ends.
+#[tokio::test(start_paused = true)]
+async fn fail_closed_releases_the_record_a_lost_reserve_created() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::LoseReply, 3);
+    let clock = TokioClock::starting_now();
+    let m = manager(&repo, Config::default(), &clock);
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(
+        matches!(r, Err(ExecuteError::Idempotency(Error::Timeout { .. }))),
+        "{r:?}"
+    );
+    let key = m.record_key("k").unwrap();
+    eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
+    let retry = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(2) })
+        .await;
+    assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
+}
+
+/// 8. Under store-and-retry a permanent failure is stored for good; only a
+///    retryable one is taken over by the next delivery.
+#[tokio::test(start_paused = true)]
+async fn store_and_retry_retries_only_retryable_failures() {
+    let repo = store();
+    let config = Config {
+        failure_policy: FailurePolicy::StoreAndRetry,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let runs = AtomicU32::new(0);
+    let fail = |permanent: bool| {
+        let runs = &runs;
+        move || async move {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let e = "card declined".to_owned();
+            Err::<(), _>(if permanent {
+                HandlerError::permanent(e)
+            } else {
+                HandlerError::new(e)
+            })
+        }
+    };
+    assert!(m.execute("permanent", &(), fail(true)).await.is_err());
+    let again = m.execute("permanent", &(), fail(true)).await;
+    assert!(
+        matches!(
+            again,
+            Err(ExecuteError::Idempotency(Error::PreviouslyFailed { .. }))
+        ),
+        "{again:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "a permanent failure is not retried"
+    );
+    assert!(m.execute("retryable", &(), fail(false)).await.is_err());
+    let retried = m.execute("retryable", &(), fail(false)).await;
+    assert!(
+        matches!(retried, Err(ExecuteError::Handler(_))),
+        "{retried:?}"
+    );
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3,
+        "a retryable failure is taken over"
+    );
+}
+
+/// 9. A takeover by a consumer without payload validation keeps the stored
+///    fingerprint: a later different payload is still refused.
+#[tokio::test(start_paused = true)]
+async fn a_takeover_without_validation_keeps_the_fingerprint() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        ..Config::default()
+    };
+    let validating = manager(&repo, config.clone(), &clock);
+    let blind = manager(
+        &repo,
+        Config {
+            validate_payload: false,
+            ..config
+        },
+        &clock,
+    );
+    // A consumer crashes mid-handler (its future leaked: no cleanup at all).
+    let crashed = validating.execute("k", &1, || async {
+        std::future::pending::<Result<u32, HandlerError<String>>>().await
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), Box::pin(crashed).as_mut()).await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let taken = blind
+        .execute("k", &1, || async { Ok::<_, HandlerError<String>>(7) })
+        .await;
+    assert!(matches!(taken, Ok(Outcome::Executed(7))), "{taken:?}");
+    let other = validating
+        .execute("k", &2, || async { Ok::<_, HandlerError<String>>(8) })
+        .await;
+    assert!(
+        matches!(
+            other,
+            Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))
+        ),
+        "{other:?}"
+    );
+}
+
+/// 10. Keys are injective above the record key: scopes and multi-step keys.
+#[tokio::test]
+async fn scopes_and_steps_compose_injectively() {
+    let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default()).unwrap();
+    assert_ne!(
+        m.scoped("a").scoped("b").namespace(),
+        m.scoped("a:b").namespace()
+    );
+    let ok = |v: u32| move || async move { Ok::<_, HandlerError<String>>(v) };
+    let first = m.step("a:b", "c", &(), ok(1)).await.unwrap();
+    let second = m.step("a", "b:c", &(), ok(2)).await.unwrap();
+    assert!(matches!(first, Outcome::Executed(1)));
+    assert!(matches!(second, Outcome::Executed(2)), "{second:?}");
+}
+
+/// The context: attempt numbers are fencing tokens, and the lease-lost signal
+/// fires when another owner takes over.
+#[tokio::test(start_paused = true)]
+async fn the_handler_sees_its_attempt_and_loses_its_lease() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        lease_extension_interval: Some(Duration::from_secs(3)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    // Extension keeps failing: the lease ends unconfirmed and the signal fires
+    // at its end, so the handler stops before a takeover runs it again.
+    repo.inject(Operation::Extend, Fault::Unavailable, usize::MAX);
+    let started = tokio::time::Instant::now();
+    let first = m
+        .execute_with_context("k", &(), |ctx: ExecutionContext| async move {
+            assert_eq!(ctx.attempt(), 1);
+            ctx.lease_lost().await;
+            Err::<u32, _>(HandlerError::transient("stopped: lease lost".to_owned()))
+        })
+        .await;
+    assert!(matches!(first, Err(ExecuteError::Handler(_))), "{first:?}");
+    let lost_after = started.elapsed();
+    assert!(
+        lost_after >= Duration::from_secs(10) && lost_after < Duration::from_secs(11),
+        "{lost_after:?}"
+    );
+    repo.heal();
+    // A crashed attempt, then a takeover: the fencing token grows.
+    let crashed = m.execute_with_context("fenced", &(), |_ctx| async {
+        std::future::pending::<Result<u32, HandlerError<String>>>().await
+    });
+    let _ = tokio::time::timeout(Duration::from_secs(1), Box::pin(crashed).as_mut()).await;
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    let taken = m
+        .execute_with_context("fenced", &(), |ctx: ExecutionContext| async move {
+            Ok::<_, HandlerError<String>>(ctx.attempt())
+        })
+        .await;
+    assert!(matches!(taken, Ok(Outcome::Executed(2))), "{taken:?}");
+}
+
+/// The signal also fires when the store answers that another owner holds the
+/// key.
+#[tokio::test(start_paused = true)]
+async fn lease_lost_fires_when_another_owner_took_over() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        lease_extension_interval: Some(Duration::from_secs(3)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let key = m.record_key("k").unwrap();
+    let r = m
+        .execute_with_context("k", &(), |ctx: ExecutionContext| {
+            let repo = repo.clone();
+            let key = key.clone();
+            async move {
+                // An operator evicts the record; the next extension is refused.
+                repo.inner().delete(&key).await.unwrap();
+                ctx.lease_lost().await;
+                assert!(ctx.is_lease_lost());
+                Ok::<_, HandlerError<String>>(())
+            }
+        })
+        .await;
+    assert!(matches!(r, Ok(Outcome::LeaseLost(()))), "{r:?}");
+}
