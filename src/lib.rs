@@ -17,7 +17,10 @@
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 //! // `memory:` here; `redis://…`, `postgres://…` or `dynamodb://…` with their features.
-//! let url = std::env::var("IDEMPOTENCY_STORE_URL").unwrap_or_else(|_| "memory:".into());
+//! let url = std::env::var("IDEMPOTENCY_STORE_URL")
+//!     .ok()
+//!     .filter(|url| !url.trim().is_empty())
+//!     .unwrap_or_else(|| "memory:".into());
 //! # let url = "memory:";
 //! let store = idempotency::connect(&url).await?;
 //! let payments = IdempotencyManager::new(store, Config::default())?.scoped("payments");
@@ -37,9 +40,9 @@
 //! | feature | store | URL schemes |
 //! |---|---|---|
 //! | (always) | in-memory, per process | `memory:` |
-//! | `redis` | Redis ≥ 7 | `redis://` |
-//! | `redis-tls` | Redis over TLS | `rediss://` |
-//! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2` |
+//! | `redis` | Redis ≥ 7 (or Valkey) | `redis://`, `valkey://`; Unix sockets `unix:///path`, `redis+unix://`, `valkey+unix://` |
+//! | `redis-tls` | Redis over TLS | `rediss://`, `valkeys://` |
+//! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2`, `valkey+cluster://…`; with `redis-tls` also `rediss+cluster://…`, `valkeys+cluster://…` |
 //! | `postgres` | PostgreSQL | `postgres://`, `postgresql://` |
 //! | `dynamodb` | DynamoDB | `dynamodb://TABLE?region=…&endpoint=…` |
 //! | `full` | all of the above | |
@@ -71,6 +74,24 @@ pub use idempotency_postgres as postgres;
 #[doc(inline)]
 pub use idempotency_dynamodb as dynamodb;
 
+/// The URL schemes of the Redis backend, exactly those
+/// `idempotency_redis::connect` parses (`idempotency_redis::URL_SCHEMES`; a
+/// test keeps the two equal). Listed here so that a URL is recognised — and a
+/// disabled feature named — also when the backend is compiled out.
+pub const REDIS_SCHEMES: &[&str] = &[
+    "redis",
+    "valkey",
+    "unix",
+    "redis+unix",
+    "valkey+unix",
+    "rediss",
+    "valkeys",
+    "redis+cluster",
+    "valkey+cluster",
+    "rediss+cluster",
+    "valkeys+cluster",
+];
+
 /// The store a URL names, by scheme. Always compiled, whatever the features, so
 /// an unknown or disabled scheme is reported precisely.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +99,8 @@ pub use idempotency_dynamodb as dynamodb;
 pub enum StoreKind {
     /// `memory:` — [`MemoryRepository`].
     Memory,
-    /// `redis://`, `rediss://`, `redis+cluster://`, `rediss+cluster://`.
+    /// The schemes of [`REDIS_SCHEMES`]: `redis://`, `rediss://`,
+    /// `redis+cluster://`, `unix://`, their `valkey` spellings, ….
     Redis,
     /// `postgres://`, `postgresql://`.
     Postgres,
@@ -93,6 +115,7 @@ impl StoreKind {
     /// use idempotency::StoreKind;
     /// assert_eq!(StoreKind::from_url("memory:")?, StoreKind::Memory);
     /// assert_eq!(StoreKind::from_url("rediss://cache:6380/0")?, StoreKind::Redis);
+    /// assert_eq!(StoreKind::from_url("unix:///run/redis.sock")?, StoreKind::Redis);
     /// assert_eq!(StoreKind::from_url("postgresql://db/app")?, StoreKind::Postgres);
     /// assert_eq!(StoreKind::from_url("dynamodb://idempotency?region=eu-west-1")?, StoreKind::DynamoDb);
     /// assert!(StoreKind::from_url("mongodb://x").is_err());
@@ -110,14 +133,14 @@ impl StoreKind {
             .ok_or_else(|| Error::config(format!("store URL {url:?} has no scheme")))?;
         match scheme.as_str() {
             "memory" | "mem" => Ok(StoreKind::Memory),
-            "redis" | "rediss" | "redis+cluster" | "rediss+cluster" | "redis-cluster" => {
-                Ok(StoreKind::Redis)
-            }
+            s if REDIS_SCHEMES.contains(&s) => Ok(StoreKind::Redis),
             "postgres" | "postgresql" => Ok(StoreKind::Postgres),
             "dynamodb" => Ok(StoreKind::DynamoDb),
             other => Err(Error::config(format!(
                 "unknown store scheme {other:?}: use memory:, redis://, rediss://, \
-                 redis+cluster://, postgres://, postgresql:// or dynamodb://"
+                 redis+cluster://, unix:// (or another Redis scheme: {}), postgres://, \
+                 postgresql:// or dynamodb://",
+                REDIS_SCHEMES.join(", ")
             ))),
         }
     }
@@ -136,8 +159,9 @@ impl StoreKind {
 /// Connects to the store `url` names and returns it as a shared repository.
 ///
 /// - `memory:` — a fresh [`MemoryRepository`] (process-local).
-/// - `redis://host:port/db`, `rediss://…` (`redis-tls`),
-///   `redis+cluster://h1:p1,h2:p2` (`redis-cluster`) — feature `redis`.
+/// - `redis://host:port/db`, `unix:///path`, `rediss://…` (`redis-tls`),
+///   `redis+cluster://h1:p1,h2:p2` (`redis-cluster`), and the other
+///   [`REDIS_SCHEMES`] — feature `redis`.
 /// - `postgres://user:pass@host/db?schema=…&table=…&migrate=false` — feature
 ///   `postgres`; applies the embedded migrations unless `migrate=false`.
 /// - `dynamodb://TABLE?region=…&endpoint=…` — feature `dynamodb`.
@@ -207,4 +231,91 @@ async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
 #[cfg(not(feature = "dynamodb"))]
 async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
     Err(feature_off(StoreKind::DynamoDb, url))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every Redis scheme, one by one and in any case, is a Redis URL.
+    #[test]
+    fn redis_schemes_are_redis() {
+        for (scheme, url) in [
+            ("redis", "redis://127.0.0.1:6379/0"),
+            ("valkey", "valkey://127.0.0.1:6379"),
+            ("unix", "unix:///run/redis.sock"),
+            ("redis+unix", "redis+unix:///run/redis.sock"),
+            ("valkey+unix", "valkey+unix:///run/valkey.sock"),
+            ("rediss", "rediss://cache:6380"),
+            ("valkeys", "valkeys://cache:6380"),
+            ("redis+cluster", "redis+cluster://h1:7000,h2:7001"),
+            ("valkey+cluster", "valkey+cluster://h1:7000,h2:7001"),
+            ("rediss+cluster", "rediss+cluster://h1:7000,h2:7001"),
+            ("valkeys+cluster", "valkeys+cluster://h1:7000,h2:7001"),
+        ] {
+            assert!(REDIS_SCHEMES.contains(&scheme), "{scheme} is listed");
+            assert!(url.starts_with(&format!("{scheme}://")));
+            assert_eq!(StoreKind::from_url(url).unwrap(), StoreKind::Redis, "{url}");
+            let shouted = url.replacen(scheme, &scheme.to_ascii_uppercase(), 1);
+            assert_eq!(
+                StoreKind::from_url(&shouted).unwrap(),
+                StoreKind::Redis,
+                "{shouted}"
+            );
+        }
+        assert_eq!(
+            REDIS_SCHEMES.len(),
+            11,
+            "every listed scheme is tested above"
+        );
+    }
+
+    /// Schemes the backend does not parse are not Redis URLs here either.
+    #[test]
+    fn other_redis_like_schemes_are_rejected() {
+        for url in [
+            "redis-cluster://h1:7000,h2:7001",
+            "rediss-cluster://h1:7000",
+            "valkey-cluster://h1:7000",
+            "redis+tls://h:6380",
+            "cluster://h1:7000",
+        ] {
+            match StoreKind::from_url(url) {
+                Err(Error::Config { message }) => {
+                    assert!(message.contains("unknown store scheme"), "{message}")
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
+
+    /// The facade's list is the backend's, so that neither accepts a URL the
+    /// other refuses.
+    #[cfg(feature = "redis")]
+    #[test]
+    fn redis_schemes_are_the_backends() {
+        let mut ours = REDIS_SCHEMES.to_vec();
+        let mut backend = idempotency_redis::URL_SCHEMES.to_vec();
+        ours.sort_unstable();
+        backend.sort_unstable();
+        assert_eq!(ours, backend);
+    }
+
+    /// Without the backend, each Redis scheme names the feature to enable.
+    #[cfg(not(feature = "redis"))]
+    #[test]
+    fn redis_schemes_name_the_feature() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        for scheme in REDIS_SCHEMES {
+            let url = format!("{scheme}://127.0.0.1:6379");
+            match rt.block_on(connect(&url)) {
+                Err(Error::Config { message }) => {
+                    assert!(message.contains("feature \"redis\""), "{url}: {message}")
+                }
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+    }
 }

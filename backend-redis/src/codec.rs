@@ -10,7 +10,8 @@
 //!     30   8  lease_until        (u64 ms, big-endian)
 //!     38   8  expires_at         (u64 ms, big-endian)
 //!     46   8  updated_at         (u64 ms, big-endian)
-//!     54   1  flags: bit 0 fingerprint, bit 1 result, bit 2 error
+//!     54   1  flags: bit 0 fingerprint, bit 1 result, bit 2 error,
+//!                bit 3 retryable (only on a failed record)
 //!     55  32  fingerprint        (only when bit 0 is set)
 //!      …   …  result or error    (the rest of the string, when bit 1 or 2 is set)
 //! ```
@@ -19,6 +20,13 @@
 //! `created_at` are adjacent so a takeover splices both from the old record in one
 //! substring. Timestamps are compared in Lua as (high, low) 32-bit halves, so they
 //! stay exact over the whole `u64` range.
+//!
+//! Bit 3 (`retryable`) was added without a new format version: earlier
+//! versions of this crate never set it, so every record they wrote decodes
+//! unchanged, as not retryable (a `Failed` record written before the bit
+//! existed is never taken over; it expires with its TTL). Readers of earlier
+//! versions do not know the bit and report a record carrying it (only a
+//! retryable `Failed` one) as corrupt.
 
 use idempotency_core::{Fingerprint, OwnerToken, Record, Status, Timestamp};
 
@@ -30,8 +38,14 @@ pub(crate) const HEADER_LEN: usize = 55;
 pub(crate) const FINGERPRINT_LEN: usize = 32;
 
 const FLAG_FINGERPRINT: u8 = 1;
-const FLAG_RESULT: u8 = 2;
-const FLAG_ERROR: u8 = 4;
+/// A result follows (the `finish` script adds the value flags it is given to
+/// the stored fingerprint bit).
+pub(crate) const FLAG_RESULT: u8 = 2;
+/// An error follows.
+pub(crate) const FLAG_ERROR: u8 = 4;
+/// A `Failed` record that a later `reserve` with `retry_failed` may take over.
+/// The scripts test it as `math.floor(flags / 8) % 2`.
+pub(crate) const FLAG_RETRYABLE: u8 = 8;
 
 /// The fixed part of an encoded record (header and fingerprint), built on the
 /// stack: a reservation is exactly this, so it goes into the command without a
@@ -67,6 +81,9 @@ pub(crate) fn head(record: &Record) -> Head {
         flags |= FLAG_RESULT;
     } else if record.error.is_some() {
         flags |= FLAG_ERROR;
+    }
+    if record.retryable && record.status == Status::Failed {
+        flags |= FLAG_RETRYABLE;
     }
     buf[54] = flags;
     let len = match &record.fingerprint {
@@ -138,11 +155,15 @@ fn decode_fixed(bytes: &[u8]) -> Result<(Record, usize), String> {
     let expires_at = timestamp(bytes, 38)?;
     let updated_at = timestamp(bytes, 46)?;
     let flags = bytes[54];
-    if flags & !(FLAG_FINGERPRINT | FLAG_RESULT | FLAG_ERROR) != 0 {
+    if flags & !(FLAG_FINGERPRINT | FLAG_RESULT | FLAG_ERROR | FLAG_RETRYABLE) != 0 {
         return Err(format!("unknown flags {flags:#04x}"));
     }
     if flags & FLAG_RESULT != 0 && flags & FLAG_ERROR != 0 {
         return Err("both a result and an error are flagged".to_owned());
+    }
+    let retryable = flags & FLAG_RETRYABLE != 0;
+    if retryable && status != Status::Failed {
+        return Err(format!("a {status} record is flagged retryable"));
     }
     let mut rest = &bytes[HEADER_LEN..];
     let fingerprint = if flags & FLAG_FINGERPRINT != 0 {
@@ -169,6 +190,7 @@ fn decode_fixed(bytes: &[u8]) -> Result<(Record, usize), String> {
         fingerprint,
         result,
         error,
+        retryable,
         lease_until,
         expires_at,
         created_at,
@@ -207,6 +229,7 @@ mod tests {
             fingerprint: Some(Fingerprint::of_bytes(b"payload")),
             result: Some(vec![0, 159, 146, 150, 0, b'\n']),
             error: None,
+            retryable: false,
             lease_until: Timestamp::from_millis(1_700_000_000_123),
             expires_at: Timestamp::MAX,
             created_at: Timestamp::from_millis(1),
@@ -238,6 +261,20 @@ mod tests {
         round_trip(&r);
         r.error = Some(Vec::new());
         round_trip(&r);
+        r.retryable = true;
+        round_trip(&r);
+        assert_eq!(encode(&r)[54], FLAG_ERROR | FLAG_RETRYABLE);
+        r.error = None;
+        round_trip(&r);
+        r.fingerprint = Some(Fingerprint::of_bytes(b"y"));
+        r.error = Some(b"again".to_vec());
+        round_trip(&r);
+        assert_eq!(
+            encode(&r)[54],
+            FLAG_FINGERPRINT | FLAG_ERROR | FLAG_RETRYABLE
+        );
+        r.fingerprint = None;
+        r.retryable = false;
         r.status = Status::Processing;
         r.error = None;
         round_trip(&r);
@@ -258,6 +295,40 @@ mod tests {
         assert_eq!(&bytes[38..46], &[0xff; 8]);
         assert_eq!(bytes[54], FLAG_FINGERPRINT | FLAG_RESULT);
         assert_eq!(bytes.len(), HEADER_LEN + FINGERPRINT_LEN + 6);
+    }
+
+    /// A record as the previous version of this crate wrote it (flags without
+    /// bit 3, byte for byte): it still decodes, as not retryable.
+    #[test]
+    fn decodes_records_of_the_previous_version() {
+        let mut bytes = vec![1u8, b'F'];
+        bytes.extend_from_slice(&3u32.to_be_bytes());
+        bytes.extend_from_slice(&10u64.to_be_bytes());
+        bytes.extend_from_slice(&42u128.to_be_bytes());
+        bytes.extend_from_slice(&20u64.to_be_bytes());
+        bytes.extend_from_slice(&30u64.to_be_bytes());
+        bytes.extend_from_slice(&40u64.to_be_bytes());
+        bytes.push(FLAG_FINGERPRINT | FLAG_ERROR);
+        bytes.extend_from_slice(&[9; 32]);
+        bytes.extend_from_slice(b"declined");
+        let r = decode(&bytes).unwrap();
+        assert_eq!(
+            (r.status, r.attempt, r.owner, r.retryable),
+            (Status::Failed, 3, OwnerToken::from_u128(42), false)
+        );
+        assert_eq!(
+            (r.created_at, r.lease_until, r.expires_at, r.updated_at),
+            (
+                Timestamp::from_millis(10),
+                Timestamp::from_millis(20),
+                Timestamp::from_millis(30),
+                Timestamp::from_millis(40)
+            )
+        );
+        assert_eq!(r.fingerprint, Some(Fingerprint::from_bytes([9; 32])));
+        assert_eq!(r.error.as_deref(), Some(&b"declined"[..]));
+        // Re-encoded by this version: the same bytes.
+        assert_eq!(encode(&r), bytes);
     }
 
     #[test]
@@ -282,6 +353,17 @@ mod tests {
         let mut both = good.clone();
         both[54] = FLAG_RESULT | FLAG_ERROR;
         cases.push(both);
+        // Retryable is only ever stored on a failed record.
+        let mut retryable_completed = good.clone();
+        retryable_completed[54] |= FLAG_RETRYABLE;
+        cases.push(retryable_completed);
+        let mut retryable_processing = encode(&Record {
+            result: None,
+            status: Status::Processing,
+            ..sample()
+        });
+        retryable_processing[54] |= FLAG_RETRYABLE;
+        cases.push(retryable_processing);
         let mut trailing = encode(&Record {
             result: None,
             status: Status::Processing,

@@ -39,8 +39,11 @@
 //! | Atomicity | every operation is one `SET`/`GET`/`DEL` or one Lua script on one key: exactly one `reserve` wins a key, exactly one wins a takeover |
 //! | Fencing | `complete`, `fail`, `release`, `extend` are scripts that compare the stored owner token byte for byte; a lost lease leaves the record untouched ([`LeaseLost`](idempotency_core::Error::LeaseLost)) |
 //! | Expiry | logical expiry (`expires_at <= now`, the caller's `now`) is checked by every operation; the key's physical TTL is `PX = expires_at - now` (at least 1 ms), so the server evicts a record when the caller's clock reaches its expiry, never before |
+//! | Lease and expiry | `extend` moves the lease and raises `expires_at` to `max(stored, given)` with the key's TTL in the same script: a handler that outlives the record's first expiry keeps its record; the expiry and the TTL are never lowered |
+//! | Re-sent reserve | a `reserve` whose owner token already holds the live `Processing` record answers `Acquired` with the stored attempt and writes nothing (in the `SET … NX … GET` reply or in the script), so a reserve retried after a lost reply never sees itself as in progress |
+//! | Stored failures | `fail` remembers whether the failure is retryable (flag bit 3); `reserve` with `retry_failed` takes over only a retryable `Failed` record. A takeover keeps the stored fingerprint when the request has none, and clears the retryable flag |
 //! | Bytes | results and errors are opaque: NUL, non-UTF-8 and empty values round-trip; `Some(empty)` ≠ `None` |
-//! | Keys | the Redis key is [`RecordKey::encode`](idempotency_core::RecordKey::encode), injective over (namespace, id); braces in namespaces are escaped, so records spread over all cluster slots |
+//! | Keys | the Redis key is [`RecordKey::encode`](idempotency_core::RecordKey::encode), injective over (namespace, id), prefixed with an empty hash tag `{}` when the id contains `{` ([`RedisRepository::redis_key`]): braces in namespaces are escaped and ids never form a hash tag, so records spread over all cluster slots, also for ids like `/orders/{id}` |
 //! | Foreign data | a value under our key that is not a record (wrong type, unknown format) is [`Corrupt { key }`](idempotency_core::Error::Corrupt), never a panic |
 //! | Cluster | each script touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`) |
 //!
@@ -49,11 +52,11 @@
 //! | operation | round trips | commands |
 //! |---|---|---|
 //! | `reserve`, new key | 1 | `SET key record NX PX ttl GET` |
-//! | `reserve`, live record (duplicate, in progress, other payload) | 1 | `SET … NX … GET`, which returns the stored record |
-//! | `reserve`, logically expired record, or a takeover (stale lease, `Failed` + retry) | 2 | `SET … NX … GET`, then `EVALSHA reserve` decides again atomically |
+//! | `reserve`, live record (duplicate, in progress, other payload, or the caller's own reservation re-sent) | 1 | `SET … NX … GET`, which returns the stored record |
+//! | `reserve`, logically expired record, or a takeover (stale lease, retryable `Failed` + `retry_failed`) | 2 | `SET … NX … GET`, then `EVALSHA reserve` decides again atomically |
 //! | `complete` / `fail` | 1 | `EVALSHA finish` (runs `GET` + `SET … PX`) |
 //! | `release` | 1 | `EVALSHA release` (runs `GET` + `DEL`) |
-//! | `extend` | 1 | `EVALSHA extend` (runs `GET` + `SET … KEEPTTL`) |
+//! | `extend` | 1 | `EVALSHA extend` (runs `GET` + `SET … PX` when the expiry rises, else `SET … KEEPTTL`) |
 //! | `get` | 1 | `GET` |
 //! | `delete` | 1 | `DEL` |
 //! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
@@ -108,7 +111,7 @@
 //! | 30 | 8 | `lease_until` (u64 ms) |
 //! | 38 | 8 | `expires_at` (u64 ms) |
 //! | 46 | 8 | `updated_at` (u64 ms) |
-//! | 54 | 1 | flags: bit 0 fingerprint, bit 1 result, bit 2 error |
+//! | 54 | 1 | flags: bit 0 fingerprint, bit 1 result, bit 2 error, bit 3 retryable (`Failed` only) |
 //! | 55 | 32 | fingerprint (SHA-256), only with bit 0 |
 //! | 55 or 87 | rest | the result (bit 1) or the error (bit 2), verbatim |
 //!
@@ -116,6 +119,21 @@
 //! whole `u64` range (Lua numbers are doubles), and owner tokens and fingerprints
 //! as byte strings. A later format gets a new version byte; readers reject
 //! versions they do not know as corrupt instead of misreading them.
+//!
+//! Bit 3 (retryable) came later within version 1: records written before it
+//! never set it and still decode (a `Failed` record among them counts as not
+//! retryable, so it is not taken over and expires with its TTL). Readers that
+//! predate the bit reject a record carrying it as corrupt, so finish a rolling
+//! upgrade before relying on stored retryable failures.
+//!
+//! # Upgrading
+//!
+//! - Ids containing `{` are stored under a new key (`{}` + the former key; see
+//!   [`RedisRepository::redis_key`]). Records of such ids written by an earlier
+//!   version are not found by this one: a delivery of such a key in the
+//!   window of the upgrade runs the handler again. Other keys are unchanged.
+//! - The record format is compatible (see above); the scripts' SHA-1s change,
+//!   and both versions' scripts can live in the script cache side by side.
 //!
 //! # Limits
 //!
@@ -175,6 +193,7 @@ mod scripts;
 
 pub use options::{
     RedisOptions, ReserveStrategy, DEFAULT_MAX_RESULT_BYTES, REDIS_HARD_MAX_RESULT_BYTES,
+    URL_SCHEMES,
 };
 pub use repository::{RedisRepository, MAX_ID_BYTES};
 pub use scripts::LuaScript;

@@ -13,6 +13,32 @@ pub const REDIS_HARD_MAX_RESULT_BYTES: usize = 512 * 1024 * 1024 - 1024;
 /// megabytes blocks the server's single thread while it is copied.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 16 * 1024 * 1024;
 
+/// Every URL scheme [`RedisRepository::connect`](crate::RedisRepository::connect)
+/// accepts (matched case-insensitively): standalone `redis`, `valkey`, over a
+/// Unix socket `unix`, `redis+unix`, `valkey+unix`; with TLS (feature `tls`)
+/// `rediss`, `valkeys`; Redis Cluster (feature `cluster`) `redis+cluster`,
+/// `valkey+cluster`, and with TLS `rediss+cluster`, `valkeys+cluster`. A
+/// scheme whose feature is off is still recognised, and refused with a
+/// configuration error naming the feature.
+///
+/// ```
+/// assert!(idempotency_redis::URL_SCHEMES.contains(&"valkey+unix"));
+/// assert!(!idempotency_redis::URL_SCHEMES.contains(&"redis-cluster"));
+/// ```
+pub const URL_SCHEMES: &[&str] = &[
+    "redis",
+    "valkey",
+    "unix",
+    "redis+unix",
+    "valkey+unix",
+    "rediss",
+    "valkeys",
+    "redis+cluster",
+    "valkey+cluster",
+    "rediss+cluster",
+    "valkeys+cluster",
+];
+
 /// How [`reserve`](idempotency_core::Repository::reserve) talks to Redis. Both
 /// take one round trip for a new key and for a duplicate; they differ in server
 /// CPU (see the crate docs' measurements).
@@ -167,8 +193,12 @@ pub(crate) fn parse_url_with(
             Ok((Target::Cluster(nodes), options))
         }
         other => Err(Error::config(format!(
-            "unsupported URL scheme `{other}://` for the Redis backend (use redis://, rediss://, \
-             redis+cluster:// or rediss+cluster://)"
+            "unsupported URL scheme `{other}://` for the Redis backend (use one of {})",
+            URL_SCHEMES
+                .iter()
+                .map(|s| format!("{s}://"))
+                .collect::<Vec<_>>()
+                .join(", ")
         ))),
     }
 }
@@ -354,6 +384,52 @@ mod tests {
             match r {
                 Err(Error::Config { message }) => assert!(message.contains("`tls`"), "{message}"),
                 other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    /// Every scheme of [`URL_SCHEMES`] is parsed (or, with its feature off,
+    /// refused naming the feature), in any case; nothing else is.
+    #[test]
+    fn url_schemes_are_exactly_the_parsed_ones() {
+        for scheme in URL_SCHEMES {
+            for spelled in [scheme.to_string(), scheme.to_ascii_uppercase()] {
+                let url = if scheme.contains("unix") {
+                    format!("{spelled}:///run/redis.sock")
+                } else {
+                    format!("{spelled}://127.0.0.1:6379")
+                };
+                match parse_url(&url) {
+                    Ok((Target::Cluster(nodes), _)) => {
+                        assert!(scheme.ends_with("+cluster"), "{url}: {nodes:?}")
+                    }
+                    Ok((Target::Standalone(_), _)) => {
+                        assert!(!scheme.ends_with("+cluster"), "{url}")
+                    }
+                    Err(Error::Config { message }) => assert!(
+                        message.contains("`tls`") && !cfg!(feature = "tls"),
+                        "{url}: {message}"
+                    ),
+                    Err(other) => panic!("{url}: {other:?}"),
+                }
+            }
+        }
+        for scheme in [
+            "redis-cluster",
+            "rediss-cluster",
+            "cluster",
+            "valkey-cluster",
+            "http",
+            "tcp",
+            "redis+tls",
+            "memory",
+        ] {
+            match parse_url(&format!("{scheme}://127.0.0.1:6379")) {
+                Err(Error::Config { message }) => {
+                    assert!(message.contains("unsupported URL scheme"), "{message}");
+                    assert!(message.contains("valkeys+cluster://"), "{message}");
+                }
+                other => panic!("{scheme}: {other:?}"),
             }
         }
     }

@@ -91,9 +91,13 @@ impl fmt::Debug for RedisRepository {
 impl RedisRepository {
     /// Connects to the server or cluster at `url` and loads the scripts.
     ///
-    /// Schemes: `redis://[user:pass@]host[:port][/db]`, `rediss://…` (feature
-    /// `tls`), `redis+cluster://[user:pass@]host:port,host:port,…` and
-    /// `rediss+cluster://…` (feature `cluster`), `redis+unix:///path`. The query
+    /// Schemes ([`URL_SCHEMES`](crate::URL_SCHEMES)):
+    /// `redis://[user:pass@]host[:port][/db]` (or `valkey://`), `rediss://…`
+    /// (or `valkeys://`, feature `tls`),
+    /// `redis+cluster://[user:pass@]host:port,host:port,…` and
+    /// `rediss+cluster://…` (or `valkey+cluster://`, `valkeys+cluster://`;
+    /// feature `cluster`), `unix:///path` (or `redis+unix://`,
+    /// `valkey+unix://`). The query
     /// string takes the options of [`RedisOptions`]
     /// (`?reserve=script&response_timeout=2s`) and the `redis` crate's
     /// `protocol=resp3`.
@@ -245,19 +249,37 @@ impl RedisRepository {
         }
     }
 
-    /// The Redis key a record is stored under: [`RecordKey::encode`], verbatim.
+    /// The Redis key a record is stored under: [`RecordKey::encode`], prefixed
+    /// with `{}` when the id contains a `{`.
+    ///
+    /// Redis Cluster hashes only the part of a key between its first `{` and
+    /// the first `}` after it, when that part is not empty (a *hash tag*). The
+    /// namespace escapes its braces, but the id is verbatim, so an id such as
+    /// `/orders/{id}` (an HTTP route template) would put every key of the
+    /// route on one slot. An empty hash tag at the start makes Redis hash the
+    /// whole key instead. The prefix keeps the encoding injective: an encoded
+    /// key never starts with `{` (the namespace escapes it), so a key starting
+    /// with `{}` is always a prefixed one, and the rest is the injective
+    /// [`RecordKey::encode`]. Keys of ids without `{` are unchanged.
     ///
     /// ```
     /// use idempotency_core::RecordKey;
     /// use idempotency_redis::RedisRepository;
     ///
-    /// let key = RecordKey::new("idempotency:payments", "order-{42}", 1024)?;
-    /// // The namespace's `:` and braces are escaped; the id follows the first `:`.
-    /// assert_eq!(RedisRepository::redis_key(&key), "idempotency%3Apayments:order-{42}");
+    /// let key = RecordKey::new("idempotency:payments", "order-42", 1024)?;
+    /// // The namespace's `:` is escaped; the id follows the first `:`.
+    /// assert_eq!(RedisRepository::redis_key(&key), "idempotency%3Apayments:order-42");
+    /// let key = RecordKey::new("idempotency:payments", "/orders/{id}", 1024)?;
+    /// assert_eq!(RedisRepository::redis_key(&key), "{}idempotency%3Apayments:/orders/{id}");
     /// # Ok::<(), idempotency_core::Error>(())
     /// ```
     pub fn redis_key(key: &RecordKey) -> String {
-        key.encode()
+        let encoded = key.encode();
+        if needs_empty_hash_tag(key) {
+            format!("{EMPTY_HASH_TAG}{encoded}")
+        } else {
+            encoded
+        }
     }
 
     /// The Lua scripts this repository runs (`EVALSHA`, falling back to `EVAL`
@@ -412,12 +434,16 @@ impl RedisRepository {
         }
     }
 
+    /// `complete` (`status` Completed) or `fail` (Failed, remembering
+    /// `retryable`).
+    #[allow(clippy::too_many_arguments)]
     async fn finish(
         &self,
         key: &RecordKey,
         owner: OwnerToken,
         status: Status,
         value: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -440,7 +466,19 @@ impl RedisRepository {
         let mut px_digits = itoa::Buffer::new();
         let px = px_digits.format(px(now, expires_at)).as_bytes();
         let code = [status.code()];
-        let has: &[u8] = if value.is_some() { b"1" } else { b"0" };
+        let mut flags = 0;
+        if value.is_some() {
+            flags |= if status == Status::Completed {
+                codec::FLAG_RESULT
+            } else {
+                codec::FLAG_ERROR
+            };
+        }
+        if retryable && status == Status::Failed {
+            flags |= codec::FLAG_RETRYABLE;
+        }
+        let mut flag_digits = itoa::Buffer::new();
+        let flags = flag_digits.format(flags).as_bytes();
         let reply = self
             .eval(
                 &self.scripts.finish,
@@ -451,7 +489,7 @@ impl RedisRepository {
                     &expires,
                     px,
                     &code,
-                    has,
+                    flags,
                     value.unwrap_or_default(),
                 ],
                 operation,
@@ -469,6 +507,16 @@ fn px(now: Timestamp, expires_at: Timestamp) -> u64 {
         .clamp(1, MAX_PX)
 }
 
+/// Prepended to the Redis key of an id containing `{`: an empty hash tag, so
+/// that Redis Cluster hashes the whole key (see [`RedisRepository::redis_key`]).
+const EMPTY_HASH_TAG: &str = "{}";
+
+/// Whether the id could form a hash tag: the namespace never holds a brace, so
+/// only the id's first `{` can open one.
+fn needs_empty_hash_tag(key: &RecordKey) -> bool {
+    key.id().as_bytes().contains(&b'{')
+}
+
 /// A record key as a command argument, written straight into the command's
 /// buffer: the same bytes as [`RedisRepository::redis_key`], without building
 /// a `String` per call.
@@ -477,9 +525,14 @@ struct KeyArg<'a>(&'a RecordKey);
 impl ToRedisArgs for KeyArg<'_> {
     fn write_redis_args<W: ?Sized + RedisWrite>(&self, out: &mut W) {
         let namespace = escape_namespace(self.0.namespace());
+        let tag: &[u8] = if needs_empty_hash_tag(self.0) {
+            EMPTY_HASH_TAG.as_bytes()
+        } else {
+            b""
+        };
         let mut arg = out.writer_for_next_arg();
         // The writer appends to the command's `Vec`: it cannot fail.
-        for part in [namespace.as_bytes(), b":", self.0.id().as_bytes()] {
+        for part in [tag, namespace.as_bytes(), b":", self.0.id().as_bytes()] {
             let _ = arg.write_all(part);
         }
     }
@@ -488,7 +541,7 @@ impl ToRedisArgs for KeyArg<'_> {
 /// Room for a key's encoding: the namespace may grow when escaped, and the
 /// command grows past this if it does.
 fn key_len(key: &RecordKey) -> usize {
-    key.namespace().len() + 1 + key.id().len()
+    EMPTY_HASH_TAG.len() + key.namespace().len() + 1 + key.id().len()
 }
 
 fn unexpected(operation: &str, what: &str) -> Error {
@@ -582,11 +635,20 @@ impl Repository for RedisRepository {
                 Ok(Value::Nil) => return Ok(Reservation::Acquired { attempt: 1 }),
                 Ok(Value::BulkString(bytes)) => {
                     let record = Self::decode(req.key, bytes)?;
-                    if reserve_transition(Some(&record), &req) == ReserveTransition::Existing {
-                        return Ok(Reservation::Existing(record));
+                    match reserve_transition(Some(&record), &req) {
+                        ReserveTransition::Existing => {
+                            return Ok(Reservation::Existing(record));
+                        }
+                        // Our own live reservation (a re-sent reserve): `NX`
+                        // wrote nothing, and nothing needs writing.
+                        ReserveTransition::AlreadyHeld { attempt } => {
+                            return Ok(Reservation::Acquired { attempt });
+                        }
+                        // Expired or open to takeover: decide again,
+                        // atomically, in the script (the record may have
+                        // changed since).
+                        ReserveTransition::Create | ReserveTransition::Takeover { .. } => {}
                     }
-                    // Expired or open to takeover: decide again, atomically, in
-                    // the script (the record may have changed since).
                 }
                 Ok(_) => return Err(unexpected("reserve", "an unexpected reply to SET")),
                 Err(e) if is_syntax_error(&e) => {
@@ -610,8 +672,16 @@ impl Repository for RedisRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Completed, result, expires_at, now)
-            .await
+        self.finish(
+            key,
+            owner,
+            Status::Completed,
+            result,
+            false,
+            expires_at,
+            now,
+        )
+        .await
     }
 
     async fn fail(
@@ -619,11 +689,20 @@ impl Repository for RedisRepository {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Failed, error, expires_at, now)
-            .await
+        self.finish(
+            key,
+            owner,
+            Status::Failed,
+            error,
+            retryable,
+            expires_at,
+            now,
+        )
+        .await
     }
 
     async fn release(
@@ -648,13 +727,22 @@ impl Repository for RedisRepository {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
+        let mut px_digits = itoa::Buffer::new();
+        let px = px_digits.format(px(now, expires_at)).as_bytes();
         let reply = self
             .eval(
                 &self.scripts.extend,
                 key,
-                &[&owner.to_bytes(), &ts_bytes(now), &ts_bytes(lease_until)],
+                &[
+                    &owner.to_bytes(),
+                    &ts_bytes(now),
+                    &ts_bytes(lease_until),
+                    &ts_bytes(expires_at),
+                    px,
+                ],
                 "extend",
             )
             .await?;
@@ -709,6 +797,9 @@ mod tests {
             ("a:b", "c:d"),
             ("{tag}%", "{42}"),
             ("ns\n\u{85}é", "🦀"),
+            ("routes", "/orders/{id}/items/{item}"),
+            ("routes", "{"),
+            ("routes", "}{}"),
         ] {
             let key = RecordKey::new(ns, id, MAX_ID_BYTES).unwrap();
             let mut cmd = Cmd::with_capacity(1, key_len(&key));
@@ -722,5 +813,76 @@ mod tests {
                 .collect();
             assert_eq!(args, [RedisRepository::redis_key(&key).into_bytes()]);
         }
+    }
+
+    /// Every (namespace, id) over an alphabet of the characters that matter
+    /// (braces, the separator, the escape character and what an escape
+    /// produces), up to 3 characters each: distinct keys get distinct Redis
+    /// keys; ids without `{` keep [`RecordKey::encode`], the others get `{}`
+    /// in front; and only those start with `{`.
+    #[test]
+    fn redis_keys_are_injective() {
+        const ALPHABET: [char; 7] = ['{', '}', ':', '%', '7', 'B', 'a'];
+        fn strings(max: usize) -> Vec<String> {
+            let mut all = vec![String::new()];
+            let mut last = vec![String::new()];
+            for _ in 0..max {
+                last = last
+                    .iter()
+                    .flat_map(|s| ALPHABET.iter().map(move |c| format!("{s}{c}")))
+                    .collect();
+                all.extend(last.iter().cloned());
+            }
+            all
+        }
+        let parts = strings(3);
+        let mut seen = std::collections::HashMap::with_capacity(parts.len() * parts.len());
+        for ns in &parts {
+            for id in parts.iter().filter(|id| !id.is_empty()) {
+                let key = RecordKey::new(ns.as_str(), id, MAX_ID_BYTES).unwrap();
+                let redis_key = RedisRepository::redis_key(&key);
+                if id.contains('{') {
+                    assert_eq!(redis_key, format!("{{}}{}", key.encode()));
+                } else {
+                    assert_eq!(redis_key, key.encode());
+                    assert!(!redis_key.starts_with('{'), "{redis_key}");
+                }
+                if let Some(previous) = seen.insert(redis_key.clone(), (ns, id)) {
+                    panic!("{previous:?} and {:?} both map to {redis_key:?}", (ns, id));
+                }
+            }
+        }
+    }
+
+    /// With the client's slot function: the keys of one route template spread
+    /// over the slots, where [`RecordKey::encode`] alone puts them on one; a
+    /// namespace with braces never formed a tag.
+    #[cfg(feature = "cluster")]
+    #[test]
+    fn brace_ids_spread_over_slots() {
+        use redis::cluster_routing::Slot;
+        use std::collections::HashSet;
+        for template in ["/orders/{id}", "{tenant}:{order}", "x{y}z", "{"] {
+            let keys: Vec<RecordKey> = (0..1000)
+                .map(|i| RecordKey::new("api", format!("{template}-{i}"), MAX_ID_BYTES).unwrap())
+                .collect();
+            let slots: HashSet<Slot> = keys
+                .iter()
+                .map(|k| Slot::for_key(RedisRepository::redis_key(k)))
+                .collect();
+            // 1000 keys over 16384 slots: about 970 distinct ones expected.
+            assert!(slots.len() > 900, "{template}: {} slots", slots.len());
+            let former: HashSet<Slot> = keys.iter().map(|k| Slot::for_key(k.encode())).collect();
+            if template != "{" {
+                assert_eq!(former.len(), 1, "{template}: the former encoding");
+            }
+        }
+        let keys: HashSet<Slot> = (0..1000)
+            .map(|i| {
+                let key = RecordKey::new("{tenant}", format!("order-{i}"), MAX_ID_BYTES).unwrap();
+                Slot::for_key(RedisRepository::redis_key(&key))
+            })
+            .collect();
+        assert!(keys.len() > 900, "{} slots", keys.len());
     }
 }

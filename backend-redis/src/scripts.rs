@@ -39,51 +39,66 @@ if v then
 end
 "#;
 
-/// `reserve`: ARGV = fresh record (attempt 1, created_at = now), now, lease
-/// cutoff (now - skew), retry_failed ('1'/'0'), PX. Answers `{1, attempt}` when
-/// the caller now holds the key, `{0, record}` otherwise.
+/// `reserve`: ARGV = fresh record (attempt 1, created_at = now, no result,
+/// error or retryable flag), now, lease cutoff (now - skew), retry_failed
+/// ('1'/'0'), PX. Answers `{1, attempt}` when the caller now holds the key,
+/// `{0, record}` otherwise.
+///
+/// In the order of `decision::reserve_transition`: a missing or logically
+/// expired record is replaced; a live `Processing` record whose owner is the
+/// fresh record's owner is answered `{1, stored attempt}` without a write (a
+/// re-sent reserve); differing fingerprints leave the record; a stale
+/// `Processing` record, or a `Failed` one flagged retryable (bit 3) when
+/// retry_failed is set, is taken over: the fresh record with `attempt + 1`,
+/// the stored `created_at`, and the stored fingerprint when the fresh record
+/// has none (no result, error or retryable flag).
 const RESERVE: &str = r#"
 local fresh = ARGV[1]
 if (not v) or expired(v, ARGV[2]) then
   redis.call('SET', KEYS[1], fresh, 'PX', ARGV[5])
   return {1, 1}
 end
-if string.byte(v, 55) % 2 == 1 and string.byte(fresh, 55) % 2 == 1
-    and string.sub(v, 56, 87) ~= string.sub(fresh, 56, 87) then
+local status = string.sub(v, 2, 2)
+local attempt = struct.unpack('>I4', v, 3)
+if status == 'P' and string.sub(v, 15, 30) == string.sub(fresh, 15, 30) then
+  return {1, attempt}
+end
+local stored_fp = string.byte(v, 55) % 2 == 1
+local fresh_fp = string.byte(fresh, 55) % 2 == 1
+if stored_fp and fresh_fp and string.sub(v, 56, 87) ~= string.sub(fresh, 56, 87) then
   return {0, v}
 end
-local status = string.sub(v, 2, 2)
 local take = false
 if status == 'P' then
   local lh, ll = u64(v, 31)
   local ch, cl = u64(ARGV[3], 1)
   take = le(lh, ll, ch, cl)
 elseif status == 'F' then
-  take = ARGV[4] == '1'
+  take = ARGV[4] == '1' and math.floor(string.byte(v, 55) / 8) % 2 == 1
 end
 if not take then return {0, v} end
-local attempt = struct.unpack('>I4', v, 3)
 if attempt < 4294967295 then attempt = attempt + 1 end
+local tail = string.sub(fresh, 55)
+if (not fresh_fp) and stored_fp then tail = '\1' .. string.sub(v, 56, 87) end
 redis.call('SET', KEYS[1],
-  string.sub(fresh, 1, 2) .. struct.pack('>I4', attempt) .. string.sub(v, 7, 14) .. string.sub(fresh, 15),
+  string.sub(fresh, 1, 2) .. struct.pack('>I4', attempt) .. string.sub(v, 7, 14)
+    .. string.sub(fresh, 15, 54) .. tail,
   'PX', ARGV[5])
 return {1, attempt}
 "#;
 
 /// `complete` / `fail`: ARGV = owner, now, expires_at, PX, status ('C'/'F'),
-/// has value ('1'/'0'), value. Answers 1, or 0 when the lease is lost.
+/// flags to add to the stored fingerprint bit (decimal: result 2 or error 4,
+/// plus retryable 8 on a failure), value (empty when none). Answers 1, or 0
+/// when the lease is lost.
 const FINISH: &str = r#"
 if (not v) or not owned(v, ARGV[1], ARGV[2]) then return 0 end
 local flags = string.byte(v, 55) % 2
 local fp = ''
 if flags == 1 then fp = string.sub(v, 56, 87) end
-local value = ''
-if ARGV[6] == '1' then
-  value = ARGV[7]
-  if ARGV[5] == 'C' then flags = flags + 2 else flags = flags + 4 end
-end
+flags = flags + tonumber(ARGV[6])
 redis.call('SET', KEYS[1],
-  '\1' .. ARGV[5] .. string.sub(v, 3, 38) .. ARGV[3] .. ARGV[2] .. string.char(flags) .. fp .. value,
+  '\1' .. ARGV[5] .. string.sub(v, 3, 38) .. ARGV[3] .. ARGV[2] .. string.char(flags) .. fp .. ARGV[7],
   'PX', ARGV[4])
 return 1
 "#;
@@ -95,13 +110,23 @@ redis.call('DEL', KEYS[1])
 return 1
 "#;
 
-/// `extend`: ARGV = owner, now, lease_until. Answers 1, or 0 when the lease is
-/// lost. The key's TTL is kept.
+/// `extend`: ARGV = owner, now, lease_until, expires_at, PX (`expires_at -
+/// now`). Sets the lease and raises the expiry to `max(stored, expires_at)` in
+/// one write: when the given expiry is later, the record takes it and the key's
+/// TTL becomes PX; otherwise the stored expiry and the key's TTL (which was set
+/// from it) are kept, so neither is ever lowered. Answers 1, or 0 when the
+/// lease is lost.
 const EXTEND: &str = r#"
 if (not v) or not owned(v, ARGV[1], ARGV[2]) then return 0 end
-redis.call('SET', KEYS[1],
-  string.sub(v, 1, 30) .. ARGV[3] .. string.sub(v, 39, 46) .. ARGV[2] .. string.sub(v, 55),
-  'KEEPTTL')
+local eh, el = u64(v, 39)
+local gh, gl = u64(ARGV[4], 1)
+local head = string.sub(v, 1, 30) .. ARGV[3]
+local tail = ARGV[2] .. string.sub(v, 55)
+if le(gh, gl, eh, el) then
+  redis.call('SET', KEYS[1], head .. string.sub(v, 39, 46) .. tail, 'KEEPTTL')
+else
+  redis.call('SET', KEYS[1], head .. ARGV[4] .. tail, 'PX', ARGV[5])
+end
 return 1
 "#;
 

@@ -10,7 +10,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[cfg(any(feature = "cluster", feature = "tls"))]
+#[cfg(feature = "tls")]
 mod support;
 
 use std::collections::BTreeMap;
@@ -18,13 +18,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::{self, RedisServer};
+#[cfg(feature = "cluster")]
+use idempotency_conformance::containers::{RedisClusterServer, RedisReply};
 use idempotency_core::{
     Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken, RecordKey,
     Repository, Reservation, ReserveRequest, SharedRepository, Status,
 };
 use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
-#[cfg(feature = "cluster")]
-use support::RedisCluster;
 
 const TTL: Duration = Duration::from_secs(3600);
 const LEASE: Duration = Duration::from_secs(30);
@@ -166,22 +166,36 @@ async fn commands_per_operation() {
     })
     .await;
     assert_eq!(got, counts(&[("set", 1)]), "reserve (new)");
+    // The owner's reserve re-sent (its reply was lost): answered from the
+    // record `SET … NX … GET` returns, nothing else.
     let got = commands_of(&mut admin, async {
-        repo.extend(&k, owner, now + LEASE * 2, now).await.unwrap();
+        assert_eq!(
+            repo.reserve(request(&k, owner, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
     })
     .await;
-    assert_eq!(
-        got,
-        counts(&[("evalsha", 1), ("get", 1), ("set", 1)]),
-        "extend"
-    );
+    assert_eq!(got, counts(&[("set", 1)]), "reserve (re-sent by the owner)");
+    for (what, expires) in [("keeps", now + TTL), ("raises", now + TTL * 2)] {
+        let got = commands_of(&mut admin, async {
+            repo.extend(&k, owner, now + LEASE * 2, expires, now)
+                .await
+                .unwrap();
+        })
+        .await;
+        assert_eq!(
+            got,
+            counts(&[("evalsha", 1), ("get", 1), ("set", 1)]),
+            "extend ({what} the expiry)"
+        );
+    }
     let got = commands_of(&mut admin, async {
         assert!(repo.get(&k, now).await.unwrap().is_some());
     })
     .await;
     assert_eq!(got, counts(&[("get", 1)]), "get");
     let got = commands_of(&mut admin, async {
-        repo.fail(&k, owner, Some(b"boom"), now + TTL, now)
+        repo.fail(&k, owner, Some(b"boom"), true, now + TTL, now)
             .await
             .unwrap();
     })
@@ -254,6 +268,21 @@ async fn commands_per_operation() {
         counts(&[("evalsha", 2), ("get", 2), ("set", 1)]),
         "script reserve: new + duplicate"
     );
+    let k = key("script-resent");
+    let owner = OwnerToken::random();
+    script.reserve(request(&k, owner, &clock)).await.unwrap();
+    let got = commands_of(&mut admin, async {
+        assert_eq!(
+            script.reserve(request(&k, owner, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+    })
+    .await;
+    assert_eq!(
+        got,
+        counts(&[("evalsha", 1), ("get", 1)]),
+        "script reserve: re-sent by the owner, no write"
+    );
 }
 
 /// After `SCRIPT FLUSH` (or a restart) every operation reloads its script with
@@ -281,7 +310,9 @@ async fn script_flush_reloads_transparently() {
                 repo.reserve(request(&k, owner, &clock)).await.unwrap(),
                 Reservation::Acquired { attempt: 1 }
             );
-            repo.extend(&k, owner, now + LEASE * 2, now).await.unwrap();
+            repo.extend(&k, owner, now + LEASE * 2, now + TTL * 2, now)
+                .await
+                .unwrap();
             repo.complete(&k, owner, Some(b"\0ok\xff"), now + TTL, now)
                 .await
                 .unwrap();
@@ -305,7 +336,7 @@ async fn script_flush_reloads_transparently() {
         let owner2 = OwnerToken::random();
         let got = commands_of(&mut admin, async {
             repo.reserve(request(&k2, owner2, &clock)).await.unwrap();
-            repo.extend(&k2, owner2, now + LEASE * 2, now)
+            repo.extend(&k2, owner2, now + LEASE * 2, now + TTL * 2, now)
                 .await
                 .unwrap();
             repo.complete(&k2, owner2, None, now + TTL, now)
@@ -330,7 +361,9 @@ async fn script_flush_reloads_transparently() {
         let k4 = key("flush-fail");
         let owner4 = OwnerToken::random();
         repo.reserve(request(&k4, owner4, &clock)).await.unwrap();
-        repo.fail(&k4, owner4, None, now + TTL, now).await.unwrap();
+        repo.fail(&k4, owner4, None, false, now + TTL, now)
+            .await
+            .unwrap();
         assert_eq!(
             repo.get(&k4, now).await.unwrap().unwrap().status,
             Status::Failed
@@ -492,14 +525,48 @@ async fn connect_to_a_closed_port_is_unavailable() {
     assert!(started.elapsed() < Duration::from_secs(20));
 }
 
-/// The whole conformance suite, both strategies, against a three-master Redis
-/// Cluster of local processes; then the cluster-specific facts: records spread
+/// The harness's three-master Redis Cluster (shared by the tests of this
+/// binary) and its `redis+cluster://` URL.
+#[cfg(feature = "cluster")]
+async fn cluster() -> (RedisClusterServer, String) {
+    let cluster = containers::redis_cluster()
+        .await
+        .expect("a Redis Cluster from the harness (see docs/testing.md)");
+    let hosts: Vec<String> = cluster
+        .nodes()
+        .iter()
+        .map(|n| format!("{}:{}", n.host(), n.port()))
+        .collect();
+    let url = format!("redis+cluster://{}", hosts.join(","));
+    (cluster, url)
+}
+
+/// The index of the master that holds `key`: each node is asked `EXISTS`
+/// directly (the others answer `MOVED`).
+#[cfg(feature = "cluster")]
+async fn holder(cluster: &RedisClusterServer, key: &RecordKey) -> usize {
+    let name = RedisRepository::redis_key(key);
+    let mut holders = Vec::new();
+    for (i, node) in cluster.nodes().iter().enumerate() {
+        if node.command(&["EXISTS", &name]).await.unwrap() == RedisReply::Integer(1) {
+            holders.push(i);
+        }
+    }
+    assert_eq!(
+        holders.len(),
+        1,
+        "{name} on exactly one master: {holders:?}"
+    );
+    holders[0]
+}
+
+/// The whole conformance suite, both strategies, against the harness's
+/// three-master Redis Cluster; then the cluster-specific facts: records spread
 /// over the masters, and a `SCRIPT FLUSH` on every node is survived.
 #[cfg(feature = "cluster")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cluster_conformance() {
-    let cluster = RedisCluster::start();
-    let url = cluster.url();
+    let (cluster, url) = cluster().await;
     for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
         let repo = RedisRepository::connect(&url)
             .await
@@ -521,21 +588,22 @@ async fn cluster_conformance() {
             .await
             .unwrap();
     }
-    let mut masters_with_keys = 0;
-    for node in &cluster.nodes {
-        let mut admin = admin(&node.url()).await;
-        let size: u64 = redis::cmd("DBSIZE").query_async(&mut admin).await.unwrap();
-        masters_with_keys += usize::from(size > 0);
+    let mut masters = std::collections::BTreeSet::new();
+    for k in &keys {
+        masters.insert(holder(&cluster, k).await);
+    }
+    assert!(
+        masters.len() >= 2,
+        "records of one namespace stay on one master"
+    );
+    for node in cluster.nodes() {
+        let mut admin = admin(node.url()).await;
         let _: () = redis::cmd("SCRIPT")
             .arg("FLUSH")
             .query_async(&mut admin)
             .await
             .unwrap();
     }
-    assert!(
-        masters_with_keys >= 2,
-        "records of one namespace stay on one master"
-    );
     for k in &keys {
         let owner = OwnerToken::random();
         let taken = repo
@@ -551,7 +619,9 @@ async fn cluster_conformance() {
             repo.reserve(request(k, owner, &clock)).await.unwrap(),
             Reservation::Acquired { attempt: 1 }
         );
-        repo.fail(k, owner, None, now + TTL, now).await.unwrap();
+        repo.fail(k, owner, None, true, now + TTL, now)
+            .await
+            .unwrap();
         assert_eq!(
             repo.reserve(request(k, OwnerToken::random(), &clock))
                 .await
@@ -559,6 +629,102 @@ async fn cluster_conformance() {
             Reservation::Acquired { attempt: 2 }
         );
     }
+}
+
+/// Ids with braces — HTTP route templates such as `/orders/{id}` — must not
+/// form a Redis Cluster hash tag, or every key of a route lands on one slot.
+/// Checked against the real cluster's hashing (`CLUSTER KEYSLOT`), with the
+/// former encoding (`RecordKey::encode`) as the control, and by storing records
+/// through a cluster connection: they land on every master, and each is found
+/// again.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn brace_ids_spread_over_the_cluster() {
+    let (cluster, url) = cluster().await;
+    let node = &cluster.nodes()[0];
+    let keyslot = |name: String| async move {
+        match node.command(&["CLUSTER", "KEYSLOT", &name]).await.unwrap() {
+            RedisReply::Integer(slot) => slot,
+            other => panic!("CLUSTER KEYSLOT {name}: {other:?}"),
+        }
+    };
+    let namespace = containers::unique_namespace("routes");
+    let ids: Vec<String> = (0..200)
+        .map(|i| format!("POST /orders/{{id}}/items/{{item}}#{i}"))
+        .collect();
+    let keys: Vec<RecordKey> = ids
+        .iter()
+        .map(|id| RecordKey::new(namespace.clone(), id, 256).unwrap())
+        .collect();
+    let mut former = std::collections::BTreeSet::new();
+    let mut now_slots = std::collections::BTreeSet::new();
+    for k in &keys {
+        former.insert(keyslot(k.encode()).await);
+        now_slots.insert(keyslot(RedisRepository::redis_key(k)).await);
+    }
+    assert_eq!(
+        former.len(),
+        1,
+        "the control: `{{id}}` is the hash tag of every key of the route"
+    );
+    assert!(
+        now_slots.len() >= 190,
+        "200 keys of one route on only {} slots",
+        now_slots.len()
+    );
+    // `{}` + key hashes like the whole key: Redis's slot is the CRC16 of all
+    // of its bytes, as for a key without a (non-empty) hash tag.
+    for k in keys.iter().take(20) {
+        let name = RedisRepository::redis_key(k);
+        assert!(name.starts_with("{}"), "{name}");
+        assert_eq!(
+            keyslot(name.clone()).await,
+            i64::from(crc16_slot(name.as_bytes())),
+            "{name}"
+        );
+    }
+
+    // Through the repository: stored on every master, and found again.
+    let repo = RedisRepository::connect(&url).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let mut masters = std::collections::BTreeSet::new();
+    for k in keys.iter().take(30) {
+        let owner = OwnerToken::random();
+        assert_eq!(
+            repo.reserve(request(k, owner, &clock)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        repo.complete(k, owner, Some(k.id().as_bytes()), now + TTL, now)
+            .await
+            .unwrap();
+        masters.insert(holder(&cluster, k).await);
+    }
+    assert_eq!(masters.len(), cluster.nodes().len(), "{masters:?}");
+    for k in keys.iter().take(30) {
+        let r = repo.get(k, now).await.unwrap().unwrap();
+        assert_eq!(r.result.as_deref(), Some(k.id().as_bytes()));
+        assert!(repo.delete(k).await.unwrap());
+    }
+}
+
+/// Redis Cluster's slot of `bytes` hashed whole: CRC16/XMODEM mod 16384 (the
+/// cluster specification's reference function, written out here so the test
+/// does not take the client's word for it).
+#[cfg(feature = "cluster")]
+fn crc16_slot(bytes: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in bytes {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc % 16384
 }
 
 #[cfg(not(feature = "cluster"))]
@@ -666,9 +832,15 @@ async fn foreign_values_are_corrupt() {
                 "complete",
                 repo.complete(k, owner, Some(b"r"), now + TTL, now).await,
             );
-            corrupt("fail", repo.fail(k, owner, None, now + TTL, now).await);
+            corrupt(
+                "fail",
+                repo.fail(k, owner, None, true, now + TTL, now).await,
+            );
             corrupt("release", repo.release(k, owner, now).await);
-            corrupt("extend", repo.extend(k, owner, now + LEASE, now).await);
+            corrupt(
+                "extend",
+                repo.extend(k, owner, now + LEASE, now + TTL, now).await,
+            );
             assert!(
                 repo.delete(k).await.unwrap(),
                 "delete removes the foreign value"
@@ -682,9 +854,10 @@ async fn foreign_values_are_corrupt() {
     }
 }
 
-/// `PX` follows `expires_at - now`; `complete` moves it, `extend` keeps it; a
-/// record logically expired by the caller's clock is absent although the server
-/// still holds it, and `reserve` creates over it.
+/// `PX` follows `expires_at - now`; `complete` moves it, `extend` raises it
+/// with the expiry and never lowers it; a record logically expired by the
+/// caller's clock is absent although the server still holds it, and `reserve`
+/// creates over it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn physical_ttl_and_logical_expiry() {
     let server = shared().await;
@@ -709,7 +882,9 @@ async fn physical_ttl_and_logical_expiry() {
         let t = pttl(&mut admin, &k).await;
         assert!((90_000..=100_000).contains(&t), "PTTL after reserve: {t}");
 
-        // The stored value is the documented format, under RecordKey::encode().
+        // The stored value is the documented format, under RecordKey::encode()
+        // (the id has no `{`).
+        assert_eq!(RedisRepository::redis_key(&k), k.encode());
         let raw: Vec<u8> = redis::cmd("GET")
             .arg(k.encode())
             .query_async(&mut admin)
@@ -717,11 +892,36 @@ async fn physical_ttl_and_logical_expiry() {
             .unwrap();
         assert_eq!((raw[0], raw[1], raw.len()), (1, b'P', 55));
 
-        repo.extend(&k, owner, now + Duration::from_secs(60), now)
-            .await
-            .unwrap();
+        // An earlier expiry: the TTL is kept.
+        repo.extend(
+            &k,
+            owner,
+            now + Duration::from_secs(60),
+            now + Duration::from_secs(70),
+            now,
+        )
+        .await
+        .unwrap();
         let t = pttl(&mut admin, &k).await;
-        assert!((90_000..=100_000).contains(&t), "extend keeps the TTL: {t}");
+        assert!(
+            (90_000..=100_000).contains(&t),
+            "extend never lowers the TTL: {t}"
+        );
+        // A later one: the TTL follows it.
+        repo.extend(
+            &k,
+            owner,
+            now + Duration::from_secs(120),
+            now + Duration::from_secs(150),
+            now,
+        )
+        .await
+        .unwrap();
+        let t = pttl(&mut admin, &k).await;
+        assert!(
+            (140_000..=150_000).contains(&t),
+            "extend raises the TTL with the expiry: {t}"
+        );
         repo.complete(
             &k,
             owner,
