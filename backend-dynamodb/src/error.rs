@@ -163,6 +163,12 @@ where
                      create it with `DynamoDbRepository::create_table`, `?create_table=true` in the \
                      URL, or infrastructure as code (partition key `{partition_key}` of type String)"
                 ))
+            } else if code == "ValidationException" && is_item_too_large(&message) {
+                Error::TooLarge {
+                    what: "item",
+                    size: crate::item::ITEM_LIMIT_BYTES + 1,
+                    max: crate::item::ITEM_LIMIT_BYTES,
+                }
             } else if code == "ValidationException" {
                 Error::config(format!(
                     "DynamoDB rejected {operation} on table `{table}`: {message} (the table must have \
@@ -188,6 +194,14 @@ where
             source: Some(Box::new(err)),
         },
     }
+}
+
+/// DynamoDB's (and emulators') words for an item over the 400 KB limit: "Item
+/// size has exceeded the maximum allowed size", "Item size to update has
+/// exceeded the maximum allowed size".
+fn is_item_too_large(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("item size") && m.contains("exceeded")
 }
 
 /// Why a request failed before it was sent, when the error chain tells.
@@ -245,6 +259,20 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn item_size_messages_are_recognised() {
+        for m in [
+            "Item size has exceeded the maximum allowed size",
+            "Item size to update has exceeded the maximum allowed size",
+        ] {
+            assert!(super::is_item_too_large(m), "{m}");
+        }
+        assert!(!super::is_item_too_large(
+            "One or more parameter values were invalid"
+        ));
+    }
+
     use aws_sdk_dynamodb::config::http::HttpResponse;
     use aws_sdk_dynamodb::error::ErrorMetadata;
     use aws_sdk_dynamodb::operation::get_item::GetItemError;

@@ -81,6 +81,9 @@ pub struct AttributeNames {
     /// The TTL attribute: `expires_at` in Unix seconds rounded up (Number).
     /// Enable DynamoDB TTL on it. Default `ttl`.
     pub ttl: String,
+    /// Whether a `Failed` record may be taken over (Boolean, only on failed
+    /// records). Default `retryable`.
+    pub retryable: String,
 }
 
 impl Default for AttributeNames {
@@ -98,6 +101,7 @@ impl Default for AttributeNames {
             created_at: "created_at".to_owned(),
             updated_at: "updated_at".to_owned(),
             ttl: "ttl".to_owned(),
+            retryable: "retryable".to_owned(),
         }
     }
 }
@@ -115,7 +119,7 @@ impl AttributeNames {
         self
     }
 
-    fn all(&self) -> [(&'static str, &str); 12] {
+    fn all(&self) -> [(&'static str, &str); 13] {
         [
             ("partition_key", &self.partition_key),
             ("status", &self.status),
@@ -129,6 +133,7 @@ impl AttributeNames {
             ("created_at", &self.created_at),
             ("updated_at", &self.updated_at),
             ("ttl", &self.ttl),
+            ("retryable", &self.retryable),
         ]
     }
 
@@ -165,6 +170,7 @@ impl AttributeNames {
             + 32 // owner
             + 64 // fingerprint
             + 6 * MAX_NUMBER_BYTES // attempt, 4 instants, ttl
+            + 1 // retryable
             + 64 // margin for encodings we do not control
     }
 
@@ -231,6 +237,9 @@ pub(crate) fn record_to_item(names: &AttributeNames, pk: AttributeValue, r: &Rec
     item.insert(names.created_at.clone(), ts(r.created_at));
     item.insert(names.updated_at.clone(), ts(r.updated_at));
     item.insert(names.ttl.clone(), ttl(r.expires_at));
+    if r.status == Status::Failed {
+        item.insert(names.retryable.clone(), AttributeValue::Bool(r.retryable));
+    }
     item
 }
 
@@ -255,11 +264,19 @@ pub(crate) fn item_to_record(
         Some(AttributeValue::S(s)) => Some(s.parse::<Fingerprint>().map_err(|e| e.with_key(key))?),
         Some(_) => return Err(Error::corrupt(key, "fingerprint is not a String")),
     };
+    // Failed items written before the attribute existed were all open to a
+    // retrying takeover (`store_and_retry`): they stay so.
+    let retryable = match item.get(&names.retryable) {
+        None | Some(AttributeValue::Null(true)) => status == Status::Failed,
+        Some(AttributeValue::Bool(b)) => status == Status::Failed && *b,
+        Some(_) => return Err(Error::corrupt(key, "retryable is not a Boolean")),
+    };
     Ok(Record {
         status,
         owner,
         attempt,
         fingerprint,
+        retryable,
         result: reader.bytes(&names.result, "result")?,
         error: reader.bytes(&names.error, "error")?,
         lease_until: Timestamp::from_millis(reader.number(&names.lease_until, "lease_until")?),
@@ -340,6 +357,7 @@ mod tests {
             fingerprint: Some(Fingerprint::of_bytes(b"x")),
             result,
             error: None,
+            retryable: false,
             lease_until: Timestamp::from_millis(10),
             expires_at: Timestamp::from_millis(1_001),
             created_at: Timestamp::from_millis(1),

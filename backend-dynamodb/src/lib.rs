@@ -56,8 +56,11 @@
 //! |---|---|---|
 //! | `reserve`, fresh or expired key | 1 | `PutItem` if `attribute_not_exists(pk) OR expires_at <= :now` |
 //! | `reserve`, duplicate | 1 | that `PutItem`'s failed condition returns the stored record (`ReturnValuesOnConditionCheckFailure = ALL_OLD`) |
-//! | `reserve`, takeover (stale lease, or `Failed` with `retry_failed`) | 2 | + `UpdateItem` if owner, attempt and status are still those read, the record is live and (`Processing`) its lease is stale; a lost race returns the winner's record the same way |
-//! | `complete`, `fail`, `extend` | 1 | `UpdateItem` if `owner = :owner AND status = processing AND expires_at > :now`, else `LeaseLost` |
+//! | `reserve` re-sent by its owner (the SDK retried it after a lost reply) | 1 | the same failed `PutItem` returns our own live record: answered `Acquired`, nothing written |
+//! | `reserve`, takeover (stale lease, or a retryable `Failed` with `retry_failed`) | 2 | + `UpdateItem` if owner, attempt and status are still those read, the record is live and (`Processing`) its lease is stale; the stored fingerprint is kept when the request has none; a lost race returns the winner's record the same way |
+//! | `complete`, `fail` | 1 | `UpdateItem` if `owner = :owner AND status = processing AND expires_at > :now`, else `LeaseLost`; `fail` stores `retryable` |
+//! | `extend`, expiry already later than asked (the usual case: TTL longer than the lease) | 1 | `UpdateItem` of the lease under that condition `AND expires_at >= :new_exp` |
+//! | `extend`, expiry to raise | 2 | the first one's failed condition returns the item; still ours: `UpdateItem` of lease, `expires_at` and `ttl` under the condition `AND expires_at < :new_exp` (expiry and TTL never go down) |
 //! | `release` | 1 | `DeleteItem` with the same condition |
 //! | `get` | 1 | `GetItem`, strongly consistent |
 //! | `delete` | 1 | `DeleteItem` if `attribute_exists(pk)` |
@@ -82,7 +85,10 @@
 //! `InternalServerError`, other 5xx, connection and I/O failures to the retryable
 //! [`Error::Unavailable`](idempotency_core::Error::Unavailable), timeouts to
 //! [`Error::Timeout`](idempotency_core::Error::Timeout); a missing table,
-//! `ValidationException` (wrong key schema …) and refused credentials to
+//! `ValidationException` (wrong key schema …; except an item over DynamoDB's
+//! size limit, which is the non-retryable
+//! [`Error::TooLarge`](idempotency_core::Error::TooLarge), so the manager
+//! completes without caching the result) and refused credentials to
 //! [`Error::Config`](idempotency_core::Error::Config) naming the table and key
 //! attribute; an item that does not parse to
 //! [`Error::Corrupt`](idempotency_core::Error::Corrupt) naming the key.
@@ -108,6 +114,7 @@
 //! | `result`, `error` | B | the bytes; `NULL` for an empty value (some DynamoDB versions refuse empty binaries); absent when none |
 //! | `lease_until`, `expires_at`, `created_at`, `updated_at` | N | Unix milliseconds |
 //! | `ttl` | N | `expires_at` in Unix seconds, rounded up |
+//! | `retryable` | BOOL | on `failed` records: whether a retrying delivery may take it over (a failed item written before this attribute existed counts as retryable, as it was) |
 //!
 //! Every name can be changed with [`AttributeNames`].
 //!

@@ -192,7 +192,7 @@ impl DynamoDbRepository {
         attempt: u32,
     ) -> Result<Option<Option<Item>>, Error> {
         let mut e = Expr::new(&self.names);
-        let (res, err_attr, fp) = (e.result(), e.error(), e.fingerprint());
+        let (res, err_attr) = (e.result(), e.error());
         let mut set = format!(
             "{st} = {processing}, {ow} = {owner}, {at} = {attempt}, {lu} = {lease}, \
              {exp} = {expires}, {ttl} = {ttl_v}, {ua} = {now}",
@@ -211,18 +211,19 @@ impl DynamoDbRepository {
             ua = e.updated_at(),
             now = e.value(":now", ts(req.now)),
         );
+        // The request's fingerprint, or else the stored one is kept: a consumer
+        // without payload validation must not erase it.
+        if let Some(f) = &req.fingerprint {
+            set.push_str(&format!(
+                ", {fp} = {v}",
+                fp = e.fingerprint(),
+                v = e.value(":fp", AttributeValue::S(f.to_string()))
+            ));
+        }
         // REMOVE first: emulators that check the item size clause by clause see
         // the old result/error go before anything is added.
-        let remove = match &req.fingerprint {
-            Some(f) => {
-                set.push_str(&format!(
-                    ", {fp} = {v}",
-                    v = e.value(":fp", AttributeValue::S(f.to_string()))
-                ));
-                format!("REMOVE {res}, {err_attr}")
-            }
-            None => format!("REMOVE {res}, {err_attr}, {fp}"),
-        };
+        let rt = e.retryable();
+        let remove = format!("REMOVE {res}, {err_attr}, {rt}");
         let mut cond = format!(
             "{ow} = {prev_owner} AND {at} = {prev_attempt} AND {st} = {prev_status} AND {exp} > {now}",
             ow = e.owner(),
@@ -328,6 +329,7 @@ impl DynamoDbRepository {
         owner_token: OwnerToken,
         new_status: Status,
         value: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -361,16 +363,113 @@ impl DynamoDbRepository {
             ua = e.updated_at(),
             now = e.value(":now", ts(now)),
         );
-        let remove = match value {
+        let mut remove = match value {
             Some(v) => {
                 set.push_str(&format!(", {slot} = {v}", v = e.value(":value", bytes(v))));
                 format!("REMOVE {other}")
             }
             None => format!("REMOVE {slot}, {other}"),
         };
+        let rt = e.retryable();
+        if new_status == Status::Failed {
+            set.push_str(&format!(
+                ", {rt} = {v}",
+                v = e.value(":retryable", AttributeValue::Bool(retryable))
+            ));
+        } else {
+            remove.push_str(&format!(", {rt}"));
+        }
         let condition = Self::owned_condition(&mut e, owner_token, now);
-        self.update_owned(key, e, format!("{remove} SET {set}"), condition)
+        match self
+            .update_owned(key, e, format!("{remove} SET {set}"), condition)
             .await
+        {
+            // The whole item is over DynamoDB's limit although the value fits
+            // the declared maximum (the key and names took more than planned).
+            Err(Error::TooLarge { size, max, .. }) => Err(Error::TooLarge { what, size, max }),
+            other => other,
+        }
+    }
+
+    /// `extend`: moves the lease and, only when later, the expiry and TTL. One
+    /// request when the stored expiry already covers the new one (the common
+    /// case: the TTL is longer than the lease); a second, raising it, when not.
+    async fn extend_lease(
+        &self,
+        key: &RecordKey,
+        owner_token: OwnerToken,
+        lease_until: Timestamp,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        let pk = self.pk(key)?;
+        for raise in [false, true] {
+            let mut e = Expr::new(&self.names);
+            let mut update = format!(
+                "SET {lu} = {lease}, {ua} = {now_v}",
+                lu = e.lease_until(),
+                lease = e.value(":lease", ts(lease_until)),
+                ua = e.updated_at(),
+                now_v = e.value(":now", ts(now)),
+            );
+            let mut condition = Self::owned_condition(&mut e, owner_token, now);
+            let exp = e.expires_at();
+            let new_exp = e.value(":new_exp", ts(expires_at));
+            if raise {
+                let ttl_attr = e.ttl();
+                update.push_str(&format!(
+                    ", {exp} = {new_exp}, {ttl_attr} = {ttl_v}",
+                    ttl_v = e.value(":ttl", ttl(expires_at)),
+                ));
+                condition.push_str(&format!(" AND {exp} < {new_exp}"));
+            } else {
+                condition.push_str(&format!(" AND {exp} >= {new_exp}"));
+            }
+            let (names, values) = e.into_parts();
+            let result = self
+                .client
+                .update_item()
+                .table_name(&*self.table)
+                .set_key(Some(self.key_map(pk.clone())))
+                .update_expression(update)
+                .condition_expression(condition)
+                .set_expression_attribute_names(names)
+                .set_expression_attribute_values(values)
+                .return_values_on_condition_check_failure(
+                    ReturnValuesOnConditionCheckFailure::AllOld,
+                )
+                .send()
+                .await;
+            let old = match result {
+                Ok(_) => return Ok(()),
+                Err(err) => match classify(err, self.ctx("UpdateItem")) {
+                    WriteFailure::Condition(old) => old,
+                    WriteFailure::Error(e) => return Err(e),
+                },
+            };
+            // Still ours, only the expiry condition failed: the other variant.
+            let ours = match old {
+                Some(item) => {
+                    let r = self.parse(key, &item)?;
+                    r.status == Status::Processing && r.owner == owner_token && !r.is_expired(now)
+                }
+                None => false,
+            };
+            if !ours {
+                return Err(Error::LeaseLost { key: key.clone() });
+            }
+        }
+        // Ours both times, yet the expiry was neither >= nor < the new one: the
+        // record changed between the two requests; its owner is us, so retrying
+        // is the caller's call.
+        Err(Error::Unavailable {
+            backend: BACKEND,
+            message: format!(
+                "{key} changed during extend on table `{}`; retry",
+                self.table
+            ),
+            source: None,
+        })
     }
 }
 
@@ -410,6 +509,10 @@ impl Repository for DynamoDbRepository {
                         Some(item) => item,
                     }
                 }
+                // Our own record: a reserve re-sent after its reply was lost.
+                ReserveTransition::AlreadyHeld { attempt } => {
+                    return Ok(Reservation::Acquired { attempt })
+                }
                 ReserveTransition::Existing => {
                     return match current {
                         Some(record) => Ok(Reservation::Existing(record)),
@@ -442,8 +545,16 @@ impl Repository for DynamoDbRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Completed, result, expires_at, now)
-            .await
+        self.finish(
+            key,
+            owner,
+            Status::Completed,
+            result,
+            false,
+            expires_at,
+            now,
+        )
+        .await
     }
 
     async fn fail(
@@ -451,11 +562,20 @@ impl Repository for DynamoDbRepository {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.finish(key, owner, Status::Failed, error, expires_at, now)
-            .await
+        self.finish(
+            key,
+            owner,
+            Status::Failed,
+            error,
+            retryable,
+            expires_at,
+            now,
+        )
+        .await
     }
 
     async fn release(
@@ -492,18 +612,11 @@ impl Repository for DynamoDbRepository {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let mut e = Expr::new(&self.names);
-        let update = format!(
-            "SET {lu} = {lease}, {ua} = {now_v}",
-            lu = e.lease_until(),
-            lease = e.value(":lease", ts(lease_until)),
-            ua = e.updated_at(),
-            now_v = e.value(":now", ts(now)),
-        );
-        let condition = Self::owned_condition(&mut e, owner, now);
-        self.update_owned(key, e, update, condition).await
+        self.extend_lease(key, owner, lease_until, expires_at, now)
+            .await
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
@@ -613,6 +726,10 @@ impl<'a> Expr<'a> {
     fn ttl(&mut self) -> &'static str {
         let n = self.names_cfg;
         self.name("#ttl", &n.ttl)
+    }
+    fn retryable(&mut self) -> &'static str {
+        let n = self.names_cfg;
+        self.name("#rt", &n.retryable)
     }
 
     /// The name and value maps, `None` when empty (DynamoDB rejects empty maps).

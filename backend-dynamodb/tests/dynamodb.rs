@@ -100,7 +100,9 @@ async fn requests_per_operation() {
     }
     assert_eq!(counter.take(), counts(&[("PutItem", 1)]));
 
-    repo.extend(&k, owner, now + LEASE * 2, now).await.unwrap();
+    repo.extend(&k, owner, now + LEASE * 2, now + LEASE * 2, now)
+        .await
+        .unwrap();
     assert_eq!(counter.take(), counts(&[("UpdateItem", 1)]));
     repo.complete(&k, owner, Some(b"r"), now + TTL, now)
         .await
@@ -130,7 +132,7 @@ async fn requests_per_operation() {
         Reservation::Acquired { attempt: 2 }
     );
     assert_eq!(counter.take(), counts(&[("PutItem", 1), ("UpdateItem", 1)]));
-    repo.fail(&k, taker, Some(b"e"), later + TTL, later)
+    repo.fail(&k, taker, Some(b"e"), false, later + TTL, later)
         .await
         .unwrap();
     assert_eq!(counter.take(), counts(&[("UpdateItem", 1)]));
@@ -209,8 +211,8 @@ async fn expired_but_present_items_are_absent_to_every_operation() {
     assert_eq!(repo.get(&k, now).await.unwrap(), None);
     for result in [
         repo.complete(&k, owner, None, now + TTL, now).await,
-        repo.fail(&k, owner, None, now + TTL, now).await,
-        repo.extend(&k, owner, now + LEASE, now).await,
+        repo.fail(&k, owner, None, false, now + TTL, now).await,
+        repo.extend(&k, owner, now + LEASE, now + LEASE, now).await,
         repo.release(&k, owner, now).await,
     ] {
         assert!(matches!(result, Err(Error::LeaseLost { .. })), "{result:?}");
@@ -285,7 +287,9 @@ async fn item_format_and_ttl() {
         let k = key(&ns, &format!("e{i}"));
         let o = OwnerToken::random();
         repo.reserve(request(&k, o, now)).await.unwrap();
-        repo.fail(&k, o, value, now + TTL, now).await.unwrap();
+        repo.fail(&k, o, value, false, now + TTL, now)
+            .await
+            .unwrap();
         assert_eq!(
             repo.get(&k, now).await.unwrap().unwrap().error.as_deref(),
             value
@@ -339,11 +343,12 @@ async fn largest_item_fits_and_larger_results_are_refused() {
         Err(Error::TooLarge { size, max: m, .. }) if size == max + 1 && m == max
     ));
     assert!(matches!(
-        repo.fail(&k, owner, Some(&too_big), now + TTL, now).await,
+        repo.fail(&k, owner, Some(&too_big), false, now + TTL, now)
+            .await,
         Err(Error::TooLarge { .. })
     ));
     let biggest = vec![0xCD; max];
-    repo.fail(&k, owner, Some(&biggest), now + TTL, now)
+    repo.fail(&k, owner, Some(&biggest), true, now + TTL, now)
         .await
         .unwrap();
     let r = repo.get(&k, now).await.unwrap().unwrap();
@@ -664,4 +669,116 @@ async fn outage_is_retryable_and_recovers() {
         Reservation::Acquired { attempt: 1 }
     );
     dedicated.remove().await.unwrap();
+}
+
+/// Contract v2 on DynamoDB: a re-sent reserve is ours (one request, no write),
+/// `extend` raises the expiry and the TTL attribute with the lease (never
+/// lowers them), `fail` stores whether it is retryable and only a retryable
+/// failure is taken over, and a takeover keeps the stored fingerprint.
+#[tokio::test]
+async fn contract_v2_items() {
+    let counter = RequestCounter::new();
+    let repo = common::repository().await.with_request_counter(&counter);
+    let ns = namespace();
+    let now = Timestamp::from_system_time(std::time::SystemTime::now());
+
+    // A re-sent reserve: Acquired with the stored attempt, nothing written.
+    let k = key(&ns, "resent");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&k, owner, now)).await.unwrap();
+    let before = raw_item(&repo, &k).await.unwrap();
+    counter.reset();
+    let later = now + Duration::from_secs(1);
+    assert_eq!(
+        repo.reserve(request(&k, owner, later)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
+    assert_eq!(counter.take(), counts(&[("PutItem", 1)]));
+    assert_eq!(raw_item(&repo, &k).await.unwrap(), before, "no write");
+
+    // Extend past the expiry: expiry and TTL follow (two requests); an earlier
+    // expiry lowers neither (one request).
+    counter.reset();
+    let until = now + TTL * 3;
+    repo.extend(&k, owner, until, until, now).await.unwrap();
+    assert_eq!(counter.take(), counts(&[("UpdateItem", 2)]));
+    let r = repo.get(&k, now + TTL * 2).await.unwrap().unwrap();
+    counter.reset();
+    assert_eq!((r.lease_until, r.expires_at), (until, until));
+    let item = raw_item(&repo, &k).await.unwrap();
+    let ttl_secs = until.as_millis().div_ceil(1000).to_string();
+    assert_eq!(item.get("ttl"), Some(&AttributeValue::N(ttl_secs.clone())));
+    let short = now + LEASE;
+    counter.reset();
+    repo.extend(&k, owner, short, short, now).await.unwrap();
+    assert_eq!(counter.take(), counts(&[("UpdateItem", 1)]));
+    let r = repo.get(&k, now).await.unwrap().unwrap();
+    assert_eq!((r.lease_until, r.expires_at), (short, until), "expiry kept");
+    let item = raw_item(&repo, &k).await.unwrap();
+    assert_eq!(item.get("ttl"), Some(&AttributeValue::N(ttl_secs)));
+    assert!(matches!(
+        repo.extend(&k, OwnerToken::random(), until, until, now)
+            .await,
+        Err(Error::LeaseLost { .. })
+    ));
+
+    // Retryable failures: stored, and only they are taken over.
+    for retryable in [false, true] {
+        let k = key(&ns, &format!("failed-{retryable}"));
+        let owner = OwnerToken::random();
+        let req = ReserveRequest {
+            fingerprint: Some(idempotency_core::Fingerprint::of_bytes(b"p")),
+            ..request(&k, owner, now)
+        };
+        repo.reserve(req).await.unwrap();
+        repo.fail(&k, owner, Some(b"e"), retryable, now + TTL, now)
+            .await
+            .unwrap();
+        let item = raw_item(&repo, &k).await.unwrap();
+        assert_eq!(
+            item.get("retryable"),
+            Some(&AttributeValue::Bool(retryable))
+        );
+        assert_eq!(
+            repo.get(&k, now).await.unwrap().unwrap().retryable,
+            retryable
+        );
+        let retry = ReserveRequest {
+            retry_failed: true,
+            ..request(&k, OwnerToken::random(), now)
+        };
+        let taken = repo.reserve(retry).await.unwrap();
+        let r = repo.get(&k, now).await.unwrap().unwrap();
+        if retryable {
+            assert_eq!(taken, Reservation::Acquired { attempt: 2 });
+            // Taken over without a fingerprint: the stored one is kept, the
+            // flag and the error cleared.
+            assert_eq!(
+                r.fingerprint,
+                Some(idempotency_core::Fingerprint::of_bytes(b"p"))
+            );
+            assert!(!r.retryable && r.error.is_none());
+            assert!(!raw_item(&repo, &k).await.unwrap().contains_key("retryable"));
+        } else {
+            assert!(matches!(taken, Reservation::Existing(_)), "{taken:?}");
+            assert_eq!(r.status, Status::Failed);
+        }
+    }
+
+    // Items written before the attribute existed: failed ones stay retryable.
+    let k = key(&ns, "legacy");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&k, owner, now)).await.unwrap();
+    repo.fail(&k, owner, None, true, now + TTL, now)
+        .await
+        .unwrap();
+    repo.client()
+        .update_item()
+        .table_name(repo.table_name())
+        .key("pk", AttributeValue::S(k.encode()))
+        .update_expression("REMOVE retryable")
+        .send()
+        .await
+        .unwrap();
+    assert!(repo.get(&k, now).await.unwrap().unwrap().retryable);
 }
