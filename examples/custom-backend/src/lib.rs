@@ -155,6 +155,11 @@ impl Repository for CasRepository {
                         .map(Reservation::Existing)
                         .ok_or_else(|| Error::corrupt(req.key, "no record to return"))
                 }
+                // A re-sent reserve from the owner that holds the record
+                // (its first reply was lost): answer as the first time.
+                ReserveTransition::AlreadyHeld { attempt } => {
+                    return Ok(Reservation::Acquired { attempt })
+                }
                 ReserveTransition::Create => (reserved_record(None, &req, 1), 1),
                 ReserveTransition::Takeover { attempt } => {
                     (reserved_record(record.as_ref(), &req, attempt), attempt)
@@ -192,6 +197,7 @@ impl Repository for CasRepository {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -200,6 +206,7 @@ impl Repository for CasRepository {
             Some(Record {
                 status: Status::Failed,
                 error: error.map(<[u8]>::to_vec),
+                retryable,
                 expires_at,
                 updated_at: now,
                 ..r.clone()
@@ -221,11 +228,14 @@ impl Repository for CasRepository {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
         self.update_owned(key, owner, now, |r| {
             Some(Record {
                 lease_until,
+                // Extension may only move expiry later, never earlier.
+                expires_at: r.expires_at.max(expires_at),
                 updated_at: now,
                 ..r.clone()
             })
@@ -273,14 +283,18 @@ fn check_size(value: Option<&[u8]>) -> Result<(), Error> {
     }
 }
 
-// Format v1: b"I1" status(1) attempt(4) owner(16) lease(8) expires(8) created(8)
-// updated(8) then three optional fields (fingerprint, result, error), each a
-// presence byte and, when present, a u32 length and the bytes.
+// Format v2: b"I2" status(1) retryable(1) attempt(4) owner(16) lease(8)
+// expires(8) created(8) updated(8) then three optional fields (fingerprint,
+// result, error), each a presence byte and, when present, a u32 length and the
+// bytes. Format v1 (b"I1") is v2 without the retryable byte; its failed records
+// were written before failures were classified and read as retryable, as every
+// failure was then.
 
 fn encode(r: &Record) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + r.result.as_ref().map_or(0, Vec::len));
-    out.extend_from_slice(b"I1");
+    out.extend_from_slice(b"I2");
     out.push(r.status.code());
+    out.push(u8::from(r.retryable));
     out.extend_from_slice(&r.attempt.to_be_bytes());
     out.extend_from_slice(&r.owner.to_bytes());
     for t in [r.lease_until, r.expires_at, r.created_at, r.updated_at] {
@@ -332,11 +346,21 @@ impl<'a> Reader<'a> {
 
 fn decode(bytes: &[u8]) -> Result<Record, Error> {
     let mut r = Reader(bytes);
-    if r.take(2)? != b"I1" {
+    let version = r.take(2)?;
+    if version != b"I1" && version != b"I2" {
         return Err(Error::corrupt_value("record", "unknown format"));
     }
     let status = Status::from_code(r.array::<1>()?[0])
         .ok_or_else(|| Error::corrupt_value("record", "unknown status"))?;
+    let retryable = if version == b"I1" {
+        status == Status::Failed
+    } else {
+        match r.array::<1>()?[0] {
+            0 => false,
+            1 => true,
+            _ => return Err(Error::corrupt_value("record", "bad retryable byte")),
+        }
+    };
     let attempt = u32::from_be_bytes(r.array()?);
     let owner = OwnerToken::from_bytes(r.array()?);
     let mut times = [Timestamp::EPOCH; 4];
@@ -359,6 +383,7 @@ fn decode(bytes: &[u8]) -> Result<Record, Error> {
         fingerprint,
         result,
         error,
+        retryable,
         lease_until: times[0],
         expires_at: times[1],
         created_at: times[2],
@@ -380,5 +405,28 @@ mod tests {
             Err(Error::Corrupt { key: Some(k), .. }) => assert_eq!(k, key),
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn records_round_trip_and_format_1_failures_read_as_retryable() {
+        let record = Record {
+            status: Status::Failed,
+            owner: OwnerToken::from_bytes([7; 16]),
+            attempt: 3,
+            fingerprint: None,
+            result: None,
+            error: Some(b"boom".to_vec()),
+            retryable: false,
+            lease_until: Timestamp::from_millis(1),
+            expires_at: Timestamp::from_millis(2),
+            created_at: Timestamp::from_millis(3),
+            updated_at: Timestamp::from_millis(4),
+        };
+        assert_eq!(decode(&encode(&record)).unwrap(), record);
+        // Format 1 is format 2 without the retryable byte.
+        let mut v1 = encode(&record);
+        v1.remove(3);
+        v1[1] = b'1';
+        assert!(decode(&v1).unwrap().retryable);
     }
 }
