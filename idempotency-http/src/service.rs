@@ -47,21 +47,24 @@ impl<E> fmt::Display for Failure<E> {
 
 type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
 
+/// Where the handler leaves the response it produced for this call's client.
+type Slot<B> = Arc<Mutex<Option<Response<IdempotencyBody<B>>>>>;
+
 pub(crate) async fn handle<S, ReqB, ResB>(
-    settings: Arc<Settings>,
+    shared: Arc<Settings>,
     inner: S,
     request: Request<ReqB>,
 ) -> Answer<ResB, S::Error>
 where
-    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + Send,
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
     S::Future: Send,
-    S::Error: Send,
+    S::Error: Send + 'static,
     ReqB: Body<Data = Bytes> + Send + 'static,
     ReqB::Error: Into<BoxError>,
     ResB: Body<Data = Bytes> + Send + 'static,
     ResB::Error: Into<BoxError>,
 {
-    let settings = &*settings;
+    let settings = &*shared;
     let (parts, body) = request.into_parts();
     let route = settings.route_of(&parts);
     let protection = settings.protection(&parts.method, &route);
@@ -118,14 +121,19 @@ where
     // The response the inner service produced in this call, as the client
     // must get it (all headers, streaming rest of an oversized body); the
     // manager only sees its stored form.
-    let mut produced: Option<Response<IdempotencyBody<ResB>>> = None;
-    let slot = &mut produced;
+    let slot: Slot<ResB> = Arc::new(Mutex::new(None));
+    // Detached: a client that disconnects does not undo the protection. The
+    // inner service runs to completion and its response is stored, so the
+    // client's retry gets it instead of running the handler again.
+    let handler = {
+        let (shared, slot) = (shared.clone(), slot.clone());
+        move |_ctx| async move { run(&shared, inner, request, &slot).await }
+    };
     let outcome = settings
         .manager
-        .execute(&id, &fingerprint, move || {
-            run(settings, inner, request, slot)
-        })
+        .execute_detached(&id, &fingerprint, handler)
         .await;
+    let mut produced = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
 
     match outcome {
         Ok(Outcome::Cached(stored)) => Ok(replay(settings, stored)),
@@ -191,7 +199,7 @@ async fn run<S, ReqB, ResB>(
     settings: &Settings,
     mut inner: S,
     request: Request<IdempotencyBody<ReqB>>,
-    slot: &mut Option<Response<IdempotencyBody<ResB>>>,
+    slot: &Slot<ResB>,
 ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>>
 where
     S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
@@ -205,7 +213,8 @@ where
     let (head, body) = response.into_parts();
     let status = head.status;
     if !(settings.store_if)(&head) {
-        *slot = Some(Response::from_parts(head, IdempotencyBody::new(body)));
+        *slot.lock().unwrap_or_else(PoisonError::into_inner) =
+            Some(Response::from_parts(head, IdempotencyBody::new(body)));
         return Err(HandlerError::transient(Failure::NotStored(status)));
     }
     let headers = settings.select_headers(&head.headers);
@@ -221,7 +230,7 @@ where
                 body: Some(data.clone()),
                 trailers: trailers.clone(),
             };
-            *slot = Some(Response::from_parts(
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
                 head,
                 IdempotencyBody::full(data, trailers),
             ));
@@ -233,7 +242,7 @@ where
                 cap,
                 "response body over the cache cap: streamed through, not retained for replays"
             );
-            *slot = Some(Response::from_parts(
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
                 head,
                 IdempotencyBody::buffered(frames, Some(rest), None),
             ));
@@ -241,7 +250,7 @@ where
         }
         Collected::Failed { frames, error } => {
             tracing::warn!(%status, error = %error, "the response body failed; releasing the key");
-            *slot = Some(Response::from_parts(
+            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
                 head,
                 IdempotencyBody::buffered(frames, None, Some(error)),
             ));

@@ -56,6 +56,7 @@ impl Repository for Down {
         _: &RecordKey,
         _: OwnerToken,
         _: Option<&[u8]>,
+        _: bool,
         _: Timestamp,
         _: Timestamp,
     ) -> Result<(), Error> {
@@ -68,6 +69,7 @@ impl Repository for Down {
         &self,
         _: &RecordKey,
         _: OwnerToken,
+        _: Timestamp,
         _: Timestamp,
         _: Timestamp,
     ) -> Result<(), Error> {

@@ -112,10 +112,13 @@ impl Repository for Observed {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.inner.fail(key, owner, error, expires_at, now).await
+        self.inner
+            .fail(key, owner, error, retryable, expires_at, now)
+            .await
     }
     async fn release(
         &self,
@@ -130,9 +133,12 @@ impl Repository for Observed {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.inner.extend(key, owner, lease_until, now).await
+        self.inner
+            .extend(key, owner, lease_until, expires_at, now)
+            .await
     }
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
         self.inner.get(key, now).await
@@ -862,8 +868,9 @@ pub async fn get_passes_through_untouched(repo: SharedRepository) {
 }
 
 /// A client that disconnects while the handler runs (the response future is
-/// dropped) releases the key: its retry runs the handler.
-pub async fn dropped_request_releases_the_key(repo: SharedRepository) {
+/// dropped) does not undo the protection: the handler runs to completion, its
+/// response is stored, and the client's retry gets it — the handler ran once.
+pub async fn dropped_request_still_completes_and_replays(repo: SharedRepository) {
     let app = Arc::new(TestApp::new(repo));
     let held = {
         let app = app.clone();
@@ -872,8 +879,11 @@ pub async fn dropped_request_releases_the_key(repo: SharedRepository) {
     app.handler_started().await;
     held.abort();
     assert!(held.await.unwrap_err().is_cancelled());
+    // While the detached handler still runs, a retry is told it is in flight.
+    let early = app.send(post("/slow", Some("gone"), "")).await;
+    assert_eq!(early.status, StatusCode::CONFLICT);
     app.open_gate();
-    // The release runs in the background: retry until the key is free.
+    // The detached handler finishes in the background: retry until answered.
     let reply = tokio::time::timeout(PATIENCE, async {
         loop {
             let reply = app.send(post("/slow", Some("gone"), "")).await;
@@ -884,10 +894,10 @@ pub async fn dropped_request_releases_the_key(repo: SharedRepository) {
         }
     })
     .await
-    .expect("the key of the dropped request was released");
+    .expect("the dropped request's handler finished");
     assert_eq!(reply.status, StatusCode::CREATED);
-    assert!(!reply.replayed());
-    assert_eq!(app.runs("slow"), 1, "only the retry completed the handler");
+    assert!(reply.replayed(), "the retry gets the stored response");
+    assert_eq!(app.runs("slow"), 1, "the handler ran once");
 }
 
 /// A handler that panics releases the key; the retry runs it again.
@@ -1170,7 +1180,7 @@ macro_rules! http_scenarios {
             scope_includes_method_and_route,
             opt_out_and_optional_routes,
             get_passes_through_untouched,
-            dropped_request_releases_the_key,
+            dropped_request_still_completes_and_replays,
             panicking_handler_releases_the_key,
             failing_response_body_releases_the_key,
             wait_policy_replays_after_the_first_finishes,
