@@ -153,12 +153,14 @@ pub async fn check_reserve_takes_over_expired_lease(repo: SharedRepository) -> C
         (
             "fail",
             cx.repo
-                .fail(&key, old, None, cx.now() + TTL, cx.now())
+                .fail(&key, old, None, true, cx.now() + TTL, cx.now())
                 .await,
         ),
         (
             "extend",
-            cx.repo.extend(&key, old, cx.now() + LEASE, cx.now()).await,
+            cx.repo
+                .extend(&key, old, cx.now() + LEASE, cx.now() + LEASE, cx.now())
+                .await,
         ),
         ("release", cx.repo.release(&key, old, cx.now()).await),
     ] {
@@ -318,7 +320,7 @@ pub async fn check_reserve_fingerprint_mismatch_blocks_retry(
     };
     cx.repo.reserve(req).await?;
     cx.repo
-        .fail(&key, owner, Some(b"e"), cx.now() + TTL, cx.now())
+        .fail(&key, owner, Some(b"e"), true, cx.now() + TTL, cx.now())
         .await?;
     let req = ReserveRequest {
         fingerprint: fp(2),
@@ -349,18 +351,7 @@ pub async fn check_reserve_takeover_with_one_fingerprint(repo: SharedRepository)
         Reservation::Acquired { attempt: 2 },
         "request without fingerprint"
     );
-    ensure_eq!(cx.record(&key).await?.fingerprint, None);
-    cx.advance(LEASE);
-    let req = ReserveRequest {
-        fingerprint: fp(3),
-        ..cx.req(&key, OwnerToken::random())
-    };
-    ensure_eq!(
-        cx.repo.reserve(req).await?,
-        Reservation::Acquired { attempt: 3 },
-        "stored record without fingerprint"
-    );
-    ensure_eq!(cx.record(&key).await?.fingerprint, fp(3));
+    ensure_eq!(cx.record(&key).await?.fingerprint, fp(1));
     Ok(())
 }
 
@@ -633,7 +624,7 @@ pub async fn check_fail_by_owner(repo: SharedRepository) -> CheckResult {
     let owner = cx.acquire(&key).await?;
     let expires = cx.now() + Duration::from_secs(90);
     cx.repo
-        .fail(&key, owner, Some(b"card declined"), expires, cx.now())
+        .fail(&key, owner, Some(b"card declined"), true, expires, cx.now())
         .await?;
     let r = cx.record(&key).await?;
     ensure_eq!(r.status, Status::Failed);
@@ -650,7 +641,14 @@ pub async fn check_fail_wrong_owner_or_state(repo: SharedRepository) -> CheckRes
     cx.acquire(&key).await?;
     lease_lost(
         cx.repo
-            .fail(&key, OwnerToken::random(), None, cx.now() + TTL, cx.now())
+            .fail(
+                &key,
+                OwnerToken::random(),
+                None,
+                true,
+                cx.now() + TTL,
+                cx.now(),
+            )
             .await,
         "fail by a stranger",
     )?;
@@ -658,7 +656,7 @@ pub async fn check_fail_wrong_owner_or_state(repo: SharedRepository) -> CheckRes
     let (done, owner) = cx.completed("fail-done", Some(b"r")).await?;
     lease_lost(
         cx.repo
-            .fail(&done, owner, None, cx.now() + TTL, cx.now())
+            .fail(&done, owner, None, true, cx.now() + TTL, cx.now())
             .await,
         "fail after complete",
     )?;
@@ -669,6 +667,7 @@ pub async fn check_fail_wrong_owner_or_state(repo: SharedRepository) -> CheckRes
                 &cx.key("fail-absent"),
                 owner,
                 None,
+                true,
                 cx.now() + TTL,
                 cx.now(),
             )
@@ -744,7 +743,7 @@ pub async fn check_extend_by_owner(repo: SharedRepository) -> CheckResult {
     let owner = cx.acquire(&key).await?;
     cx.advance(LEASE / 2);
     let until = cx.now() + LEASE;
-    cx.repo.extend(&key, owner, until, cx.now()).await?;
+    cx.repo.extend(&key, owner, until, until, cx.now()).await?;
     let r = cx.record(&key).await?;
     ensure_eq!(r.lease_until, until);
     ensure_eq!(r.status, Status::Processing);
@@ -770,7 +769,13 @@ pub async fn check_extend_refused(repo: SharedRepository) -> CheckResult {
     let before = cx.record(&key).await?;
     lease_lost(
         cx.repo
-            .extend(&key, OwnerToken::random(), cx.now() + TTL, cx.now())
+            .extend(
+                &key,
+                OwnerToken::random(),
+                cx.now() + TTL,
+                cx.now() + TTL,
+                cx.now(),
+            )
             .await,
         "extend by a stranger",
     )?;
@@ -779,21 +784,21 @@ pub async fn check_extend_refused(repo: SharedRepository) -> CheckResult {
     cx.reserve(&key, OwnerToken::random()).await?;
     lease_lost(
         cx.repo
-            .extend(&key, owner, cx.now() + LEASE, cx.now())
+            .extend(&key, owner, cx.now() + LEASE, cx.now() + LEASE, cx.now())
             .await,
         "extend after a takeover",
     )?;
     let (done, owner) = cx.completed("extend-done", None).await?;
     lease_lost(
         cx.repo
-            .extend(&done, owner, cx.now() + LEASE, cx.now())
+            .extend(&done, owner, cx.now() + LEASE, cx.now() + LEASE, cx.now())
             .await,
         "extend after complete",
     )?;
     let (failed, owner) = cx.failed("extend-failed", None).await?;
     lease_lost(
         cx.repo
-            .extend(&failed, owner, cx.now() + LEASE, cx.now())
+            .extend(&failed, owner, cx.now() + LEASE, cx.now() + LEASE, cx.now())
             .await,
         "extend after fail",
     )?;
@@ -802,7 +807,7 @@ pub async fn check_extend_refused(repo: SharedRepository) -> CheckResult {
     cx.advance(TTL);
     lease_lost(
         cx.repo
-            .extend(&gone, owner, cx.now() + LEASE, cx.now())
+            .extend(&gone, owner, cx.now() + LEASE, cx.now() + LEASE, cx.now())
             .await,
         "extend of an expired record",
     )

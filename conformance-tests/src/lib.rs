@@ -59,10 +59,14 @@ use idempotency_core::SharedRepository;
 pub mod containers;
 
 mod checks;
+mod failure_paths;
+mod model;
 mod report;
 mod support;
 
 pub use checks::*;
+pub use failure_paths::*;
+pub use model::check_model_based_sequences;
 pub use report::{CheckOutcome, Report};
 pub use support::random_namespace;
 
@@ -219,6 +223,10 @@ define_suite! { $
     check_release_expired,
     check_extend_by_owner,
     check_extend_refused,
+    check_extend_moves_expiry,
+    check_reserve_resent_by_holder,
+    check_fail_remembers_retryable,
+    check_takeover_paths_write_every_field,
     check_get_absent_and_expired,
     check_delete,
     check_purge_expired,
@@ -229,6 +237,7 @@ define_suite! { $
     check_concurrent_many_keys,
     check_concurrent_takeover_single_winner,
     check_complete_races_takeover,
+    check_fenced_operations_race_takeover,
     check_manager_executes_once_and_replays,
     check_manager_duplicate_without_cache,
     check_manager_oversized_result_not_cached,
@@ -248,6 +257,7 @@ define_suite! { $
     check_manager_ttl_expiry,
     check_manager_scopes_isolate,
     check_capabilities_are_coherent,
+    check_model_based_sequences,
 }
 
 #[doc(hidden)]

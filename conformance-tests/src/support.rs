@@ -158,7 +158,7 @@ impl Ctx {
         let key = self.key(id);
         let owner = self.acquire(&key).await?;
         self.repo
-            .fail(&key, owner, error, self.now() + TTL, self.now())
+            .fail(&key, owner, error, true, self.now() + TTL, self.now())
             .await?;
         Ok((key, owner))
     }

@@ -30,6 +30,19 @@ enum Flaw {
     DropsEmptyResults,
     /// Encodes keys as `namespace:id` — not injective.
     CollidingKeys,
+    /// `extend` moves the lease but not the expiry.
+    ExtendKeepsExpiry,
+    /// `extend` sets the expiry as asked, also earlier.
+    ExtendLowersExpiry,
+    /// A `reserve` re-sent by the holder is answered `Existing`.
+    ResendIsExisting,
+    /// `fail` stores every failure as retryable.
+    EveryFailureRetryable,
+    /// A takeover stores the request's fingerprint, `None` included.
+    TakeoverDropsFingerprint,
+    /// `complete`, `fail`, `release` and `extend` check the owner, yield (a
+    /// round trip), then write whatever is there: check-then-write.
+    CheckThenWrite,
 }
 
 #[derive(Debug)]
@@ -58,16 +71,15 @@ impl Fixture {
         self.flaw == Flaw::IgnoresExpiry || !r.is_expired(now)
     }
 
-    fn owned<T>(
+    async fn owned<T>(
         &self,
         key: &RecordKey,
         owner: OwnerToken,
         now: Timestamp,
         f: impl FnOnce(&mut HashMap<String, Record>, String) -> T,
     ) -> Result<T, Error> {
-        let mut map = self.map.lock();
         let k = self.k(key);
-        let ok = match map.get(&k) {
+        let ok = match self.map.lock().get(&k) {
             Some(r) => {
                 self.live(r, now)
                     && r.status == Status::Processing
@@ -75,11 +87,15 @@ impl Fixture {
             }
             None => false,
         };
-        if ok {
-            Ok(f(&mut map, k))
-        } else {
-            Err(Error::LeaseLost { key: key.clone() })
+        if !ok {
+            return Err(Error::LeaseLost { key: key.clone() });
         }
+        if self.flaw == Flaw::CheckThenWrite {
+            // The smallest gap there is: one trip through the scheduler.
+            tokio::task::yield_now().await;
+        }
+        let mut map = self.map.lock();
+        Ok(f(&mut map, k))
     }
 }
 
@@ -118,9 +134,17 @@ impl Repository for Fixture {
                 Ok(Reservation::Acquired { attempt: 1 })
             }
             ReserveTransition::Takeover { attempt } => {
-                map.insert(k, reserved_record(existing.as_ref(), &req, attempt));
+                let mut record = reserved_record(existing.as_ref(), &req, attempt);
+                if self.flaw == Flaw::TakeoverDropsFingerprint {
+                    record.fingerprint = req.fingerprint;
+                }
+                map.insert(k, record);
                 Ok(Reservation::Acquired { attempt })
             }
+            ReserveTransition::AlreadyHeld { .. } if self.flaw == Flaw::ResendIsExisting => {
+                Ok(Reservation::Existing(existing.expect("held")))
+            }
+            ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
             ReserveTransition::Existing => map
                 .get(&k)
                 .cloned()
@@ -149,6 +173,7 @@ impl Repository for Fixture {
                 r.updated_at = now;
             }
         })
+        .await
     }
 
     async fn fail(
@@ -156,6 +181,7 @@ impl Repository for Fixture {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -163,10 +189,12 @@ impl Repository for Fixture {
             if let Some(r) = map.get_mut(&k) {
                 r.status = Status::Failed;
                 r.error = error.map(<[u8]>::to_vec);
+                r.retryable = retryable || self.flaw == Flaw::EveryFailureRetryable;
                 r.expires_at = expires_at;
                 r.updated_at = now;
             }
         })
+        .await
     }
 
     async fn release(
@@ -182,6 +210,7 @@ impl Repository for Fixture {
         self.owned(key, owner, now, |map, k| {
             map.remove(&k);
         })
+        .await
     }
 
     async fn extend(
@@ -189,14 +218,21 @@ impl Repository for Fixture {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
         self.owned(key, owner, now, |map, k| {
             if let Some(r) = map.get_mut(&k) {
                 r.lease_until = lease_until;
+                r.expires_at = match self.flaw {
+                    Flaw::ExtendKeepsExpiry => r.expires_at,
+                    Flaw::ExtendLowersExpiry => expires_at,
+                    _ => r.expires_at.max(expires_at),
+                };
                 r.updated_at = now;
             }
         })
+        .await
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
@@ -297,4 +333,56 @@ async fn dropping_empty_results_is_caught() {
 async fn colliding_key_encoding_is_caught() {
     let r = report(Flaw::CollidingKeys).await;
     assert_fails(&r, &["check_adversarial_keys_are_distinct"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extension_that_keeps_expiry_is_caught() {
+    let r = report(Flaw::ExtendKeepsExpiry).await;
+    assert_fails(&r, &["check_extend_moves_expiry"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn extension_that_lowers_expiry_is_caught() {
+    let r = report(Flaw::ExtendLowersExpiry).await;
+    assert_fails(&r, &["check_extend_moves_expiry"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn resent_reserve_answered_existing_is_caught() {
+    let r = report(Flaw::ResendIsExisting).await;
+    assert_fails(&r, &["check_reserve_resent_by_holder"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retrying_permanent_failures_is_caught() {
+    let r = report(Flaw::EveryFailureRetryable).await;
+    assert_fails(&r, &["check_fail_remembers_retryable"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn takeover_dropping_the_fingerprint_is_caught() {
+    let r = report(Flaw::TakeoverDropsFingerprint).await;
+    assert_fails(
+        &r,
+        &[
+            "check_takeover_paths_write_every_field",
+            "check_reserve_takeover_with_one_fingerprint",
+        ],
+    );
+}
+
+/// The race check must catch a check-then-write store on every run: run it
+/// many times and require every run to fail it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn check_then_write_fencing_is_caught_every_run() {
+    let check = idempotency_conformance::check_named("check_fenced_operations_race_takeover")
+        .expect("the check exists");
+    for run in 0..20 {
+        let result =
+            idempotency_conformance::run_check(check, Fixture::shared(Flaw::CheckThenWrite)).await;
+        assert!(
+            result.is_err(),
+            "run {run}: a check-then-write store passed"
+        );
+    }
 }

@@ -127,12 +127,30 @@ impl Kind {
         }
     }
 
-    /// The image to start: `IDEMPOTENCY_TEST_<KIND>_IMAGE`, else the official one.
+    /// The image to start: `IDEMPOTENCY_TEST_<KIND>_IMAGE`; else the official
+    /// one when the engine has it; else the locally baked one
+    /// (`scripts/bake-images.sh`) when the engine has that; else the official one,
+    /// to be pulled. So plain `cargo test` after baking needs no variable, and a
+    /// machine with a registry keeps the official images.
     pub(crate) fn image(self) -> ImageRef {
         match std::env::var(self.image_variable()) {
             Ok(value) if !value.trim().is_empty() => ImageRef::parse(value.trim()),
-            _ => ImageRef::parse(self.default_image()),
+            _ => ImageRef::parse(self.local_default()),
         }
+    }
+
+    /// The official image, or the baked one when only that is present (asked
+    /// once per process).
+    fn local_default(self) -> &'static str {
+        static CHOSEN: [std::sync::OnceLock<&'static str>; 3] =
+            [const { std::sync::OnceLock::new() }; 3];
+        CHOSEN[self as usize].get_or_init(|| {
+            if !image_present(self.default_image()) && image_present(self.baked_image()) {
+                self.baked_image()
+            } else {
+                self.default_image()
+            }
+        })
     }
 
     /// The value of the variable naming an existing server, if set.
@@ -142,6 +160,16 @@ impl Kind {
             _ => None,
         }
     }
+}
+
+/// Whether the local Docker engine has `image` (no pull is attempted).
+fn image_present(image: &str) -> bool {
+    std::process::Command::new("docker")
+        .args(["image", "inspect", "--format", "{{.Id}}", image])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success())
 }
 
 /// `name[:tag]`, the tag defaulting to `latest`.

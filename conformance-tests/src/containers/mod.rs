@@ -34,6 +34,11 @@
 //!
 //! - When the "existing server" variable is set, no container is started for
 //!   that kind (CI service containers).
+//! - Without the image variable, the official image is used when the Docker
+//!   engine has it, else the locally baked `idempotency-test/<kind>:bookworm`
+//!   when the engine has that (so plain `cargo test` works after
+//!   `scripts/bake-images.sh`, with no variable), else the official image is
+//!   pulled.
 //! - Otherwise the image is started with testcontainers, published on
 //!   `127.0.0.1` only. Readiness is checked with the real protocol (`PING`,
 //!   `SELECT 1`, `ListTables`), retried until `IDEMPOTENCY_TEST_READY_TIMEOUT_SECS`
