@@ -56,6 +56,7 @@
 //! | key | `namespace` and `id` as `bytea` (their UTF-8 bytes): injective for every string, NUL included |
 //! | `max_id_bytes` | 1024 (longer ids are digested by the manager); namespaces ≤ 512 bytes (core limit) |
 //! | `max_result_bytes` | 16 MiB per result or stored error (`bytea`; larger → `TooLarge`, the manager completes without caching) |
+//! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) is a client-side timer around this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer); the manager's `store_timeout` bounds every call anyway |
 //! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57P01–57P03, 40001, 40P01 → `Unavailable`; `57014`, `55P03`, the operation timeout → `Timeout` |
 //! | corrupt rows | wrong-length owner or fingerprint, unknown status, negative instants → `Corrupt` naming the key |
 //!
@@ -75,7 +76,7 @@
 //! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: its `INSERT … ON CONFLICT DO NOTHING` inserts |
 //! | `reserve`, duplicate | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the row, the function decides and returns it |
 //! | `reserve`, takeover / expired row | 1 | same call: plus one `UPDATE` of the locked row |
-//! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` |
+//! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`extend` sets `expires_at = GREATEST(expires_at, $new)`) |
 //! | `release` | 1 | `DELETE …` with the same condition |
 //! | `get` | 1 | `SELECT … WHERE key AND expires_at > now` |
 //! | `delete` | 1 | `DELETE … WHERE key` |
@@ -102,9 +103,11 @@
 //! 3. Under the lock, the rule of `idempotency_core::decision::reserve_transition`
 //!    is applied to the caller's `now`, `lease_cutoff()`, `retry_failed` and
 //!    fingerprint, all parameters: an expired row is overwritten as a new record
-//!    (attempt 1), a stale `Processing` or retryable `Failed` row is taken over
-//!    (attempt + 1, `created_at` kept) unless the fingerprints conflict;
-//!    otherwise the row is returned unchanged.
+//!    (attempt 1); a live `Processing` row held by the caller's owner token (a
+//!    re-sent reserve) answers `Acquired` with its attempt, unchanged; a stale
+//!    `Processing` or retryable `Failed` row is taken over (attempt + 1,
+//!    `created_at` kept, the stored fingerprint kept when the request has none)
+//!    unless the fingerprints conflict; otherwise the row is returned unchanged.
 //!
 //! Every decision is made by the one transaction holding the row lock, on the
 //! row's newest version, so exactly one concurrent reserver acquires a given
@@ -122,6 +125,7 @@
 //!     fingerprint bytea,                 -- 32-byte SHA-256 of the payload
 //!     result      bytea,                 -- cached outcome (NULL ≠ empty)
 //!     error       bytea,                 -- stored failure
+//!     retryable   boolean NOT NULL,      -- whether a Failed row may be retried (migration 3)
 //!     lease_until bigint NOT NULL,       -- milliseconds since the Unix epoch, caller's clock
 //!     expires_at  bigint NOT NULL,
 //!     created_at  bigint NOT NULL,

@@ -25,6 +25,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "reserve answers duplicates of live records without a row lock",
         sql: include_str!("sql/0002_read_only_duplicates.sql"),
     },
+    Migration {
+        version: 3,
+        description: "retryable failures, re-sent reserves, fingerprint kept on takeover",
+        sql: include_str!("sql/0003_contract_v2.sql"),
+    },
 ];
 
 /// The advisory lock every `migrate()` of this crate takes (two `int4` keys:

@@ -69,7 +69,7 @@ pub struct Statements {
 
 /// The columns of a record, in the order `decode_record` reads them.
 const RECORD_COLUMNS: &str =
-    "status, owner, attempt, fingerprint, result, error, lease_until, expires_at, created_at, updated_at";
+    "status, owner, attempt, fingerprint, result, error, retryable, lease_until, expires_at, created_at, updated_at";
 
 impl Statements {
     /// `reserve`: a call of the reservation function, binding namespace, id,
@@ -85,7 +85,8 @@ impl Statements {
         &self.complete
     }
 
-    /// `fail`: as [`complete`](Self::complete), storing the error.
+    /// `fail`: as [`complete`](Self::complete), storing the error, then
+    /// whether it is retryable.
     pub fn fail(&self) -> &str {
         &self.fail
     }
@@ -96,7 +97,7 @@ impl Statements {
     }
 
     /// `extend`: the owner-checked `UPDATE` binding namespace, id, owner, lease
-    /// end and now.
+    /// end, now and the expiry to raise to (never lowered).
     pub fn extend(&self) -> &str {
         &self.extend
     }
@@ -149,12 +150,12 @@ impl Statements {
             ),
             fail: format!(
                 "UPDATE {qualified} SET status = 'failed', error = $4, expires_at = $5, \
-                 updated_at = $6 WHERE {live_owned} AND expires_at > $6"
+                 updated_at = $6, retryable = $7 WHERE {live_owned} AND expires_at > $6"
             ),
             release: format!("DELETE FROM {qualified} WHERE {live_owned} AND expires_at > $4"),
             extend: format!(
-                "UPDATE {qualified} SET lease_until = $4, updated_at = $5 \
-                 WHERE {live_owned} AND expires_at > $5"
+                "UPDATE {qualified} SET lease_until = $4, updated_at = $5, \
+                 expires_at = GREATEST(expires_at, $6) WHERE {live_owned} AND expires_at > $5"
             ),
             get: format!(
                 "SELECT {RECORD_COLUMNS} FROM {qualified} \

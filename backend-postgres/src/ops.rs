@@ -88,10 +88,14 @@ fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<Record, Erro
         fingerprint,
         result: row.try_get(at + 4).map_err(|e| corrupt(e, key))?,
         error: row.try_get(at + 5).map_err(|e| corrupt(e, key))?,
-        lease_until: timestamp(row, at + 6, key)?,
-        expires_at: timestamp(row, at + 7, key)?,
-        created_at: timestamp(row, at + 8, key)?,
-        updated_at: timestamp(row, at + 9, key)?,
+        retryable: status == Status::Failed
+            && row
+                .try_get::<bool, _>(at + 6)
+                .map_err(|e| corrupt(e, key))?,
+        lease_until: timestamp(row, at + 7, key)?,
+        expires_at: timestamp(row, at + 8, key)?,
+        created_at: timestamp(row, at + 9, key)?,
+        updated_at: timestamp(row, at + 10, key)?,
     })
 }
 
@@ -143,6 +147,7 @@ pub(crate) async fn finish<'e>(
     owner: OwnerToken,
     status: Status,
     value: Option<&[u8]>,
+    retryable: bool,
     expires_at: Timestamp,
     now: Timestamp,
 ) -> Result<(), Error> {
@@ -152,13 +157,17 @@ pub(crate) async fn finish<'e>(
         _ => (&sql.fail, "fail", "error"),
     };
     check_size(what, value)?;
-    let done = sqlx::query(statement)
+    let mut query = sqlx::query(statement)
         .bind(key.namespace().as_bytes())
         .bind(key.id().as_bytes())
         .bind(owner.to_bytes().to_vec())
         .bind(value)
         .bind(ts(expires_at))
-        .bind(ts(now))
+        .bind(ts(now));
+    if status == Status::Failed {
+        query = query.bind(retryable);
+    }
+    let done = query
         .execute(exec)
         .await
         .map_err(|e| map_sqlx(e, operation, Some(key), &sql.qualified))?;
@@ -192,6 +201,7 @@ pub(crate) async fn extend<'e>(
     key: &RecordKey,
     owner: OwnerToken,
     lease_until: Timestamp,
+    expires_at: Timestamp,
     now: Timestamp,
 ) -> Result<(), Error> {
     check_key(key)?;
@@ -201,6 +211,7 @@ pub(crate) async fn extend<'e>(
         .bind(owner.to_bytes().to_vec())
         .bind(ts(lease_until))
         .bind(ts(now))
+        .bind(ts(expires_at))
         .execute(exec)
         .await
         .map_err(|e| map_sqlx(e, "extend", Some(key), &sql.qualified))?;

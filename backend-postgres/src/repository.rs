@@ -38,10 +38,6 @@ pub struct PgRepository {
     operation_timeout: Option<Duration>,
 }
 
-/// How much longer than a server-side `statement_timeout` the client waits
-/// before giving up on a connection that stopped answering.
-const CLIENT_TIMEOUT_MARGIN: Duration = Duration::from_secs(2);
-
 impl fmt::Debug for PgRepository {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgRepository")
@@ -238,18 +234,17 @@ impl PgRepositoryBuilder {
         self
     }
 
-    /// An upper bound on each operation, after which it fails with
-    /// [`Error::Timeout`] (default none: a reservation may legitimately wait for
-    /// a row lock held by a transactional handler).
+    /// An upper bound on each of this crate's operations, after which it fails
+    /// with [`Error::Timeout`] (default none: a reservation may legitimately wait
+    /// for a row lock held by a transactional handler; the manager's own
+    /// `store_timeout` bounds every call anyway).
     ///
-    /// On pools this builder creates it becomes the connections'
-    /// `statement_timeout`, so the server cancels the statement and its effect is
-    /// known (none); a client-side timer of the same bound plus 2 s backs it up
-    /// against half-open connections. Note that it then applies to every
-    /// statement on those connections, including a transactional handler's. With
-    /// [`build_with_pool`](Self::build_with_pool) only the client-side timer
-    /// exists (at exactly this bound), and a statement abandoned by it may still
-    /// complete on the server.
+    /// It is a client-side timer around this crate's statements only — never a
+    /// connection's `statement_timeout`, which would also cut the business
+    /// statements a transactional handler runs on the same connection. A
+    /// statement abandoned by the timer may still complete on the server: the
+    /// timeout is ambiguous ("maybe applied"), and the manager retries it with
+    /// the same owner token, which the contract makes safe.
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = Some(timeout);
         self
@@ -346,22 +341,18 @@ impl PgRepositoryBuilder {
         })
     }
 
+    /// The connection options. No `statement_timeout` is set on the
+    /// connections: it would also bound the business statements a
+    /// transactional handler runs on them (see [`PgTransactionalManager`](crate::PgTransactionalManager)).
     fn connect_options(&self, options: &UrlOptions) -> Result<PgConnectOptions, Error> {
-        let connect = PgConnectOptions::from_str(&options.sqlx_url)
-            .map_err(|e| Error::config(format!("invalid PostgreSQL URL: {e}")))?;
-        Ok(match self.operation_timeout {
-            Some(limit) => connect.options([(
-                "statement_timeout",
-                format!("{}ms", limit.as_millis().max(1)),
-            )]),
-            None => connect,
-        })
+        PgConnectOptions::from_str(&options.sqlx_url)
+            .map_err(|e| Error::config(format!("invalid PostgreSQL URL: {e}")))
     }
 
-    /// The client-side backstop of a server-side `statement_timeout`.
+    /// The bound on each of this crate's own statements, on the client: only
+    /// they are bounded, never the caller's statements on the same connection.
     fn client_timeout(&self) -> Option<Duration> {
         self.operation_timeout
-            .map(|limit| limit.saturating_add(CLIENT_TIMEOUT_MARGIN))
     }
 
     /// Pools created here skip sqlx's ping before handing out a connection, so
@@ -406,6 +397,7 @@ impl Repository for PgRepository {
             owner,
             Status::Completed,
             result,
+            false,
             expires_at,
             now,
         );
@@ -417,6 +409,7 @@ impl Repository for PgRepository {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -427,6 +420,7 @@ impl Repository for PgRepository {
             owner,
             Status::Failed,
             error,
+            retryable,
             expires_at,
             now,
         );
@@ -451,9 +445,18 @@ impl Repository for PgRepository {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let fut = ops::extend(&self.sql, &self.pool, key, owner, lease_until, now);
+        let fut = ops::extend(
+            &self.sql,
+            &self.pool,
+            key,
+            owner,
+            lease_until,
+            expires_at,
+            now,
+        );
         self.timed("extend", fut).await
     }
 

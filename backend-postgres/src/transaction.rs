@@ -4,11 +4,12 @@
 use std::fmt;
 use std::sync::Arc;
 
-use idempotency_core::decision::{
-    decide_duplicate, failure_action, should_cache_result, DuplicateDecision, FailureAction,
+use idempotency_core::decision::decide_duplicate;
+use idempotency_core::stages::{
+    answer_duplicate, cacheable_result, failure_record, reserve_request, FailureRecord,
 };
 use idempotency_core::{
-    BoxFuture, Clock, Codec, Config, Error, ExecuteError, FailurePolicy, Fingerprint, HandlerError,
+    escape_part, BoxFuture, Clock, Codec, Config, Error, ExecuteError, Fingerprint, HandlerError,
     JsonCodec, Outcome, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
     Status, SystemClock, Timestamp,
 };
@@ -112,6 +113,7 @@ impl<'a> PgTransactionRepository<'a> {
             owner,
             Status::Completed,
             result,
+            false,
             expires_at,
             now,
         );
@@ -127,6 +129,7 @@ impl<'a> PgTransactionRepository<'a> {
         key: &RecordKey,
         owner: OwnerToken,
         error: Option<&[u8]>,
+        retryable: bool,
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
@@ -138,6 +141,7 @@ impl<'a> PgTransactionRepository<'a> {
             owner,
             Status::Failed,
             error,
+            retryable,
             expires_at,
             now,
         );
@@ -168,10 +172,19 @@ impl<'a> PgTransactionRepository<'a> {
         key: &RecordKey,
         owner: OwnerToken,
         lease_until: Timestamp,
+        expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
         let sql = self.repo.statements();
-        let fut = ops::extend(sql, &mut *self.conn, key, owner, lease_until, now);
+        let fut = ops::extend(
+            sql,
+            &mut *self.conn,
+            key,
+            owner,
+            lease_until,
+            expires_at,
+            now,
+        );
         self.repo.timed("extend", fut).await
     }
 
@@ -234,10 +247,10 @@ impl<'a> PgTransactionRepository<'a> {
 /// nobody waits on a `Processing` record, the handler cannot run without its
 /// transaction, and the lease does not matter while the row is locked.
 ///
-/// Handler errors roll the transaction back. Under [`FailurePolicy::Store`] /
-/// [`FailurePolicy::StoreAndRetry`] (or a [`HandlerError::permanent`] error) the
+/// Handler errors roll the transaction back. Under [`FailurePolicy::Store`](idempotency_core::FailurePolicy::Store) /
+/// [`FailurePolicy::StoreAndRetry`](idempotency_core::FailurePolicy::StoreAndRetry) (or a [`HandlerError::permanent`] error) the
 /// failure is then recorded in a second, short transaction so duplicates get
-/// [`Error::PreviouslyFailed`]; under the default [`FailurePolicy::Release`]
+/// [`Error::PreviouslyFailed`]; under the default [`FailurePolicy::Release`](idempotency_core::FailurePolicy::Release)
 /// nothing remains and a redelivery runs again. A panicking or cancelled handler
 /// drops the transaction, which rolls back.
 ///
@@ -304,7 +317,7 @@ impl PgTransactionalManager<JsonCodec> {
         config.validate()?;
         Ok(PgTransactionalManager {
             repo,
-            namespace: config.key_prefix.as_str().into(),
+            namespace: escape_part(&config.key_prefix).into(),
             config: Arc::new(config),
             clock: Arc::new(SystemClock),
             codec: JsonCodec,
@@ -336,7 +349,7 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
     /// [`IdempotencyManager::scoped`](idempotency_core::IdempotencyManager::scoped).
     pub fn scoped(&self, scope: &str) -> Self {
         PgTransactionalManager {
-            namespace: format!("{}:{scope}", self.namespace).into(),
+            namespace: format!("{}:{}", self.namespace, escape_part(scope)).into(),
             ..self.clone()
         }
     }
@@ -400,7 +413,7 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         let mut tx = self.repo.pool().begin().await.map_err(map)?;
         let now = self.clock.now();
         let owner = OwnerToken::random();
-        let request = self.request(&key, owner, fingerprint, now);
+        let request = reserve_request(&self.config, &key, owner, fingerprint, now);
         let reservation = self.repo.in_transaction(&mut tx).reserve(request).await?;
         if let Reservation::Existing(record) = reservation {
             // Only a lock was taken; end the transaction before answering. A
@@ -409,12 +422,13 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
             if let Err(e) = tx.rollback().await {
                 tracing::debug!(key = %key, error = %e, "rollback after a duplicate failed");
             }
-            return self.answer_duplicate(key, record, fingerprint.as_ref(), now);
+            return self.answer_duplicate(&key, record, fingerprint.as_ref(), now);
         }
 
         match handler(&mut tx).await {
             Ok(value) => {
-                let bytes = self.encode_result(&value);
+                let bytes =
+                    cacheable_result(&self.codec, &self.config, Some(MAX_RESULT_BYTES), &value);
                 let now = self.clock.now();
                 let expires_at = now + self.config.ttl;
                 let mut ops = self.repo.in_transaction(&mut tx);
@@ -436,92 +450,41 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
                     // The connection is closed on error, which rolls back too.
                     tracing::warn!(key = %key, error = %e, "rollback after a handler error failed");
                 }
-                if failure_action(err.kind(), self.config.failure_policy)
-                    == FailureAction::StoreFailed
-                {
-                    self.store_failure(&key, fingerprint, &err).await;
+                let record = failure_record(
+                    &self.config,
+                    Some(MAX_RESULT_BYTES),
+                    err.kind(),
+                    err.to_string(),
+                );
+                if let FailureRecord::Store { error, retryable } = record {
+                    self.store_failure(&key, fingerprint, &error, retryable)
+                        .await;
                 }
                 Err(ExecuteError::Handler(err.into_inner()))
             }
         }
     }
 
-    fn request<'k>(
-        &self,
-        key: &'k RecordKey,
-        owner: OwnerToken,
-        fingerprint: Option<Fingerprint>,
-        now: Timestamp,
-    ) -> ReserveRequest<'k> {
-        ReserveRequest {
-            key,
-            owner,
-            fingerprint,
-            now,
-            lease_until: now + self.config.processing_timeout,
-            expires_at: now + self.config.ttl,
-            retry_failed: self.config.failure_policy == FailurePolicy::StoreAndRetry,
-            clock_skew: self.config.clock_skew,
-        }
-    }
-
-    fn encode_result<T: Serialize>(&self, value: &T) -> Option<Vec<u8>> {
-        if !self.config.cache_results {
-            return None;
-        }
-        match self.codec.encode(value) {
-            Ok(bytes)
-                if should_cache_result(
-                    bytes.len(),
-                    true,
-                    self.config.max_result_size_bytes,
-                    Some(MAX_RESULT_BYTES),
-                ) =>
-            {
-                Some(bytes)
-            }
-            Ok(bytes) => {
-                tracing::debug!(
-                    size = bytes.len(),
-                    "result too large to cache; completing without it"
-                );
-                None
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "result could not be encoded; completing without it");
-                None
-            }
-        }
-    }
-
     fn answer_duplicate<T: DeserializeOwned, E>(
         &self,
-        key: RecordKey,
+        key: &RecordKey,
         record: Record,
         fingerprint: Option<&Fingerprint>,
         now: Timestamp,
     ) -> Result<Outcome<T>, ExecuteError<E>> {
-        match decide_duplicate(record, fingerprint, now, self.config.clock_skew) {
-            DuplicateDecision::Replay(bytes) => Ok(Outcome::Cached(self.codec.decode(&bytes)?)),
-            DuplicateDecision::Duplicate => Ok(Outcome::Duplicate),
-            DuplicateDecision::PayloadMismatch => Err(Error::PayloadMismatch { key }.into()),
-            DuplicateDecision::PreviouslyFailed(error) => {
-                Err(Error::PreviouslyFailed { key, error }.into())
-            }
-            DuplicateDecision::InProgress { retry_after } => {
-                Err(Error::InProgress { key, retry_after }.into())
-            }
-        }
+        let decision = decide_duplicate(record, fingerprint, now, self.config.clock_skew);
+        answer_duplicate(&self.codec, key, decision)
     }
 
     /// Records `Failed` after the rollback, in its own short transaction
     /// (reserve + fail), so duplicates get the stored error. Best effort: a
     /// failure to record it is logged, and the next delivery runs again.
-    async fn store_failure<E: fmt::Display>(
+    async fn store_failure(
         &self,
         key: &RecordKey,
         fingerprint: Option<Fingerprint>,
-        err: &HandlerError<E>,
+        error: &[u8],
+        retryable: bool,
     ) {
         let result: Result<(), Error> = async {
             let sql = self.repo.statements();
@@ -529,19 +492,12 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
             let mut tx = self.repo.pool().begin().await.map_err(map)?;
             let now = self.clock.now();
             let owner = OwnerToken::random();
-            let request = self.request(key, owner, fingerprint, now);
+            let request = reserve_request(&self.config, key, owner, fingerprint, now);
             let mut ops = self.repo.in_transaction(&mut tx);
             if let Reservation::Acquired { .. } = ops.reserve(request).await? {
-                let limit = self.config.max_result_size_bytes.min(MAX_RESULT_BYTES);
-                let message = truncate_utf8(err.to_string(), limit);
-                ops.fail(
-                    key,
-                    owner,
-                    Some(message.as_bytes()),
-                    now + self.config.ttl,
-                    now,
-                )
-                .await?;
+                let expires_at = now + self.config.ttl;
+                ops.fail(key, owner, Some(error), retryable, expires_at, now)
+                    .await?;
                 tx.commit().await.map_err(map)?;
             }
             // Existing: another attempt got there first; leave its record alone.
@@ -552,15 +508,4 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
             tracing::warn!(key = %key, error = %e, "could not record the handler failure; a redelivery runs again");
         }
     }
-}
-
-fn truncate_utf8(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        let mut cut = max;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
-    }
-    s
 }

@@ -69,7 +69,7 @@ async fn concurrent_migrate_applies_once() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2]);
+    assert_eq!(versions, vec![1, 2, 3]);
 
     // Idempotent: again, and the table works.
     let repo = PgRepository::builder()
@@ -255,4 +255,68 @@ async fn unreachable_server_is_unavailable() {
     assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
     assert!(err.is_retryable());
     assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+/// Migration 3 over a table at migration 2: the `retryable` column is added,
+/// failed rows written before it stay open to a retrying takeover (as they
+/// were), and the new reservation function answers a re-sent reserve as ours.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_3_upgrades_a_table_at_migration_2() {
+    let schema = common::unique("idem_mig3");
+    let url = common::server_url().await;
+    let repo = PgRepository::builder()
+        .schema(schema.as_str())
+        .table("records")
+        .connect(&url)
+        .await
+        .unwrap();
+    repo.migrate().await.unwrap();
+    // Back to the shape of migration 2, with a failed row written then.
+    let pool = admin().await;
+    for statement in [
+        format!("DELETE FROM \"{schema}\".records_migrations WHERE version = 3"),
+        format!("ALTER TABLE \"{schema}\".records DROP COLUMN retryable"),
+        format!(
+            "INSERT INTO \"{schema}\".records (namespace, id, status, owner, attempt, \
+             fingerprint, result, error, lease_until, expires_at, created_at, updated_at) \
+             VALUES ('ns', 'old-failure', 'failed', '\\x000102030405060708090a0b0c0d0e0f', 1, \
+             NULL, NULL, 'e', 1000000, 9000000, 1000000, 1000000)"
+        ),
+    ] {
+        sqlx::query(&statement).execute(&pool).await.unwrap();
+    }
+    repo.migrate().await.unwrap();
+    let versions: Vec<i32> = sqlx::query_scalar(&format!(
+        "SELECT version FROM \"{schema}\".records_migrations ORDER BY version"
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(versions, vec![1, 2, 3]);
+    let key = RecordKey::new("ns", "old-failure", 256).unwrap();
+    let now = Timestamp::from_millis(1_000_000);
+    let old = repo.get(&key, now).await.unwrap().unwrap();
+    assert!(
+        old.retryable,
+        "a failure from before the upgrade stays retryable"
+    );
+    let retry = ReserveRequest {
+        retry_failed: true,
+        ..request(&key)
+    };
+    let owner = retry.owner;
+    assert_eq!(
+        repo.reserve(retry.clone()).await.unwrap(),
+        Reservation::Acquired { attempt: 2 }
+    );
+    // Re-sent by the same owner: ours, nothing written.
+    let before = repo.get(&key, now).await.unwrap().unwrap();
+    assert_eq!(
+        repo.reserve(ReserveRequest { owner, ..retry })
+            .await
+            .unwrap(),
+        Reservation::Acquired { attempt: 2 }
+    );
+    assert_eq!(repo.get(&key, now).await.unwrap().unwrap(), before);
+    drop_schema(&schema).await;
 }

@@ -89,7 +89,9 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
         })
         .await
         .unwrap();
-        ops.extend(&w, owner, t + lease, t).await.unwrap();
+        ops.extend(&w, owner, t + lease, t + lease, t)
+            .await
+            .unwrap();
         ops.get(&w, t).await.unwrap();
         ops.complete(&w, owner, None, t + lease, t).await.unwrap();
         ops.delete(&w).await.unwrap();
@@ -100,7 +102,7 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
         })
         .await
         .unwrap();
-        ops.fail(&w, owner, None, t + lease, t).await.unwrap();
+        ops.fail(&w, owner, None, true, t + lease, t).await.unwrap();
         ops.release(&w, owner, t).await.unwrap_err();
         ops.delete(&w).await.unwrap();
         ops.purge_expired(Timestamp::EPOCH, 1).await.unwrap();
@@ -150,7 +152,7 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
         "extend",
         one,
         repo.in_transaction(&mut conn)
-            .extend(&k1, owner2, t2 + lease, t2)
+            .extend(&k1, owner2, t2 + lease, t2 + lease, t2)
             .await
             .unwrap()
     );
@@ -207,7 +209,7 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
         "fail",
         one,
         repo.in_transaction(&mut conn)
-            .fail(&k2, owner3, Some(b"e"), t + lease, t)
+            .fail(&k2, owner3, Some(b"e"), true, t + lease, t)
             .await
             .unwrap()
     );

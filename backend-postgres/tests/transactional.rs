@@ -553,15 +553,15 @@ async fn manual_transaction_handle_commits_or_rolls_back_with_the_caller() {
         ops.reserve(request(owner)).await.unwrap(),
         Reservation::Acquired { attempt: 1 }
     );
-    ops.extend(&key, owner, now + Duration::from_secs(60), now)
-        .await
-        .unwrap();
+    let until = now + Duration::from_secs(60);
+    ops.extend(&key, owner, until, until, now).await.unwrap();
     sqlx::query(&insert).execute(&mut *tx).await.unwrap();
     let mut ops = w.repo.in_transaction(&mut tx);
     ops.fail(
         &key,
         owner,
         Some(b"kept"),
+        false,
         now + Duration::from_secs(3600),
         now,
     )
@@ -582,4 +582,58 @@ async fn manual_transaction_handle_commits_or_rolls_back_with_the_caller() {
     let mut conn = w.repo.pool().acquire().await.unwrap();
     assert!(w.repo.in_transaction(&mut conn).delete(&key).await.unwrap());
     w.drop_orders().await;
+}
+
+/// The repository's operation timeout bounds this crate's statements only: a
+/// business statement in the handler's transaction may run longer (it used to
+/// be cancelled by a connection-wide `statement_timeout`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn business_statements_may_outlast_the_operation_timeout() {
+    let w = World::new().await;
+    let repo = PgRepository::builder()
+        .table(w.repo.table())
+        .operation_timeout(Duration::from_millis(100))
+        .connect(&common::server_url().await)
+        .await
+        .unwrap();
+    let config = Config {
+        key_prefix: w.ns.clone(),
+        ..Config::default()
+    };
+    let m = PgTransactionalManager::new(repo, config).unwrap();
+    let out = m
+        .execute("slow-order", &1, slow_order(w.orders.clone()))
+        .await
+        .unwrap();
+    assert!(
+        matches!(&out, Outcome::Executed(r) if r == "done"),
+        "{out:?}"
+    );
+    assert_eq!(w.orders().await, vec![("slow".to_owned(), 1)]);
+    assert_eq!(w.record_status("slow-order").await, Some(Status::Completed));
+    w.drop_orders().await;
+}
+
+/// A handler whose first statement takes 400 ms on the server.
+fn slow_order(
+    table: String,
+) -> impl for<'c> FnOnce(
+    &'c mut PgConnection,
+) -> idempotency_core::BoxFuture<'c, Result<String, HandlerError<String>>> {
+    move |conn: &mut PgConnection| {
+        Box::pin(async move {
+            let fail = |e: sqlx::Error| HandlerError::permanent(e.to_string());
+            sqlx::query("SELECT pg_sleep(0.4)")
+                .execute(&mut *conn)
+                .await
+                .map_err(fail)?;
+            sqlx::query(&format!(
+                "INSERT INTO {table} (id, amount) VALUES ('slow', 1)"
+            ))
+            .execute(&mut *conn)
+            .await
+            .map_err(fail)?;
+            Ok("done".to_owned())
+        })
+    }
 }
