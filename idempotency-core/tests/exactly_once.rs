@@ -10,8 +10,8 @@ use std::time::Duration;
 use idempotency_core::testing::{Fault, FaultyRepository, Operation, TokioClock};
 use idempotency_core::{
     CancelPolicy, Config, Error, ExecuteError, ExecutionContext, FailurePolicy, HandlerError,
-    IdempotencyManager, JsonCodec, MemoryRepository, OutagePolicy, Outcome, Repository,
-    SharedRepository, Status,
+    IdempotencyManager, InProgressPolicy, JsonCodec, MemoryRepository, OutagePolicy, Outcome,
+    Repository, SharedRepository, Status,
 };
 
 type Store = Arc<FaultyRepository<MemoryRepository>>;
@@ -550,4 +550,145 @@ async fn lease_lost_fires_when_another_owner_took_over() {
         })
         .await;
     assert!(matches!(r, Ok(Outcome::LeaseLost(()))), "{r:?}");
+}
+
+/// Waiting for a live holder, then an outage: the answer is the holder's
+/// `InProgress`, never a fail-open run beside the holder.
+#[tokio::test(start_paused = true)]
+async fn an_outage_while_waiting_for_a_holder_is_not_a_fail_open_run() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        on_store_outage: OutagePolicy::FailOpen,
+        in_progress: InProgressPolicy::Wait {
+            timeout: Duration::from_secs(10),
+            poll_interval: Duration::from_millis(100),
+        },
+        ..Config::default()
+    };
+    let m = Arc::new(manager(&repo, config, &clock));
+    let (release_holder, holder_may_finish) = tokio::sync::oneshot::channel::<()>();
+    let holder = tokio::spawn({
+        let m = m.clone();
+        async move {
+            m.execute("k", &(), || async {
+                let _ = holder_may_finish.await;
+                Ok::<_, HandlerError<String>>(1)
+            })
+            .await
+        }
+    });
+    eventually(async || repo.calls(Operation::Reserve) == 1).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let waiter = tokio::spawn({
+        let (m, runs) = (m.clone(), runs.clone());
+        async move { m.execute("k", &(), || async { charge(&runs) }).await }
+    });
+    eventually(async || repo.calls(Operation::Reserve) == 2).await;
+    repo.set_unavailable(true);
+    let r = waiter.await.unwrap();
+    assert!(
+        matches!(r, Err(ExecuteError::Idempotency(Error::InProgress { .. }))),
+        "{r:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "no run beside the holder");
+    repo.heal();
+    release_holder.send(()).unwrap();
+    assert!(matches!(holder.await.unwrap(), Ok(Outcome::Executed(1))));
+}
+
+/// A reserve applied but unanswered, then a 5 s outage: the cleanup keeps
+/// retrying through the outage (up to the lease the lost attempt may hold),
+/// so the key is free when the store is back, not blocked for the lease.
+#[tokio::test(start_paused = true)]
+async fn the_cleanup_after_a_failed_reserve_outlasts_the_outage() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::LoseReply, 1);
+    let clock = TokioClock::starting_now();
+    let m = manager(&repo, Config::default(), &clock);
+    let outage = tokio::spawn({
+        let repo = repo.clone();
+        async move {
+            while repo.calls(Operation::Reserve) < 1 {
+                tokio::task::yield_now().await;
+            }
+            repo.set_unavailable(true);
+            tokio::time::sleep(Duration::from_secs(5)).await;
+            repo.heal();
+        }
+    });
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(
+        matches!(&r, Err(ExecuteError::Idempotency(e)) if e.is_retryable()),
+        "{r:?}"
+    );
+    outage.await.unwrap();
+    let key = m.record_key("k").unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
+    let retry = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(2) })
+        .await;
+    assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
+}
+
+/// A result whose `Serialize` panics.
+#[derive(Debug)]
+struct Bomb;
+
+impl serde::Serialize for Bomb {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        panic!("this result cannot be serialized")
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Bomb {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        <()>::deserialize(d).map(|()| Bomb)
+    }
+}
+
+/// The handler succeeded, then encoding its result panicked: the success is
+/// recorded (without a cached result), never released for a second run, even
+/// with `on_cancel = Release`.
+#[tokio::test(start_paused = true)]
+async fn a_panic_after_the_effect_records_the_success() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        on_cancel: CancelPolicy::Release,
+        ..Config::default()
+    };
+    let m = Arc::new(manager(&repo, config, &clock));
+    let runs = Arc::new(AtomicU32::new(0));
+    let first = tokio::spawn({
+        let (m, runs) = (m.clone(), runs.clone());
+        async move {
+            m.execute("k", &(), || async {
+                runs.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError<String>>(Bomb)
+            })
+            .await
+        }
+    });
+    assert!(first.await.unwrap_err().is_panic());
+    let key = m.record_key("k").unwrap();
+    eventually(async || {
+        repo.inner()
+            .get(&key, clock.now())
+            .await
+            .unwrap()
+            .is_some_and(|r| r.status == Status::Completed)
+    })
+    .await;
+    let dup = m
+        .execute("k", &(), || async {
+            runs.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, HandlerError<String>>(0u32)
+        })
+        .await;
+    assert!(matches!(dup, Ok(Outcome::Duplicate)), "{dup:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
 }

@@ -45,6 +45,9 @@ impl Pending {
     }
 }
 
+/// The error stored instead of a handler's error the store refused as too large.
+const ERROR_TOO_LARGE: &[u8] = b"the handler's error was too large to store";
+
 /// How a finishing write ended.
 #[derive(Debug)]
 pub(crate) enum Finished {
@@ -70,9 +73,20 @@ impl Engine {
     /// Until when a failing finish is retried: shortly before the lease ends
     /// (a tenth of the processing timeout, at most a second, before it).
     pub(crate) fn finish_deadline(&self, lease: &Lease) -> Instant {
+        self.before_end(lease.deadline())
+    }
+
+    /// Until when cleaning up after a dropped or failed execution is retried:
+    /// shortly before the lease ends, or before the lease a reserve attempt
+    /// that was never answered may have taken ends, whichever is later (the
+    /// outage that failed the reserve must not also starve its cleanup).
+    pub(crate) fn cleanup_deadline(&self, lease: &Lease) -> Instant {
+        self.before_end(lease.may_hold_until())
+    }
+
+    fn before_end(&self, end: Instant) -> Instant {
         let margin = (self.config.processing_timeout / 10).min(Duration::from_secs(1));
-        let deadline = lease.deadline();
-        deadline.checked_sub(margin).unwrap_or(deadline)
+        end.checked_sub(margin).unwrap_or(end)
     }
 
     /// Applies `pending` for the lease's owner, retrying ambiguous failures
@@ -83,17 +97,23 @@ impl Engine {
         pending: &Pending,
         deadline: Instant,
     ) -> Finished {
-        match self.finish_once_retrying(lease, pending, deadline).await {
-            // The store's real limit is below the one it declared: keep the
-            // protection, drop the cached result.
-            Finished::Failed(Error::TooLarge { .. })
-                if matches!(pending, Pending::Complete(Some(_))) =>
-            {
-                self.finish_once_retrying(lease, &Pending::Complete(None), deadline)
-                    .await
+        let finished = self.finish_once_retrying(lease, pending, deadline).await;
+        // The store's real limit is below the one it declared: keep the
+        // protection (the record, and whether a failure may be retried), drop
+        // the cached result or the error's message.
+        let smaller = match (&finished, pending) {
+            (Finished::Failed(Error::TooLarge { .. }), Pending::Complete(Some(_))) => {
+                Pending::Complete(None)
             }
-            other => other,
-        }
+            (Finished::Failed(Error::TooLarge { .. }), Pending::Fail { retryable, .. }) => {
+                Pending::Fail {
+                    error: ERROR_TOO_LARGE.to_vec(),
+                    retryable: *retryable,
+                }
+            }
+            _ => return finished,
+        };
+        self.finish_once_retrying(lease, &smaller, deadline).await
     }
 
     async fn finish_once_retrying(
@@ -107,10 +127,11 @@ impl Engine {
             match self.store(pending.op(), self.write(lease, pending)).await {
                 Ok(()) => return Finished::Applied,
                 Err(Error::LeaseLost { .. }) => {
-                    return if self.finished_by_us(lease, pending).await {
-                        Finished::Applied
-                    } else {
-                        Finished::LeaseLost
+                    return match self.finished_by_us(lease, pending).await {
+                        Ok(true) => Finished::Applied,
+                        Ok(false) => Finished::LeaseLost,
+                        // Unknown: say so, rather than claim another owner.
+                        Err(e) => Finished::Failed(e),
                     };
                 }
                 Err(e)
@@ -147,16 +168,19 @@ impl Engine {
     /// After `LeaseLost`: whether our own write was applied after all (a lost
     /// reply, a write the client re-sent). A completed or failed record under
     /// our owner token is ours; for a release, a record that is gone.
-    async fn finished_by_us(&self, lease: &Lease, pending: &Pending) -> bool {
+    ///
+    /// # Errors
+    /// The store's error when the record cannot be read.
+    async fn finished_by_us(&self, lease: &Lease, pending: &Pending) -> Result<bool, Error> {
         let record = self
             .store(Op::Get, self.repo.get(&lease.key, self.now()))
-            .await;
+            .await?;
         let ours =
-            |status| matches!(&record, Ok(Some(r)) if r.owner == lease.owner && r.status == status);
-        match pending {
+            |status| matches!(&record, Some(r) if r.owner == lease.owner && r.status == status);
+        Ok(match pending {
             Pending::Complete(_) => ours(Status::Completed),
             Pending::Fail { .. } => ours(Status::Failed),
-            Pending::Release => matches!(record, Ok(None)),
-        }
+            Pending::Release => record.is_none(),
+        })
     }
 }

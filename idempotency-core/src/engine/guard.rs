@@ -81,7 +81,7 @@ impl Drop for ExecutionGuard {
         };
         let (engine, lease) = (self.engine.clone(), self.lease.clone());
         runtime.spawn(async move {
-            let deadline = engine.finish_deadline(&lease);
+            let deadline = engine.cleanup_deadline(&lease);
             match engine.finish(&lease, &pending, deadline).await {
                 Finished::Applied | Finished::LeaseLost => {}
                 Finished::Failed(e) => {

@@ -39,6 +39,10 @@ pub(crate) struct Lease {
     /// The same instant on Tokio's clock, which timers use (so paused-time
     /// tests drive it).
     deadline: Mutex<Instant>,
+    /// The latest instant a record created by one of our reserve attempts
+    /// (answered or not) can hold its lease: how long cleaning up after an
+    /// unanswered attempt is worth retrying.
+    may_hold_until: Mutex<Instant>,
     lost: AtomicBool,
     lost_notify: Notify,
 }
@@ -63,6 +67,7 @@ impl Lease {
             attempt: AtomicU32::new(0),
             until: AtomicU64::new(0),
             deadline: Mutex::new(Instant::now()),
+            may_hold_until: Mutex::new(Instant::now()),
             lost: AtomicBool::new(false),
             lost_notify: Notify::new(),
         }
@@ -78,6 +83,21 @@ impl Lease {
             let mut deadline = self.deadline.lock();
             *deadline = (*deadline).max(local);
         }
+    }
+
+    /// A reserve attempt asking for a lease until `until` (manager's clock)
+    /// was sent at `sent_at` (`sent` on Tokio's clock): whatever its answer, a
+    /// record it created holds the key until then at most.
+    pub(crate) fn note_sent(&self, until: Timestamp, sent_at: Timestamp, sent: Instant) {
+        let local = sent + until.duration_since(sent_at);
+        let mut may_hold = self.may_hold_until.lock();
+        *may_hold = (*may_hold).max(local);
+    }
+
+    /// The later of the confirmed lease's end and what an unanswered reserve
+    /// attempt may hold (see [`note_sent`](Self::note_sent)).
+    pub(crate) fn may_hold_until(&self) -> Instant {
+        (*self.may_hold_until.lock()).max(self.deadline())
     }
 
     pub(crate) fn set_attempt(&self, attempt: u32) {

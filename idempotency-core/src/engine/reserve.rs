@@ -11,11 +11,12 @@ use tokio::time::Instant;
 use crate::config::InProgressPolicy;
 use crate::decision::{decide_duplicate, DuplicateDecision};
 use crate::error::Error;
-use crate::key::{Fingerprint, OwnerToken, RecordKey};
+use crate::key::Fingerprint;
 use crate::metrics::Op;
 use crate::repository::Reservation;
 use crate::time::Timestamp;
 
+use super::lease::Lease;
 use super::{backoff, reserve_request, Engine};
 
 /// How many times a reserve that failed ambiguously is sent again.
@@ -28,8 +29,8 @@ pub(crate) enum Reserved {
     Acquired {
         /// The attempt number (the fencing token).
         attempt: u32,
-        /// The lease as requested by the first attempt sent (the earliest it
-        /// can end, whichever attempt was applied).
+        /// The lease as requested by the earliest attempt that may have been
+        /// applied (the earliest the lease can end, whichever attempt was).
         lease_until: Timestamp,
         /// The clock when that attempt was sent.
         sent_at: Timestamp,
@@ -37,43 +38,73 @@ pub(crate) enum Reserved {
         sent: Instant,
     },
     /// A live record answers this delivery.
-    Duplicate(DuplicateDecision),
+    Duplicate {
+        /// What the delivery gets.
+        decision: DuplicateDecision,
+        /// An attempt of ours failed ambiguously on the way: it may still have
+        /// created a record under our token, which must be released.
+        unsettled: bool,
+    },
 }
 
-/// The first reserve attempt of an execution.
+/// A reserve attempt sent.
 #[derive(Debug, Clone, Copy)]
-struct FirstSent {
+struct Sent {
     lease_until: Timestamp,
     sent_at: Timestamp,
     sent: Instant,
 }
 
 impl Engine {
-    /// Reserves `key` for `owner`, waiting for a live holder as the in-progress
-    /// policy says.
+    /// Reserves `lease.key` for `lease.owner`, waiting for a live holder as the
+    /// in-progress policy says. Every attempt sent is noted in the lease (how
+    /// long a record it may have created can hold the key).
     ///
     /// # Errors
-    /// The store's error once the retries are spent.
+    /// The store's error once the retries are spent — unless a live holder was
+    /// already seen: then a store outage while waiting answers with that
+    /// holder's `InProgress`, never with an error a fail-open policy would run
+    /// the handler on beside the holder.
     pub(crate) async fn reserve(
         &self,
-        key: &RecordKey,
-        owner: OwnerToken,
+        lease: &Lease,
         fingerprint: Option<Fingerprint>,
     ) -> Result<Reserved, Error> {
         let wait_until = match self.config.in_progress {
-            InProgressPolicy::Wait { timeout, .. } => Some(tokio::time::Instant::now() + timeout),
+            InProgressPolicy::Wait { timeout, .. } => Some(Instant::now() + timeout),
             InProgressPolicy::FailFast => None,
         };
+        // The earliest attempt that failed ambiguously, over the whole wait:
+        // it may land later and be the one that creates our record.
+        let mut unsettled: Option<Sent> = None;
+        let mut seen_in_progress: Option<DuplicateDecision> = None;
         loop {
-            let (reservation, first) = self.reserve_with_retries(key, owner, fingerprint).await?;
+            let (reservation, sent) = match self
+                .reserve_with_retries(lease, fingerprint, &mut unsettled)
+                .await
+            {
+                Ok(answer) => answer,
+                Err(e) if e.is_store_outage() => match seen_in_progress {
+                    Some(decision) => {
+                        tracing::debug!(error = %e, "store failed while waiting for a live holder; answering in progress");
+                        return Ok(Reserved::Duplicate {
+                            decision,
+                            unsettled: true,
+                        });
+                    }
+                    None => return Err(e),
+                },
+                Err(e) => return Err(e),
+            };
             let record = match reservation {
                 Reservation::Acquired { attempt } => {
+                    let first = unsettled.unwrap_or(sent);
                     return Ok(Reserved::Acquired {
                         attempt,
                         lease_until: first.lease_until,
                         sent_at: first.sent_at,
                         sent: first.sent,
-                    })
+                    });
                 }
                 Reservation::Existing(record) => record,
             };
@@ -85,39 +116,47 @@ impl Engine {
             );
             if let (DuplicateDecision::InProgress { .. }, Some(until)) = (&decision, wait_until) {
                 if let InProgressPolicy::Wait { poll_interval, .. } = self.config.in_progress {
-                    let remaining = until.saturating_duration_since(tokio::time::Instant::now());
+                    let remaining = until.saturating_duration_since(Instant::now());
                     if !remaining.is_zero() {
+                        seen_in_progress = Some(decision);
                         tokio::time::sleep(poll_interval.min(remaining)).await;
                         continue;
                     }
                 }
             }
-            return Ok(Reserved::Duplicate(decision));
+            return Ok(Reserved::Duplicate {
+                decision,
+                unsettled: unsettled.is_some(),
+            });
         }
     }
 
     /// One reservation, sent again with the same owner after an ambiguous
-    /// failure. Returns the answer and the first attempt sent (whichever attempt
-    /// was applied, the lease cannot end before the first one's).
+    /// failure. Returns the answer and the attempt that got it; attempts that
+    /// failed ambiguously are kept in `unsettled` (the earliest).
     async fn reserve_with_retries(
         &self,
-        key: &RecordKey,
-        owner: OwnerToken,
+        lease: &Lease,
         fingerprint: Option<Fingerprint>,
-    ) -> Result<(Reservation, FirstSent), Error> {
-        let mut first = None;
+        unsettled: &mut Option<Sent>,
+    ) -> Result<(Reservation, Sent), Error> {
         let mut retry = 0;
         loop {
             let now = self.now();
-            let request = reserve_request(&self.config, key, owner, fingerprint, now);
-            let sent = *first.get_or_insert(FirstSent {
+            let request = reserve_request(&self.config, &lease.key, lease.owner, fingerprint, now);
+            let sent = Sent {
                 lease_until: request.lease_until,
                 sent_at: now,
                 sent: Instant::now(),
-            });
+            };
+            lease.note_sent(sent.lease_until, sent.sent_at, sent.sent);
             match self.store(Op::Reserve, self.repo.reserve(request)).await {
                 Ok(reservation) => return Ok((reservation, sent)),
-                Err(e) if e.is_store_outage() && retry < RESERVE_RETRIES => {
+                Err(e) if e.is_store_outage() => {
+                    unsettled.get_or_insert(sent);
+                    if retry >= RESERVE_RETRIES {
+                        return Err(e);
+                    }
                     tracing::debug!(error = %e, retry, "reserve failed ambiguously; sending it again with the same owner token");
                     tokio::time::sleep(backoff(retry)).await;
                     retry += 1;

@@ -435,7 +435,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         let engine = &*self.engine;
         let lease = Arc::new(Lease::new(key, OwnerToken::random()));
         let mut guard = ExecutionGuard::new(self.engine.clone(), lease.clone());
-        match engine.reserve(&lease.key, lease.owner, fingerprint).await {
+        match engine.reserve(&lease, fingerprint).await {
             Ok(Reserved::Acquired {
                 attempt,
                 lease_until,
@@ -445,8 +445,16 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 lease.set_attempt(attempt);
                 lease.confirm(lease_until, sent_at, sent);
             }
-            Ok(Reserved::Duplicate(decision)) => {
-                guard.phase = Phase::Done;
+            Ok(Reserved::Duplicate {
+                decision,
+                unsettled,
+            }) => {
+                // An unanswered attempt may have created a record under our
+                // token: the guard (left in the reserving phase) releases it.
+                if !unsettled {
+                    guard.phase = Phase::Done;
+                }
+                drop(guard);
                 engine.metrics.count(Counter::DuplicatesBlocked);
                 return self.answer_duplicate(&lease.key, decision);
             }
@@ -491,6 +499,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     {
         let engine = &*self.engine;
         let result = catch_handler(handler, ctx).await;
+        // From here the effect may have happened: should encoding the result
+        // panic, the guard records the success without it, never releases.
+        guard.phase = Phase::Recording(self.effect_happened(&result));
         guard.phase = Phase::Recording(self.pending_for(&result));
         let finished = engine
             .finish(
@@ -533,6 +544,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         record_outcome("unprotected");
         guard.phase = Phase::Running;
         let result = catch_handler(handler, ExecutionContext::new(guard.lease.clone())).await;
+        guard.phase = Phase::Recording(self.effect_happened(&result));
         let pending = match &result {
             Ok(Ok(value)) => Pending::Complete(self.engine.result_bytes(&self.codec, value)),
             _ => Pending::Release,
@@ -544,6 +556,16 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             Ok(Ok(value)) => Ok(Outcome::Unprotected(value)),
             Ok(Err(err)) => Err(ExecuteError::Handler(err.into_inner())),
             Err(panic) => std::panic::resume_unwind(panic),
+        }
+    }
+
+    /// What to record should recording this result fail half way (a panicking
+    /// `Serialize` or codec): a success without its cached result, or a
+    /// release for a failure.
+    fn effect_happened<T, E>(&self, result: &Result<Result<T, HandlerError<E>>, Panic>) -> Pending {
+        match result {
+            Ok(Ok(_)) => Pending::Complete(None),
+            _ => Pending::Release,
         }
     }
 
