@@ -142,7 +142,9 @@ impl Repository for Fixture {
                 Ok(Reservation::Acquired { attempt })
             }
             ReserveTransition::AlreadyHeld { .. } if self.flaw == Flaw::ResendIsExisting => {
-                Ok(Reservation::Existing(existing.expect("held")))
+                existing
+                    .map(Reservation::Existing)
+                    .ok_or_else(|| Error::corrupt(req.key, "fixture: no record to return"))
             }
             ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
             ReserveTransition::Existing => map

@@ -7,43 +7,19 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::testing::{Fault, FaultyRepository, Operation, TokioClock};
+mod common;
+
+use common::{eventually, manager, store};
+use idempotency_core::testing::{Fault, Operation, TokioClock};
 use idempotency_core::{
     CancelPolicy, Config, Error, ExecuteError, ExecutionContext, FailurePolicy, HandlerError,
-    IdempotencyManager, InProgressPolicy, JsonCodec, MemoryRepository, OutagePolicy, Outcome,
-    Repository, SharedRepository, Status,
+    IdempotencyManager, InProgressPolicy, MemoryRepository, OutagePolicy, Outcome, Repository,
+    Status,
 };
-
-type Store = Arc<FaultyRepository<MemoryRepository>>;
-
-fn store() -> Store {
-    Arc::new(FaultyRepository::new(MemoryRepository::new()))
-}
-
-fn manager(repo: &Store, config: Config, clock: &TokioClock) -> IdempotencyManager {
-    IdempotencyManager::with_parts(
-        repo.clone() as SharedRepository,
-        config,
-        Arc::new(clock.clone()),
-        JsonCodec,
-    )
-    .unwrap()
-}
 
 /// A handler with an effect: counts its runs.
 fn charge(runs: &AtomicU32) -> Result<u32, HandlerError<String>> {
     Ok(runs.fetch_add(1, Ordering::SeqCst) + 1)
-}
-
-/// Waits (bounded, by yielding) until `done` holds.
-async fn eventually(mut done: impl AsyncFnMut() -> bool) {
-    for _ in 0..10_000 {
-        if done().await {
-            return;
-        }
-        tokio::task::yield_now().await;
-    }
-    panic!("condition not reached");
 }
 
 /// 1. Lease extension moves expiry: a handler that outlives its TTL keeps its

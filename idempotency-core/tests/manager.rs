@@ -7,28 +7,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_core::testing::{Fault, FaultyRepository, Operation, TokioClock};
+mod common;
+
+use common::{manager, store};
+use idempotency_core::testing::{Fault, Operation, TokioClock};
 use idempotency_core::{
     Config, Error, ExecuteError, FailurePolicy, HandlerError, IdempotencyManager, InProgressPolicy,
-    JsonCodec, MemoryRepository, OutagePolicy, Outcome, OwnerToken, Repository, ReserveRequest,
-    SharedRepository, Status,
+    MemoryRepository, OutagePolicy, Outcome, OwnerToken, Repository, ReserveRequest, Status,
 };
-
-type Store = Arc<FaultyRepository<MemoryRepository>>;
-
-fn store() -> Store {
-    Arc::new(FaultyRepository::new(MemoryRepository::new()))
-}
-
-fn manager(repo: &Store, config: Config, clock: &TokioClock) -> IdempotencyManager {
-    IdempotencyManager::with_parts(
-        repo.clone() as SharedRepository,
-        config,
-        Arc::new(clock.clone()),
-        JsonCodec,
-    )
-    .unwrap()
-}
 
 fn ok<T>(v: T) -> Result<T, HandlerError<String>> {
     Ok(v)
