@@ -10,7 +10,7 @@ use std::time::Duration;
 use futures::future::join_all;
 use idempotency_core::{
     Config, Error, ExecuteError, FailurePolicy, HandlerError, InProgressPolicy, OwnerToken,
-    RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
+    RecordKey, Reservation, ReserveRequest, SharedRepository, Status, Timestamp,
 };
 
 use crate::support::{ensure, ensure_eq, existing, failure, fp, lease_lost, Ctx, Held, LEASE, TTL};
@@ -886,8 +886,17 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
     }
     let keep = cx.key("purge-keep");
     cx.acquire(&keep).await?;
-    cx.advance(short + Duration::from_secs(1));
-    let purge_at = cx.now();
+    let purge_at = start + short + Duration::from_secs(1);
+    // Live at the purge: a record expiring one millisecond after it, whose
+    // lease (a Processing record's) ended before it.
+    let edge = cx.key("purge-edge");
+    let req = ReserveRequest {
+        expires_at: purge_at + Duration::from_millis(1),
+        lease_until: start + short,
+        ..cx.req(&edge, OwnerToken::random())
+    };
+    cx.repo.reserve(req).await?;
+    cx.clock.set(purge_at);
     let first = cx.repo.purge_expired(purge_at, 2).await?;
     ensure!(first <= 2, "purge_expired(limit = 2) removed {first}");
     let mut total = first;
@@ -916,10 +925,56 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
         cx.repo.get(&keep, purge_at).await?.is_some(),
         "purge removed a live record"
     );
+    ensure!(
+        cx.repo.get(&edge, purge_at).await?.is_some(),
+        "purge removed a Processing record expiring 1 ms after the purge instant"
+    );
+    purge_races_recreate(&cx, start, purge_at).await?;
     for key in &expired {
         ensure!(
             cx.repo.get(key, purge_at).await?.is_none(),
             "expired record visible"
+        );
+    }
+    Ok(())
+}
+
+/// Expired records re-created while a purge runs: every re-created record
+/// survives the purge.
+async fn purge_races_recreate(cx: &Ctx, start: Timestamp, purge_at: Timestamp) -> CheckResult {
+    let keys: Vec<RecordKey> = (0..8).map(|i| cx.key(&format!("purge-race-{i}"))).collect();
+    for key in &keys {
+        let req = ReserveRequest {
+            now: start,
+            lease_until: start + Duration::from_secs(1),
+            expires_at: start + Duration::from_secs(2),
+            ..cx.req(key, OwnerToken::random())
+        };
+        cx.repo.reserve(req).await?;
+    }
+    let purge = async {
+        for _ in 0..keys.len() {
+            cx.repo.purge_expired(purge_at, 1).await?;
+            tokio::task::yield_now().await;
+        }
+        Ok::<_, Error>(())
+    };
+    let recreate = join_all(keys.iter().map(|key| async move {
+        let owner = OwnerToken::random();
+        cx.repo
+            .reserve(cx.req(key, owner))
+            .await
+            .map(|r| (r, owner))
+    }));
+    let (purged, recreated) = futures::future::join(purge, recreate).await;
+    purged?;
+    for (key, answer) in keys.iter().zip(recreated) {
+        let (answer, owner) = answer?;
+        ensure_eq!(answer, Reservation::Acquired { attempt: 1 }, "{key}");
+        let r = cx.repo.get(key, purge_at).await?;
+        ensure!(
+            r.is_some_and(|r| r.owner == owner),
+            "the record re-created at {key} during a purge is gone"
         );
     }
     Ok(())

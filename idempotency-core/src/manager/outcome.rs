@@ -93,7 +93,7 @@ impl<T> Outcome<T> {
 /// A handler's error with its classification for this call.
 ///
 /// `?` converts any `E` into it with [`FailureKind::Default`] (the configured
-/// [`FailurePolicy`] decides); mark an error [`HandlerError::transient`] to release
+/// [`FailurePolicy`](crate::FailurePolicy) decides); mark an error [`HandlerError::transient`] to release
 /// the key for a redelivery, or [`HandlerError::permanent`] to store it so
 /// duplicates get [`Error::PreviouslyFailed`].
 ///
