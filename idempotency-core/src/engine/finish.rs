@@ -139,7 +139,7 @@ impl Engine {
                         && (retry == 0 || Instant::now() + backoff(retry) < deadline) =>
                 {
                     tracing::warn!(error = %e, operation = pending.op().as_str(), retry, "could not record the outcome; retrying with the same owner token");
-                    tokio::time::sleep(backoff(retry)).await;
+                    super::pause(backoff(retry)).await;
                     retry += 1;
                 }
                 Err(e) => return Finished::Failed(e),

@@ -44,6 +44,9 @@ pub(crate) struct Lease {
     /// unanswered attempt is worth retrying.
     may_hold_until: Mutex<Instant>,
     lost: AtomicBool,
+    /// Whether a handler waits on [`Lease::wait_lost`] (only then is there
+    /// anybody to notify).
+    watched: AtomicBool,
     lost_notify: Notify,
 }
 
@@ -61,14 +64,16 @@ impl fmt::Debug for Lease {
 
 impl Lease {
     pub(crate) fn new(key: RecordKey, owner: OwnerToken) -> Self {
+        let created = Instant::now();
         Lease {
             key,
             owner,
             attempt: AtomicU32::new(0),
             until: AtomicU64::new(0),
-            deadline: Mutex::new(Instant::now()),
-            may_hold_until: Mutex::new(Instant::now()),
+            deadline: Mutex::new(created),
+            may_hold_until: Mutex::new(created),
             lost: AtomicBool::new(false),
+            watched: AtomicBool::new(false),
             lost_notify: Notify::new(),
         }
     }
@@ -119,22 +124,39 @@ impl Lease {
 
     /// The lease can no longer be counted on (or the execution ended).
     pub(crate) fn mark_lost(&self) {
-        if !self.lost.swap(true, Ordering::SeqCst) {
+        if !self.lost.swap(true, Ordering::SeqCst) && self.watched.load(Ordering::SeqCst) {
             self.lost_notify.notify_waiters();
         }
     }
 
+    /// Whether the lease was marked lost, or was confirmed once and has ended
+    /// since (without extension nobody marks that: it is judged here).
     pub(crate) fn is_lost(&self) -> bool {
         self.lost.load(Ordering::SeqCst)
+            || (self.is_confirmed() && self.deadline() <= Instant::now())
+    }
+
+    fn is_confirmed(&self) -> bool {
+        self.until.load(Ordering::SeqCst) > 0
     }
 
     async fn wait_lost(&self) {
+        self.watched.store(true, Ordering::SeqCst);
         loop {
             let notified = self.lost_notify.notified();
             if self.is_lost() {
                 return;
             }
-            notified.await;
+            if self.is_confirmed() {
+                // The lease's end, as it stands now; an extension moves it,
+                // and the loop looks again.
+                tokio::select! {
+                    () = notified => {}
+                    () = tokio::time::sleep_until(self.deadline()) => {}
+                }
+            } else {
+                notified.await;
+            }
         }
     }
 }
@@ -225,8 +247,16 @@ impl ExecutionContext {
 impl Engine {
     /// Runs `work` (the handler, then the recording of its outcome) beside the
     /// lease keeper.
+    ///
+    /// Without lease extension there is nothing to keep: the lease's end is
+    /// judged by [`Lease::is_lost`] when the handler asks, and no timer is
+    /// armed for executions that never ask.
     pub(crate) async fn under_lease<W: Future>(&self, lease: &Lease, work: W) -> W::Output {
-        let keeper = self.keep_lease(lease);
+        if self.config.lease_extension_interval.is_none() {
+            return work.await;
+        }
+        // Boxed: only executions with extension pay for the keeper's timers.
+        let keeper = Box::pin(self.keep_lease(lease));
         tokio::select! {
             biased;
             out = work => out,

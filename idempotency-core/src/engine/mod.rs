@@ -74,13 +74,21 @@ impl Engine {
         let mut call = pin!(call);
         let result = match futures::poll!(call.as_mut()) {
             Poll::Ready(r) => r,
-            Poll::Pending => match tokio::time::timeout(limit, call).await {
-                Ok(r) => r,
-                Err(_elapsed) => Err(Error::Timeout {
-                    backend: self.caps.backend,
-                    operation: op.as_str(),
-                }),
-            },
+            Poll::Pending => {
+                // Boxed: a timer is large, and only a pending call needs one,
+                // so the futures of every execution stay small.
+                let mut timer = Box::pin(tokio::time::sleep(limit));
+                std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
+                    Poll::Ready(r) => Poll::Ready(r),
+                    Poll::Pending => timer.as_mut().poll(cx).map(|()| {
+                        Err(Error::Timeout {
+                            backend: self.caps.backend,
+                            operation: op.as_str(),
+                        })
+                    }),
+                })
+                .await
+            }
         };
         self.metrics
             .operation(op, started.elapsed(), result.is_ok());
@@ -119,6 +127,13 @@ pub fn reserve_request<'k>(
         retry_failed: config.failure_policy == FailurePolicy::StoreAndRetry,
         clock_skew: config.clock_skew,
     }
+}
+
+/// Sleeps for `d` on a boxed timer: pauses happen on cold paths (retries,
+/// waiting for a holder), and an unboxed timer would enlarge every execution's
+/// future by its size.
+pub(crate) async fn pause(d: Duration) {
+    Box::pin(tokio::time::sleep(d)).await;
 }
 
 /// The pauses between attempts of a store call that failed ambiguously; the

@@ -119,7 +119,7 @@ impl Engine {
                     let remaining = until.saturating_duration_since(Instant::now());
                     if !remaining.is_zero() {
                         seen_in_progress = Some(decision);
-                        tokio::time::sleep(poll_interval.min(remaining)).await;
+                        super::pause(poll_interval.min(remaining)).await;
                         continue;
                     }
                 }
@@ -158,7 +158,7 @@ impl Engine {
                         return Err(e);
                     }
                     tracing::debug!(error = %e, retry, "reserve failed ambiguously; sending it again with the same owner token");
-                    tokio::time::sleep(backoff(retry)).await;
+                    super::pause(backoff(retry)).await;
                     retry += 1;
                 }
                 Err(e) => return Err(e),
