@@ -124,26 +124,29 @@ impl Engine {
     ) -> Finished {
         let mut retry = 0;
         loop {
-            match self.store(pending.op(), self.write(lease, pending)).await {
+            // The error is not kept across the awaits below (it would enlarge
+            // every execution's future).
+            let e = match self.store(pending.op(), self.write(lease, pending)).await {
                 Ok(()) => return Finished::Applied,
-                Err(Error::LeaseLost { .. }) => {
-                    return match self.finished_by_us(lease, pending).await {
-                        Ok(true) => Finished::Applied,
-                        Ok(false) => Finished::LeaseLost,
-                        // Unknown: say so, rather than claim another owner.
-                        Err(e) => Finished::Failed(e),
-                    };
-                }
-                Err(e)
-                    if e.is_store_outage()
-                        && (retry == 0 || Instant::now() + backoff(retry) < deadline) =>
-                {
-                    tracing::warn!(error = %e, operation = pending.op().as_str(), retry, "could not record the outcome; retrying with the same owner token");
-                    super::pause(backoff(retry)).await;
-                    retry += 1;
-                }
-                Err(e) => return Finished::Failed(e),
+                Err(e) => e,
+            };
+            if let Error::LeaseLost { .. } = e {
+                drop(e);
+                return match self.finished_by_us(lease, pending).await {
+                    Ok(true) => Finished::Applied,
+                    Ok(false) => Finished::LeaseLost,
+                    // Unknown: say so, rather than claim another owner.
+                    Err(e) => Finished::Failed(e),
+                };
             }
+            if !(e.is_store_outage() && (retry == 0 || Instant::now() + backoff(retry) < deadline))
+            {
+                return Finished::Failed(e);
+            }
+            tracing::warn!(error = %e, operation = pending.op().as_str(), retry, "could not record the outcome; retrying with the same owner token");
+            drop(e);
+            super::pause(backoff(retry)).await;
+            retry += 1;
         }
     }
 

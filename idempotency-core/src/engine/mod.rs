@@ -19,7 +19,7 @@ pub(crate) mod lease;
 pub(crate) mod reserve;
 
 use std::future::Future;
-use std::pin::pin;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
@@ -72,24 +72,23 @@ impl Engine {
     {
         let started = Instant::now();
         let mut call = pin!(call);
-        let result = match futures::poll!(call.as_mut()) {
-            Poll::Ready(r) => r,
-            Poll::Pending => {
-                // Boxed: a timer is large, and only a pending call needs one,
-                // so the futures of every execution stay small.
-                let mut timer = Box::pin(tokio::time::sleep(limit));
-                std::future::poll_fn(|cx| match call.as_mut().poll(cx) {
-                    Poll::Ready(r) => Poll::Ready(r),
-                    Poll::Pending => timer.as_mut().poll(cx).map(|()| {
-                        Err(Error::Timeout {
-                            backend: self.caps.backend,
-                            operation: op.as_str(),
-                        })
-                    }),
-                })
-                .await
+        // The timer is armed only when the call does not answer on its first
+        // poll (the memory store always does), and boxed: a timer is large,
+        // and every execution's future would carry it.
+        let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
+        let result = std::future::poll_fn(|cx| {
+            if let Poll::Ready(r) = call.as_mut().poll(cx) {
+                return Poll::Ready(r);
             }
-        };
+            let timer = timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+            timer.as_mut().poll(cx).map(|()| {
+                Err(Error::Timeout {
+                    backend: self.caps.backend,
+                    operation: op.as_str(),
+                })
+            })
+        })
+        .await;
         self.metrics
             .operation(op, started.elapsed(), result.is_ok());
         result

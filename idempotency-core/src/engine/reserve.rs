@@ -150,19 +150,23 @@ impl Engine {
                 sent: Instant::now(),
             };
             lease.note_sent(sent.lease_until, sent.sent_at, sent.sent);
-            match self.store(Op::Reserve, self.repo.reserve(request)).await {
+            // The answer is not kept across the pause below: it would make
+            // every execution's future larger by a record.
+            let e = match self.store(Op::Reserve, self.repo.reserve(request)).await {
                 Ok(reservation) => return Ok((reservation, sent)),
-                Err(e) if e.is_store_outage() => {
-                    unsettled.get_or_insert(sent);
-                    if retry >= RESERVE_RETRIES {
-                        return Err(e);
-                    }
-                    tracing::debug!(error = %e, retry, "reserve failed ambiguously; sending it again with the same owner token");
-                    super::pause(backoff(retry)).await;
-                    retry += 1;
-                }
-                Err(e) => return Err(e),
+                Err(e) => e,
+            };
+            if !e.is_store_outage() {
+                return Err(e);
             }
+            unsettled.get_or_insert(sent);
+            if retry >= RESERVE_RETRIES {
+                return Err(e);
+            }
+            tracing::debug!(error = %e, retry, "reserve failed ambiguously; sending it again with the same owner token");
+            drop(e);
+            super::pause(backoff(retry)).await;
+            retry += 1;
         }
     }
 }

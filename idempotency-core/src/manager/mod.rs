@@ -479,6 +479,11 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         tracing::debug!(attempt = lease.attempt(), "acquired");
         guard.phase = Phase::Running;
         let ctx = ExecutionContext::new(lease.clone());
+        if engine.config.lease_extension_interval.is_none() {
+            // Nothing to keep beside the handler (see `Engine::under_lease`);
+            // awaited in place, the stage's future is not moved.
+            return self.run_and_record(&mut guard, ctx, handler).await;
+        }
         engine
             .under_lease(&lease, self.run_and_record(&mut guard, ctx, handler))
             .await
