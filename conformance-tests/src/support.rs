@@ -163,6 +163,28 @@ impl Ctx {
         Ok((key, owner))
     }
 
+    /// Reserves each key (each must be fresh) and checks that every record is
+    /// its own: keys that must be distinct are.
+    pub(crate) async fn assert_distinct(&self, keys: &[RecordKey]) -> Result<(), CheckFailure> {
+        let mut owners = Vec::with_capacity(keys.len());
+        for key in keys {
+            let owner = OwnerToken::random();
+            match self.reserve(key, owner).await? {
+                Reservation::Acquired { attempt: 1 } => owners.push(owner),
+                other => {
+                    return Err(failure(format!(
+                        "{key:?} collided with an earlier, different key: {other:?}"
+                    )))
+                }
+            }
+        }
+        for (key, owner) in keys.iter().zip(owners) {
+            let r = self.record(key).await?;
+            ensure_eq!(r.owner, owner, "the record of {key:?}");
+        }
+        Ok(())
+    }
+
     /// The live record, which must exist.
     pub(crate) async fn record(&self, key: &RecordKey) -> Result<Record, CheckFailure> {
         self.repo
