@@ -285,18 +285,29 @@ impl Fixture {
         f: impl FnOnce(&mut HashMap<String, Record>, String),
     ) -> Result<(), Error> {
         let k = self.k(key);
+        let lost = || Err(Error::LeaseLost { key: key.clone() });
+        if !self.is(Flaw::CheckThenWrite) {
+            // Check and write under one lock: atomic, as a store must be.
+            let mut map = self.map.lock();
+            if !map
+                .get(&k)
+                .is_some_and(|r| self.may_write(r, owner, now, op))
+            {
+                return lost();
+            }
+            f(&mut map, k);
+            return Ok(());
+        }
         let ok = self
             .map
             .lock()
             .get(&k)
             .is_some_and(|r| self.may_write(r, owner, now, op));
         if !ok {
-            return Err(Error::LeaseLost { key: key.clone() });
+            return lost();
         }
-        if self.is(Flaw::CheckThenWrite) {
-            // The smallest gap there is: one trip through the scheduler.
-            tokio::task::yield_now().await;
-        }
+        // The smallest gap there is: one trip through the scheduler.
+        tokio::task::yield_now().await;
         f(&mut self.map.lock(), k);
         Ok(())
     }

@@ -75,7 +75,7 @@ pub use error::HarnessError;
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, RedisClusterServer};
-pub use wire::{MessageCounts, WireCounter};
+pub use wire::{MessageCounts, WireCounter, PING};
 
 /// A fresh, random name `<prefix>-<16 hex digits>` for a key prefix, table or
 /// other per-test namespace. Characters outside `[A-Za-z0-9_.-]` in `prefix`

@@ -16,8 +16,14 @@ use super::error::HarnessError;
 
 /// Counts by kind: PostgreSQL frontend messages by type byte (`'B'` Bind, `'E'`
 /// Execute, `'P'` Parse, `'Q'` simple Query, `'S'` Sync, …), or Redis commands
-/// under `'*'`.
+/// under `'*'`. A PostgreSQL `Sync` with nothing before it since the previous
+/// one is a ping (how a pool checks a connection, sqlx on every return to the
+/// pool) and is counted under [`PING`] instead of `'S'`.
 pub type MessageCounts = BTreeMap<char, u64>;
+
+/// The kind under which lone PostgreSQL `Sync`s (pings) are counted; no
+/// frontend message has this type byte.
+pub const PING: char = '~';
 
 /// The protocol a [`WireCounter`] reads.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,8 +37,8 @@ enum Protocol {
 /// when dropped (open connections end with their clients).
 ///
 /// Round trips: a PostgreSQL client waits for the server only after `Sync`
-/// (extended protocol) or a simple `Query`, so those two are counted; a Redis
-/// command is one request and one reply.
+/// (extended protocol) or a simple `Query`, so those two are counted, pings
+/// apart (see [`MessageCounts`]); a Redis command is one request and one reply.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idempotency_conformance::containers::HarnessError> {
@@ -138,8 +144,12 @@ impl WireCounter {
             .collect()
     }
 
-    /// Round trips since `before`: PostgreSQL `Sync` plus simple `Query`
-    /// messages, or Redis commands.
+    /// Round trips since `before` that carried statements: PostgreSQL `Sync`
+    /// after extended-protocol messages plus simple `Query` messages, or Redis
+    /// commands. A pool's pings are left out: when sqlx sends them (after the
+    /// caller has its answer, from a background task) depends on scheduling, so
+    /// counting them made the figure depend on timing; [`pings_since`](Self::pings_since)
+    /// counts them.
     pub fn round_trips_since(&self, before: &MessageCounts) -> u64 {
         let since = self.since(before);
         let count = |kind: char| since.get(&kind).copied().unwrap_or(0);
@@ -147,6 +157,11 @@ impl WireCounter {
             Protocol::Postgres => count('S') + count('Q'),
             Protocol::Resp => count('*'),
         }
+    }
+
+    /// PostgreSQL pings (lone `Sync`s) since `before`; always 0 for Redis.
+    pub fn pings_since(&self, before: &MessageCounts) -> u64 {
+        self.since(before).get(&PING).copied().unwrap_or(0)
     }
 }
 
@@ -168,11 +183,15 @@ impl Counts {
     }
 
     fn add(&self, kind: u8) {
+        self.add_kind(char::from(kind));
+    }
+
+    fn add_kind(&self, kind: char) {
         *self
             .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .entry(char::from(kind))
+            .entry(kind)
             .or_default() += 1;
     }
 }
@@ -181,6 +200,8 @@ impl Counts {
 struct Parser {
     protocol: Protocol,
     started: bool,
+    /// Whether a PostgreSQL message other than `Sync` came since the last one.
+    pending: bool,
     buf: Vec<u8>,
     counts: Counts,
 }
@@ -253,7 +274,15 @@ impl Parser {
                 if self.buf.len() < 1 + len {
                     return;
                 }
-                self.counts.add(self.buf[0]);
+                let kind = self.buf[0];
+                if kind != b'S' {
+                    self.pending = true;
+                    self.counts.add(kind);
+                } else if std::mem::take(&mut self.pending) {
+                    self.counts.add(kind);
+                } else {
+                    self.counts.add_kind(PING);
+                }
                 self.buf.drain(..=len);
             }
         }
@@ -281,6 +310,7 @@ async fn accept_loop(
                 let mut parser = Parser {
                     protocol,
                     started: false,
+                    pending: false,
                     buf: Vec::new(),
                     counts,
                 };
@@ -316,6 +346,7 @@ mod tests {
         let mut parser = Parser {
             protocol: Protocol::Postgres,
             started: false,
+            pending: false,
             buf: Vec::new(),
             counts: counts.clone(),
         };
@@ -325,10 +356,14 @@ mod tests {
         wire.extend_from_slice(&[b'B', 0, 0, 0, 4]);
         wire.extend_from_slice(&[b'E', 0, 0, 0, 8, 1, 2, 3, 4]);
         wire.extend_from_slice(&[b'S', 0, 0, 0, 4]);
+        // A ping: a Sync alone.
+        wire.extend_from_slice(&[b'S', 0, 0, 0, 4]);
         for byte in &wire {
             parser.feed(std::slice::from_ref(byte));
         }
-        let expected: MessageCounts = [('B', 1), ('E', 1), ('S', 1)].into_iter().collect();
+        let expected: MessageCounts = [('B', 1), ('E', 1), ('S', 1), (PING, 1)]
+            .into_iter()
+            .collect();
         assert_eq!(counts.snapshot(), expected);
     }
 
@@ -338,6 +373,7 @@ mod tests {
         let mut parser = Parser {
             protocol: Protocol::Resp,
             started: true,
+            pending: false,
             buf: Vec::new(),
             counts: counts.clone(),
         };
