@@ -132,32 +132,6 @@ else
 IDEMPOTENCY_TEST_POSTGRES_URL and IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT name servers"
 fi
 
-# --- host tools ------------------------------------------------------------------
-# The Redis Cluster and TLS tests of backend-redis start local `redis-server`
-# processes (formed into a cluster with `redis-cli`) and make a CA with `openssl`.
-# Installed from Debian packages when missing; services are not started.
-need_pkgs=()
-command -v redis-server >/dev/null 2>&1 || need_pkgs+=(redis-server)
-command -v redis-cli >/dev/null 2>&1 || need_pkgs+=(redis-tools)
-command -v openssl >/dev/null 2>&1 || need_pkgs+=(openssl)
-if [ "${#need_pkgs[@]}" -gt 0 ]; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        say "installing ${need_pkgs[*]} (Debian packages) for the Redis cluster and TLS tests"
-        policy_added=0
-        if [ ! -e /usr/sbin/policy-rc.d ]; then
-            # Keep the package scripts from starting a system Redis.
-            printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d
-            chmod +x /usr/sbin/policy-rc.d
-            policy_added=1
-        fi
-        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}"; } >>"$LOG" 2>&1 \
-            || say "could not install ${need_pkgs[*]}: the Redis cluster/TLS tests will fail and say what is missing"
-        [ "$policy_added" = 1 ] && rm -f /usr/sbin/policy-rc.d
-    else
-        say "missing ${need_pkgs[*]} and cannot apt-get install them: the Redis cluster/TLS tests will fail and say what is missing"
-    fi
-fi
-
 # --- tests ---------------------------------------------------------------------
 status=0
 failed_runs=0

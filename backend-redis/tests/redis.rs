@@ -5,13 +5,10 @@
 //! - On dedicated harness containers (`RedisServer::dedicated`): counting
 //!   commands (`INFO commandstats` is server-wide), `SCRIPT FLUSH`, stopping and
 //!   restarting the server.
-//! - On a three-master Redis Cluster of local `redis-server` processes (feature
-//!   `cluster`; see `support`).
+//! - On the harness's three-master Redis Cluster (feature `cluster`) and its
+//!   TLS server (feature `tls`), both containers of the Redis image.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-
-#[cfg(feature = "tls")]
-mod support;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -972,22 +969,22 @@ async fn physical_ttl_and_logical_expiry() {
     }
 }
 
-/// `rediss://` against a local TLS-only `redis-server` with a throw-away CA
-/// (made with the `openssl` CLI): verified with the CA through `from_client`; an
+/// `rediss://` against the harness's TLS Redis container with a throw-away CA:
+/// verified with the CA through `from_client`; an
 /// unknown CA is refused with an error, not a panic; `#insecure` (no
 /// verification) is a configuration error unless the application enables
 /// `redis/tls-rustls-insecure` itself.
 #[cfg(feature = "tls")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_connections() {
-    let tls = support::TlsRedis::start();
+    let tls = containers::RedisTlsServer::start().await.unwrap();
     let clock = ManualClock::starting_now();
     let now = clock.now();
     let client = redis::Client::build_with_tls(
-        format!("rediss://127.0.0.1:{}", tls.tls_port),
+        tls.tls_url(),
         redis::TlsCertificates {
             client_tls: None,
-            root_cert: Some(tls.ca_pem.clone()),
+            root_cert: Some(tls.ca_pem().as_bytes().to_vec()),
         },
     )
     .unwrap();
@@ -1004,19 +1001,15 @@ async fn tls_connections() {
     let r = repo.get(&k, now).await.unwrap().unwrap();
     assert_eq!(r.result.as_deref(), Some(&b"\0secret\xff"[..]));
 
-    let untrusted = RedisRepository::connect(&format!(
-        "rediss://127.0.0.1:{}?reconnect_retries=0",
-        tls.tls_port
-    ))
-    .await;
+    let untrusted =
+        RedisRepository::connect(&format!("{}?reconnect_retries=0", tls.tls_url())).await;
     println!("unknown CA: {:?}", untrusted.as_ref().err());
     assert!(
         matches!(&untrusted, Err(Error::Config { message }) if message.contains("UnknownIssuer")),
         "a certificate from an unknown CA is a configuration error"
     );
 
-    let insecure =
-        RedisRepository::connect(&format!("rediss://127.0.0.1:{}/#insecure", tls.tls_port)).await;
+    let insecure = RedisRepository::connect(&format!("{}/#insecure", tls.tls_url())).await;
     assert!(
         matches!(insecure, Err(Error::Config { .. })),
         "{insecure:?}"

@@ -45,7 +45,7 @@ use testcontainers::core::client::ClientError;
 use testcontainers::core::error::TestcontainersError;
 use testcontainers::core::IntoContainerPort;
 use testcontainers::runners::AsyncRunner;
-use testcontainers::{ContainerAsync, GenericImage, ImageExt};
+use testcontainers::{ContainerAsync, CopyTargetOptions, GenericImage, ImageExt};
 
 use super::error::HarnessError;
 
@@ -451,6 +451,9 @@ pub(crate) struct StartOptions {
     /// announce addresses the host can reach); the server then has to bind
     /// `127.0.0.1:host_port` itself.
     pub(crate) host_network: bool,
+    /// Files to put in the container before it starts: absolute path and
+    /// contents (mode 0644).
+    pub(crate) files: Vec<(String, Vec<u8>)>,
 }
 
 pub(crate) struct Started {
@@ -523,6 +526,9 @@ pub(crate) async fn start_container(
     }
     if !options.cmd.is_empty() {
         request = request.with_cmd(options.cmd);
+    }
+    for (path, contents) in options.files {
+        request = request.with_copy_to(CopyTargetOptions::new(path).with_mode(0o644), contents);
     }
 
     let container = request.start().await.map_err(|e| match e {
@@ -709,6 +715,7 @@ pub(crate) async fn start_dedicated(
             host_port: Some(free_port()?),
             dedicated: true,
             host_network: false,
+            files: Vec::new(),
         };
         match start_ready(kind, options, &probe_for).await {
             Err(HarnessError::Container { reason, .. })

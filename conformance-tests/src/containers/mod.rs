@@ -67,6 +67,7 @@ mod external;
 mod postgres;
 mod redis;
 mod redis_cluster;
+mod redis_tls;
 mod wire;
 
 pub use docker::{Dedicated, Origin};
@@ -75,6 +76,7 @@ pub use error::HarnessError;
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, RedisClusterServer};
+pub use redis_tls::RedisTlsServer;
 pub use wire::{MessageCounts, WireCounter, PING};
 
 /// A fresh, random name `<prefix>-<16 hex digits>` for a key prefix, table or
