@@ -38,3 +38,57 @@ mod script_strategy {
 
     idempotency_conformance::conformance_tests!(repository);
 }
+
+/// The errors clause, through a proxy the test can cut: corrupt values under
+/// our keys, and a server that stops answering.
+mod store_faults {
+    use super::*;
+    use idempotency_conformance::containers::{FaultProxy, RedisServer};
+    use idempotency_conformance::{SharedFaults, StoreFaults};
+    use idempotency_core::RecordKey;
+
+    struct Faults {
+        server: RedisServer,
+        proxy: FaultProxy,
+    }
+
+    #[async_trait::async_trait]
+    impl StoreFaults for Faults {
+        async fn corrupt(&self, key: &RecordKey) -> Result<(), String> {
+            let redis_key = RedisRepository::redis_key(key);
+            self.server
+                .command(&["SET", &redis_key, "\u{1}not a record"])
+                .await
+                .map(drop)
+                .map_err(|e| e.to_string())
+        }
+
+        async fn unreach(&self) -> Result<(), String> {
+            self.proxy.cut();
+            Ok(())
+        }
+
+        async fn reach(&self) -> Result<(), String> {
+            self.proxy.heal();
+            Ok(())
+        }
+    }
+
+    async fn repository_and_faults() -> (SharedRepository, SharedFaults) {
+        let server = containers::redis()
+            .await
+            .expect("a Redis server from the harness (see docs/testing.md)");
+        let proxy = FaultProxy::start(server.url())
+            .await
+            .expect("a fault proxy");
+        let repo = RedisRepository::connect(&format!(
+            "{}?response_timeout=1s&connect_timeout=1s",
+            proxy.url()
+        ))
+        .await
+        .expect("connect through the fault proxy");
+        (Arc::new(repo), Arc::new(Faults { server, proxy }))
+    }
+
+    idempotency_conformance::store_fault_tests!(repository_and_faults);
+}

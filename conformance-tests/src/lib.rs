@@ -53,6 +53,12 @@
 //! read-then-write gap as small as one scheduler yield is hit deterministically
 //! — and some on separate threads behind a barrier.
 //!
+//! # The errors clause
+//!
+//! [`store_fault_tests!`] adds the checks that need to act on the store around
+//! the repository (an undecodable record, a store that stops answering), for a
+//! backend that implements [`StoreFaults`]; see its docs and `docs/testing.md`.
+//!
 //! Capabilities a backend lacks are declared in
 //! [`Capabilities`](idempotency_core::Capabilities), not skipped: e.g. with
 //! `native_expiry` the purge check accepts that `purge_expired` removes nothing,
@@ -74,6 +80,7 @@ mod edges;
 mod failure_paths;
 mod model;
 mod report;
+mod store_faults;
 mod support;
 
 pub use checks::*;
@@ -81,6 +88,11 @@ pub use edges::*;
 pub use failure_paths::*;
 pub use model::check_model_based_sequences;
 pub use report::{CheckOutcome, Report};
+pub use store_faults::{
+    check_corrupt_record_is_reported_with_its_key, check_unreachable_store_is_a_retryable_error,
+    fault_check_named, run_fault_checks, FaultCheck, SharedFaults, StoreFaults, FAULT_CHECKS,
+    HANG_LIMIT,
+};
 pub use support::random_namespace;
 
 /// Why a check failed.
@@ -275,6 +287,65 @@ define_suite! { $
     check_manager_scopes_isolate,
     check_capabilities_are_coherent,
     check_model_based_sequences,
+}
+
+/// One `#[tokio::test]` per check of the errors clause ([`FAULT_CHECKS`]), for
+/// a factory returning a fresh repository and the [`StoreFaults`] that act on
+/// its store (called once per test; give each call a store path of its own,
+/// e.g. its own [`FaultProxy`](crate::containers::FaultProxy), so the tests
+/// can run in parallel).
+///
+/// ```
+/// use std::sync::Arc;
+/// use idempotency_conformance::{SharedFaults, StoreFaults};
+/// use idempotency_core::{MemoryRepository, RecordKey, SharedRepository};
+///
+/// struct NoStore;
+///
+/// #[async_trait::async_trait]
+/// impl StoreFaults for NoStore {
+///     async fn corrupt(&self, _: &RecordKey) -> Result<(), String> { Err("in memory".into()) }
+///     async fn unreach(&self) -> Result<(), String> { Err("in memory".into()) }
+///     async fn reach(&self) -> Result<(), String> { Ok(()) }
+/// }
+///
+/// async fn repository_and_faults() -> (SharedRepository, SharedFaults) {
+///     (Arc::new(MemoryRepository::new()), Arc::new(NoStore))
+/// }
+///
+/// // In a test file: idempotency_conformance::store_fault_tests!(repository_and_faults);
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! store_fault_tests {
+    ($factory:path) => {
+        $crate::__store_fault_tests!(
+            $factory;
+            check_corrupt_record_is_reported_with_its_key,
+            check_unreachable_store_is_a_retryable_error
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __store_fault_tests {
+    ($factory:path; $($name:ident),*) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                let (repo, faults) = $factory().await;
+                let check = $crate::fault_check_named(stringify!($name))
+                    .unwrap_or_else(|| panic!("no fault check named {}", stringify!($name)));
+                let result = (check.run)(repo, faults.clone()).await;
+                let healed = faults.reach().await;
+                if let Err(failure) = result {
+                    panic!("conformance check `{}` failed: {}", stringify!($name), failure);
+                }
+                healed.expect("make the store reachable again");
+            }
+        )*
+    };
 }
 
 #[doc(hidden)]
