@@ -159,6 +159,14 @@ if ! cargo run --quiet --example quickstart 2>&1 | tee -a "$LOG"; then
     failed_runs=$((failed_runs + 1))
     say "the quickstart failed"
 fi
+# The trait crate and the suite must work as ordinary dependencies outside this
+# workspace: package both and build them from the packages alone, every feature on.
+say "cargo package -p idempotency-core -p idempotency-conformance (built from the packages)"
+if ! cargo package -p idempotency-core -p idempotency-conformance --allow-dirty --all-features 2>&1 | tee -a "$LOG"; then
+    status=1
+    failed_runs=$((failed_runs + 1))
+    say "packaging failed: a file the crates need is outside them, or a dependency has no version"
+fi
 sweep_containers
 
 read -r passed failed ignored < <(
