@@ -90,7 +90,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let manager =
         IdempotencyManager::with_parts(store.clone(), config, Arc::new(clock.clone()), JsonCodec)?
-            .scoped("ProcessPayment");
+            .scoped("ProcessPayment")?;
 
     // The broker: each event 1–3 times, shuffled.
     let world: Shared = Arc::default();

@@ -23,7 +23,7 @@
 //!     .unwrap_or_else(|| "memory:".into());
 //! # let url = "memory:";
 //! let store = idempotency::connect(&url).await?;
-//! let payments = IdempotencyManager::new(store, Config::default())?.scoped("payments");
+//! let payments = IdempotencyManager::new(store, Config::default())?.scoped("payments")?;
 //!
 //! let charge = || async { Ok::<_, HandlerError<String>>("receipt-42".to_owned()) };
 //! let first = payments.execute("ProcessPayment:evt-1", &(), charge).await?;

@@ -8,7 +8,7 @@
 //! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
 //! // Region, endpoint and credentials as the AWS SDK finds them, or in the URL.
 //! let repo = idempotency_dynamodb::connect("dynamodb://idempotency?region=eu-west-1").await?;
-//! let payments = IdempotencyManager::new(Arc::new(repo), Config::default())?.scoped("payments");
+//! let payments = IdempotencyManager::new(Arc::new(repo), Config::default())?.scoped("payments")?;
 //!
 //! let outcome = payments
 //!     .execute("ProcessPayment:evt-42", &serde_json::json!({"amount": 10}), || async {

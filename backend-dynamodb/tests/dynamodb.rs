@@ -157,7 +157,8 @@ async fn manager_fresh_execution_is_two_requests_and_duplicate_one() {
     let repo = common::repository().await.with_request_counter(&counter);
     let manager = IdempotencyManager::new(Arc::new(repo), Config::default())
         .unwrap()
-        .scoped(&namespace());
+        .scoped(&namespace())
+        .unwrap();
     counter.reset();
     let first = manager
         .execute("order-1", &"payload", || async {
@@ -391,7 +392,8 @@ async fn manager_skips_caching_results_over_the_item_limit() {
         },
     )
     .unwrap()
-    .scoped(&namespace());
+    .scoped(&namespace())
+    .unwrap();
     // Serialized as a JSON string: max + 2 bytes.
     let big = "b".repeat(max);
     let first = manager

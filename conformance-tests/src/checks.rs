@@ -1741,7 +1741,7 @@ pub async fn check_manager_ttl_expiry(repo: SharedRepository) -> CheckResult {
 pub async fn check_manager_scopes_isolate(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let m = cx.manager(Config::default())?;
-    let (a, b) = (m.scoped("email"), m.scoped("ship"));
+    let (a, b) = (m.scoped("email")?, m.scoped("ship")?);
     let x = a
         .execute("evt", &(), || async { ok(1) })
         .await

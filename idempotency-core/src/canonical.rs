@@ -132,6 +132,21 @@ impl ser::Error for FastError {
     }
 }
 
+/// Refuses NaN and the infinities: JSON has no form for them (`serde_json`
+/// writes `null`), so `NaN`, `+inf`, `-inf` and `null` would all hash alike and
+/// a payload carrying one would match a payload carrying another.
+fn finite(v: f64) -> Result<(), FastError> {
+    if v.is_finite() {
+        Ok(())
+    } else {
+        Err(<FastError as ser::Error>::custom(format_args!(
+            "the payload holds a non-finite number ({v}), which JSON cannot represent: \
+             it would fingerprint like `null`; send it as a string or reject it before \
+             calling the layer"
+        )))
+    }
+}
+
 /// The first 8 bytes of a key, zero-padded, big-endian: ordering these orders
 /// the keys unless they are equal (a padding zero only meets a real byte in a
 /// longer key, which sorts after its prefix anyway).
@@ -354,14 +369,15 @@ impl<'a> ser::Serializer for &'a mut Canon {
     }
 
     fn serialize_f32(self, v: f32) -> Result<(), FastError> {
+        finite(f64::from(v))?;
         // Exactly what `to_value` stores (without `arbitrary_precision`: the
-        // widened `f64`, so `0.1f32` prints as `0.10000000149011612`; `null` when
-        // not finite), written the way `Value` writes it.
+        // widened `f64`, so `0.1f32` prints as `0.10000000149011612`), written
+        // the way `Value` writes it.
         self.json(|w| serde_json::Value::from(v).serialize(w))
     }
 
     fn serialize_f64(self, v: f64) -> Result<(), FastError> {
-        // `null` when not finite, like `Value::from(f64)`.
+        finite(v)?;
         self.json(|w| ser::Serializer::serialize_f64(w, v))
     }
 
@@ -926,6 +942,26 @@ mod tests {
         same_as_value(value)
     }
 
+    #[test]
+    fn non_finite_numbers_are_refused() {
+        // NaN, +inf, -inf and null would all be `null` in JSON, so they would
+        // fingerprint alike: refused, wherever they sit.
+        let cases: Vec<Value> = vec![json!(null)];
+        assert!(to_vec(&cases).is_ok());
+        for v in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            for err in [
+                outcome(to_vec(&v)),
+                outcome(to_vec(&vec![1.0, v])),
+                outcome(to_vec(&std::collections::BTreeMap::from([("amount", v)]))),
+                outcome(to_vec(&(v as f32))),
+            ] {
+                let message = err.unwrap_err();
+                assert!(message.contains("non-finite number"), "{message}");
+            }
+        }
+        assert_ne!(to_vec(&f64::MAX).unwrap(), to_vec(&()).unwrap());
+    }
+
     struct Rng(u64);
 
     impl Rng {
@@ -1094,12 +1130,12 @@ mod tests {
                     -2.5,
                     1e16,
                     123_456_789.0,
-                    f64::NAN,
-                    f64::INFINITY,
-                    f64::NEG_INFINITY,
                 ]),
                 1 => (self.rng.next() % 1_000_000) as f64 / 1000.0,
-                _ => f64::from_bits(self.rng.next()),
+                // Non-finite numbers are refused (see `non_finite_numbers_are_refused`).
+                _ => Some(f64::from_bits(self.rng.next()))
+                    .filter(|v| v.is_finite())
+                    .unwrap_or(0.25),
             }
         }
 
@@ -1120,10 +1156,10 @@ mod tests {
                 }),
                 4 => Gen::F64(self.float()),
                 5 => Gen::F32(match self.rng.below(3) {
-                    0 => self
-                        .rng
-                        .pick(&[0.1, -0.0, 1e-45, f32::MAX, f32::NAN, 16_777_217.0]),
-                    _ => f32::from_bits(self.rng.next() as u32),
+                    0 => self.rng.pick(&[0.1, -0.0, 1e-45, f32::MAX, 16_777_217.0]),
+                    _ => Some(f32::from_bits(self.rng.next() as u32))
+                        .filter(|v| v.is_finite())
+                        .unwrap_or(0.5),
                 }),
                 6 => {
                     let big = self.exotic && self.rng.below(8) == 0;
@@ -1335,25 +1371,8 @@ mod tests {
             skipped: None,
             present: Some(None),
             absent: None,
-            f32s: vec![
-                0.1,
-                -0.0,
-                1.5,
-                3.402_823_5e38,
-                f32::NAN,
-                f32::INFINITY,
-                1e-45,
-            ],
-            f64s: vec![
-                0.1,
-                -0.0,
-                1e300,
-                5e-324,
-                f64::NAN,
-                f64::NEG_INFINITY,
-                1e21,
-                1e-7,
-            ],
+            f32s: vec![0.1, -0.0, 1.5, 3.402_823_5e38, 1e-45],
+            f64s: vec![0.1, -0.0, 1e300, 5e-324, 1e21, 1e-7],
             tuple: (3, "t\u{1}".into(), (true, 2.25)),
             vec_u8: vec![0, 255, 7],
             bytes: Bytes(b"\x00\xffhi"),

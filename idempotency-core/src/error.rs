@@ -1,5 +1,6 @@
 //! The one error type of the core surface.
 
+use std::fmt;
 use std::time::Duration;
 
 use crate::key::RecordKey;
@@ -31,7 +32,11 @@ pub enum Error {
     InProgress {
         /// The key.
         key: RecordKey,
-        /// How long until the holder's lease runs out.
+        /// When to try again: from the manager, about one typical execution
+        /// (a running average of how long its executions held a key, from
+        /// reserve to recorded outcome, at least 1 ms), never later than the
+        /// holder's lease ends; before any execution has finished, and from a
+        /// bare repository, when the lease ends (plus the skew allowance).
         retry_after: Duration,
     },
 
@@ -196,6 +201,23 @@ impl Error {
         }
     }
 
+    /// This error, naming `key` in its message if it does not already: a
+    /// [`Error::Codec`] becomes "cannot decode the stored result of KEY: …"
+    /// (the source stays reachable through [`std::error::Error::source`]); a
+    /// [`Error::Corrupt`] without a key gets it. Other errors name their key
+    /// already and are returned as they are.
+    pub fn naming(self, key: &RecordKey) -> Self {
+        match self {
+            Error::Codec { source } if !source.is::<KeyedCodecError>() => Error::Codec {
+                source: Box::new(KeyedCodecError {
+                    key: key.clone(),
+                    source,
+                }),
+            },
+            other => other.with_key(key),
+        }
+    }
+
     /// Attaches `key` to a [`Error::Corrupt`] that has none; other errors are
     /// returned unchanged.
     pub fn with_key(self, key: &RecordKey) -> Self {
@@ -206,5 +228,29 @@ impl Error {
             },
             other => other,
         }
+    }
+}
+
+/// A codec error with the key whose stored result it concerns.
+#[derive(Debug)]
+struct KeyedCodecError {
+    key: RecordKey,
+    source: BoxError,
+}
+
+impl fmt::Display for KeyedCodecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "cannot decode the stored result of {} (did the result type change between \
+             deployments?): {}",
+            self.key, self.source
+        )
+    }
+}
+
+impl std::error::Error for KeyedCodecError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
     }
 }

@@ -253,10 +253,44 @@ fn digest_id(id: &str) -> String {
     format!("{DIGEST_PREFIX}{}", hex::encode(digest))
 }
 
+/// The key as the user wrote it, `namespace:id` (the namespace is usually the
+/// manager's `key_prefix` and scope), without the stored form's escaping; only
+/// characters that cannot be printed (controls, invisible format characters)
+/// are escaped, so a key in an error message or a log line is one line.
+///
+/// ```
+/// use idempotency_core::RecordKey;
+/// let key = RecordKey::new("idempotency:payments", "order 42/é", 256)?;
+/// assert_eq!(key.to_string(), "idempotency:payments:order 42/é");
+/// assert_eq!(key.encode(), "idempotency%3Apayments:order 42/é");
+/// let odd = RecordKey::new("ns", "a\nb\u{0}", 256)?;
+/// assert_eq!(odd.to_string(), "ns:a\\nb\\0");
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
 impl fmt::Display for RecordKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.encode().escape_debug())
+        write_printable(f, &self.namespace)?;
+        f.write_str(":")?;
+        write_printable(f, &self.id)
     }
+}
+
+/// Writes `s`, escaping only what cannot be printed.
+fn write_printable(f: &mut fmt::Formatter<'_>, s: &str) -> fmt::Result {
+    for c in s.chars() {
+        if c.is_control() || is_invisible_format(c) {
+            write!(f, "{}", c.escape_debug())?;
+        } else {
+            write!(f, "{c}")?;
+        }
+    }
+    Ok(())
+}
+
+/// Zero-width and direction-changing characters: printed, they hide or
+/// reorder what surrounds them.
+fn is_invisible_format(c: char) -> bool {
+    matches!(c, '\u{200b}'..='\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2060}'..='\u{2064}' | '\u{2066}'..='\u{2069}' | '\u{feff}')
 }
 
 /// The random token of the attempt holding a record: a fencing token.

@@ -44,7 +44,7 @@ where
 /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
 /// let handler = IdempotentHandler::new(manager, "ship-order", KeyStrategy::EventBased, |e: Event| async move {
 ///     Ok::<Value, HandlerError<String>>(json!({"shipped": e.payload["order"]}))
-/// });
+/// })?;
 /// let event = Event::new("OrderPaid", "evt-1", json!({"order": 7}));
 /// assert!(handler.handle(event.clone()).await?.handler_ran());
 /// assert!(handler.handle(event).await?.is_duplicate());
@@ -72,19 +72,23 @@ impl fmt::Debug for IdempotentHandler {
 impl IdempotentHandler {
     /// Wraps `handler`; its records live in the scope `name` of the manager's
     /// namespace, so two handlers of one event each run once.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`](crate::Error::InvalidKey) when `name` makes the
+    /// namespace too long (see [`IdempotencyManager::scoped`]).
     pub fn new(
         manager: IdempotencyManager<JsonCodec>,
         name: impl Into<String>,
         strategy: KeyStrategy,
         handler: impl EventHandler,
-    ) -> Self {
+    ) -> Result<Self, crate::Error> {
         let name = name.into();
-        IdempotentHandler {
-            manager: manager.scoped(&name),
+        Ok(IdempotentHandler {
+            manager: manager.scoped(&name)?,
             name,
             strategy,
             handler: Arc::new(handler),
-        }
+        })
     }
 
     /// The handler's name.
@@ -118,8 +122,8 @@ impl IdempotentHandler {
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
 /// let mut dispatcher = Dispatcher::new(manager, KeyStrategy::EventBased);
-/// dispatcher.register("OrderPaid", "ship", |_e: Event| async { Ok::<Value, HandlerError<String>>(json!("shipped")) });
-/// dispatcher.register("OrderPaid", "email", |_e: Event| async { Ok::<Value, HandlerError<String>>(json!("sent")) });
+/// dispatcher.register("OrderPaid", "ship", |_e: Event| async { Ok::<Value, HandlerError<String>>(json!("shipped")) })?;
+/// dispatcher.register("OrderPaid", "email", |_e: Event| async { Ok::<Value, HandlerError<String>>(json!("sent")) })?;
 /// let event = Event::new("OrderPaid", "evt-1", json!({}));
 /// let first = dispatcher.dispatch(event.clone()).await;
 /// let again = dispatcher.dispatch(event).await;
@@ -160,30 +164,36 @@ impl Dispatcher {
     }
 
     /// Registers `handler` under `name` for events of `event_type`.
+    ///
+    /// # Errors
+    /// As [`IdempotentHandler::new`].
     pub fn register(
         &mut self,
         event_type: impl Into<String>,
         name: impl Into<String>,
         handler: impl EventHandler,
-    ) -> &mut Self {
+    ) -> Result<&mut Self, crate::Error> {
         let strategy = self.strategy.clone();
         self.register_with(event_type, name, strategy, handler)
     }
 
     /// Registers `handler` with its own key strategy.
+    ///
+    /// # Errors
+    /// As [`IdempotentHandler::new`].
     pub fn register_with(
         &mut self,
         event_type: impl Into<String>,
         name: impl Into<String>,
         strategy: KeyStrategy,
         handler: impl EventHandler,
-    ) -> &mut Self {
-        let wrapped = IdempotentHandler::new(self.manager.clone(), name, strategy, handler);
+    ) -> Result<&mut Self, crate::Error> {
+        let wrapped = IdempotentHandler::new(self.manager.clone(), name, strategy, handler)?;
         self.handlers
             .entry(event_type.into())
             .or_default()
             .push(wrapped);
-        self
+        Ok(self)
     }
 
     /// Runs every handler registered for the event's type, concurrently; returns

@@ -40,7 +40,8 @@ pub use crate::engine::reserve_request;
 
 /// What a duplicate delivery gets for `decision` (contract §4, stage 1): the
 /// cached result decoded with `codec`, `Duplicate`, or the matching error. A
-/// cached result that does not decode is [`Error::Codec`].
+/// cached result that does not decode is [`Error::Codec`] whose message names
+/// the key.
 ///
 /// # Errors
 /// [`Error::PayloadMismatch`], [`Error::PreviouslyFailed`],
@@ -56,7 +57,10 @@ where
 {
     let key = key.clone();
     match decision {
-        DuplicateDecision::Replay(bytes) => Ok(Outcome::Cached(codec.decode(&bytes)?)),
+        DuplicateDecision::Replay(bytes) => codec
+            .decode(&bytes)
+            .map(Outcome::Cached)
+            .map_err(|e| e.naming(&key).into()),
         DuplicateDecision::Duplicate => Ok(Outcome::Duplicate),
         DuplicateDecision::PayloadMismatch => Err(Error::PayloadMismatch { key }.into()),
         DuplicateDecision::PreviouslyFailed(error) => {

@@ -445,8 +445,8 @@ async fn a_takeover_without_validation_keeps_the_fingerprint() {
 async fn scopes_and_steps_compose_injectively() {
     let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default()).unwrap();
     assert_ne!(
-        m.scoped("a").scoped("b").namespace(),
-        m.scoped("a:b").namespace()
+        m.scoped("a").unwrap().scoped("b").unwrap().namespace(),
+        m.scoped("a:b").unwrap().namespace()
     );
     let ok = |v: u32| move || async move { Ok::<_, HandlerError<String>>(v) };
     let first = m.step("a:b", "c", &(), ok(1)).await.unwrap();

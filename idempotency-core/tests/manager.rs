@@ -231,6 +231,41 @@ async fn corrupt_cached_result_is_a_codec_error_naming_the_key() {
         matches!(r, Err(ExecuteError::Idempotency(Error::Codec { .. }))),
         "{r:?}"
     );
+    let message = r.unwrap_err().to_string();
+    assert!(
+        message.contains("idempotency:k") && message.contains("cannot decode"),
+        "{message}"
+    );
+}
+
+#[tokio::test]
+async fn non_finite_payloads_are_refused_before_the_handler() {
+    let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default()).unwrap();
+    for payload in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+        #[derive(serde::Serialize)]
+        struct Payment {
+            amount: f64,
+        }
+        let r = m
+            .execute("pay", &Payment { amount: payload }, || async {
+                ok::<u8>(1)
+            })
+            .await;
+        assert!(
+            matches!(r, Err(ExecuteError::Idempotency(Error::Codec { .. }))),
+            "{r:?}"
+        );
+        let r = m
+            .execute("pay-raw", &payload, || async { ok::<u8>(2) })
+            .await;
+        match r {
+            Err(ExecuteError::Idempotency(e @ Error::Codec { .. })) => {
+                assert!(!e.is_retryable());
+                assert!(e.to_string().contains("non-finite number"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
 }
 
 #[tokio::test]
@@ -320,4 +355,39 @@ async fn a_store_call_that_never_answers_times_out() {
         took >= Duration::from_secs(6) && took < Duration::from_secs(7),
         "{took:?}"
     );
+}
+
+/// `retry_after` follows how long executions take, not the 300 s lease.
+#[tokio::test(start_paused = true)]
+async fn in_progress_hints_a_retry_after_about_one_execution() {
+    let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default()).unwrap();
+    let quick = || async {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        ok(1u8)
+    };
+    let (hold, held) = tokio::sync::oneshot::channel::<()>();
+    let first = m.execute("warm", &(), quick).await.unwrap();
+    assert!(first.handler_ran());
+    let holder = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute("busy", &(), || async move {
+                let _ = held.await;
+                ok(2u8)
+            })
+            .await
+        })
+    };
+    tokio::task::yield_now().await;
+    match m.execute("busy", &(), || async { ok(3u8) }).await {
+        Err(ExecuteError::Idempotency(Error::InProgress { retry_after, .. })) => {
+            assert!(
+                retry_after >= Duration::from_millis(1) && retry_after <= Duration::from_millis(10),
+                "{retry_after:?}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    hold.send(()).unwrap();
+    assert!(holder.await.unwrap().unwrap().handler_ran());
 }

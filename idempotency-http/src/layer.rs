@@ -259,7 +259,7 @@ impl Settings {
 /// use idempotency_http::{caller_from_header, IdempotencyLayer, Protection, RequestFingerprint};
 ///
 /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
-///     .scoped("http");
+///     .scoped("http")?;
 /// let layer = IdempotencyLayer::new(manager)
 ///     .methods([Method::POST, Method::PATCH])               // the default
 ///     .caller_identity(caller_from_header(HeaderName::from_static("x-api-key")))

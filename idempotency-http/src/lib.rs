@@ -16,7 +16,7 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 //! // Any store: `idempotency::connect("redis://…")` in production.
 //! let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
-//!     .scoped("http");
+//!     .scoped("http")?;
 //! static ORDERS: AtomicUsize = AtomicUsize::new(0);
 //! let app = Router::new()
 //!     .route("/orders", post(|body: String| async move {

@@ -26,7 +26,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Only the kind of store is logged: the URL may carry a password.
     let kind = StoreKind::from_url(&url)?;
     let store = idempotency::connect(&url).await?;
-    let manager = IdempotencyManager::new(store, Config::default())?.scoped("http-example");
+    let manager = IdempotencyManager::new(store, Config::default())?.scoped("http-example")?;
     let app = idempotency_http_server_example::app(manager);
 
     let listener = tokio::net::TcpListener::bind(addr).await?;

@@ -15,7 +15,8 @@ use tower::ServiceExt;
 fn app() -> Router {
     let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())
         .unwrap()
-        .scoped("http-example");
+        .scoped("http-example")
+        .unwrap();
     idempotency_http_server_example::app(manager)
 }
 

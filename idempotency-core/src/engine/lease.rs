@@ -31,6 +31,9 @@ use super::Engine;
 /// One execution's hold on its key, shared by the engine and the handler's
 /// [`ExecutionContext`].
 pub(crate) struct Lease {
+    /// When the first reserve was about to be sent: the key has been held
+    /// (or sought) since.
+    created: Instant,
     pub(crate) key: RecordKey,
     pub(crate) owner: OwnerToken,
     attempt: AtomicU32,
@@ -63,11 +66,18 @@ impl fmt::Debug for Lease {
 }
 
 impl Lease {
+    /// How long since the first reserve was sent: at the end of an execution,
+    /// how long this execution held the key.
+    pub(crate) fn held_for(&self) -> Duration {
+        self.created.elapsed()
+    }
+
     pub(crate) fn new(key: RecordKey, owner: OwnerToken) -> Self {
         let created = Instant::now();
         Lease {
             key,
             owner,
+            created,
             attempt: AtomicU32::new(0),
             until: AtomicU64::new(0),
             deadline: Mutex::new(created),

@@ -38,6 +38,8 @@ pub(crate) struct Engine {
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) caps: Capabilities,
     pub(crate) metrics: Metrics,
+    /// How long executions of this manager hold a key, for `retry_after` hints.
+    pub(crate) hold_time: HoldTime,
 }
 
 impl std::fmt::Debug for Engine {
@@ -55,6 +57,7 @@ impl Engine {
         let caps = repo.capabilities();
         Engine {
             metrics: Metrics::new(caps.backend),
+            hold_time: HoldTime::default(),
             repo,
             config,
             clock,
@@ -140,4 +143,66 @@ pub(crate) async fn pause(d: Duration) {
 pub(crate) fn backoff(attempt: u32) -> Duration {
     // 20 ms, 40 ms, 80 ms … capped at 1 s.
     Duration::from_millis(20u64.saturating_mul(1 << attempt.min(6))).min(Duration::from_secs(1))
+}
+
+/// A running average (exponentially weighted, 1/8 per sample) of how long this
+/// manager's executions hold a key, from the first reserve to the recorded
+/// outcome: the hint an `InProgress` answer gives for when to retry.
+#[derive(Debug, Default)]
+pub(crate) struct HoldTime {
+    /// Microseconds; 0 until the first sample.
+    average_us: std::sync::atomic::AtomicU64,
+}
+
+impl HoldTime {
+    /// The smallest hint given: retrying sooner only costs round trips.
+    const FLOOR: Duration = Duration::from_millis(1);
+
+    pub(crate) fn observe(&self, held: Duration) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let sample = u64::try_from(held.as_micros()).unwrap_or(u64::MAX).max(1);
+        // A lost update under contention only drops one sample.
+        let old = self.average_us.load(Relaxed);
+        let new = if old == 0 {
+            sample
+        } else {
+            old - old / 8 + sample / 8
+        };
+        self.average_us.store(new.max(1), Relaxed);
+    }
+
+    /// When a duplicate should retry, given the holder's lease ends in
+    /// `lease_left`: after about one typical execution, never after the lease
+    /// ends; the lease's end itself before any execution has finished.
+    pub(crate) fn hint(&self, lease_left: Duration) -> Duration {
+        match self.average_us.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => lease_left,
+            us => Duration::from_micros(us).max(Self::FLOOR).min(lease_left),
+        }
+    }
+}
+
+#[cfg(test)]
+mod hold_time_tests {
+    use super::*;
+
+    #[test]
+    fn hints_follow_the_executions_and_never_pass_the_lease() {
+        let t = HoldTime::default();
+        let lease = Duration::from_secs(300);
+        assert_eq!(t.hint(lease), lease, "no sample yet: the lease's end");
+        t.observe(Duration::from_millis(5));
+        assert_eq!(t.hint(lease), Duration::from_millis(5));
+        assert_eq!(t.hint(Duration::from_millis(2)), Duration::from_millis(2));
+        for _ in 0..64 {
+            t.observe(Duration::from_millis(80));
+        }
+        let h = t.hint(lease);
+        assert!(
+            h > Duration::from_millis(70) && h <= Duration::from_millis(80),
+            "{h:?}"
+        );
+        t.observe(Duration::ZERO);
+        assert!(t.hint(lease) >= HoldTime::FLOOR);
+    }
 }

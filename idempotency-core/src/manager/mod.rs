@@ -48,7 +48,7 @@ type Panic = Box<dyn Any + Send>;
 ///
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
-///     .scoped("payments");
+///     .scoped("payments")?;
 /// let charges = AtomicU32::new(0);
 /// let payload = serde_json::json!({"account": "A-1", "amount": 25});
 /// for _delivery in 0..3 {
@@ -156,18 +156,36 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     ///
     /// ```
     /// use std::sync::Arc;
-    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_core::{Config, Error, IdempotencyManager, MemoryRepository};
     /// let m = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
-    /// assert_eq!(m.scoped("payments").namespace(), "idempotency:payments");
-    /// assert_ne!(m.scoped("a").scoped("b").namespace(), m.scoped("a:b").namespace());
+    /// assert_eq!(m.scoped("payments")?.namespace(), "idempotency:payments");
+    /// assert_ne!(m.scoped("a")?.scoped("b")?.namespace(), m.scoped("a:b")?.namespace());
+    /// // A scope that leaves no room for keys is refused here, not at every call.
+    /// assert!(matches!(m.scoped(&"s".repeat(600)), Err(Error::InvalidKey { .. })));
     /// # Ok::<(), idempotency_core::Error>(())
     /// ```
-    pub fn scoped(&self, scope: &str) -> Self {
-        IdempotencyManager {
-            engine: self.engine.clone(),
-            namespace: format!("{}:{}", self.namespace, escape_part(scope)).into(),
-            codec: self.codec.clone(),
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] when the namespace with the scope would be longer
+    /// than [`MAX_NAMESPACE_BYTES`](crate::MAX_NAMESPACE_BYTES).
+    pub fn scoped(&self, scope: &str) -> Result<Self, Error> {
+        let namespace: Arc<str> = format!("{}:{}", self.namespace, escape_part(scope)).into();
+        if namespace.len() > crate::MAX_NAMESPACE_BYTES {
+            return Err(Error::InvalidKey {
+                reason: format!(
+                    "the scope `{}` makes the namespace {} bytes long; at most {} are allowed \
+                     (shorten the scope or the key prefix)",
+                    scope.escape_debug(),
+                    namespace.len(),
+                    crate::MAX_NAMESPACE_BYTES
+                ),
+            });
         }
+        Ok(IdempotencyManager {
+            engine: self.engine.clone(),
+            namespace,
+            codec: self.codec.clone(),
+        })
     }
 
     /// The namespace of this manager's keys.
@@ -516,6 +534,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             )
             .await;
         let was = std::mem::replace(&mut guard.phase, Phase::Done);
+        engine.hold_time.observe(guard.lease.held_for());
         match result {
             Ok(Ok(value)) => Ok(self.success_outcome(finished, value)),
             Ok(Err(err)) => {
@@ -635,6 +654,12 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             self.engine.metrics.count(counter);
         }
         record_outcome(outcome);
+        let decision = match decision {
+            DuplicateDecision::InProgress { retry_after } => DuplicateDecision::InProgress {
+                retry_after: self.engine.hold_time.hint(retry_after),
+            },
+            other => other,
+        };
         answer_duplicate(&self.codec, key, decision)
     }
 }
