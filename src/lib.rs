@@ -44,8 +44,10 @@
 //! | `redis-tls` | Redis over TLS | `rediss://`, `valkeys://` |
 //! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2`, `valkey+cluster://…`; with `redis-tls` also `rediss+cluster://…`, `valkeys+cluster://…` |
 //! | `postgres` | PostgreSQL | `postgres://`, `postgresql://` |
+//! | `postgres-tls` | PostgreSQL over TLS | `postgres://…?sslmode=require` (`verify-ca`, `verify-full`) |
 //! | `dynamodb` | DynamoDB | `dynamodb://TABLE?region=…&endpoint=…` |
-//! | `full` | all of the above | |
+//! | `full` | `redis`, `postgres`, `dynamodb` | |
+//! | `full-tls` | `full` with `redis-tls`, `redis-cluster`, `postgres-tls` | |
 //!
 //! A URL whose backend is compiled out returns [`Error::Config`] naming the
 //! feature to enable.

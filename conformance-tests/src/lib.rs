@@ -1,7 +1,7 @@
 //! The conformance suite every idempotency-rs repository must pass — the bundled
 //! backends and yours.
 //!
-//! It checks every operation of the repository contract (`SPEC.md` §3: each
+//! It checks every operation of the repository contract (`idempotency_core::contract` §3: each
 //! status × each operation × owner match/mismatch × live/expired), the manager's
 //! decisions over that repository (§4), concurrency (many tasks racing one key,
 //! many keys × many duplicates, racing takeovers: exactly one winner every time),
