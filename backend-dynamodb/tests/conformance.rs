@@ -19,42 +19,24 @@ idempotency_conformance::conformance_tests!(repository);
 mod store_faults {
     use super::*;
     use aws_sdk_dynamodb::types::AttributeValue;
-    use idempotency_conformance::containers::FaultProxy;
-    use idempotency_conformance::{SharedFaults, StoreFaults};
+    use idempotency_conformance::containers::{FaultProxy, ProxyFaults};
+    use idempotency_conformance::SharedFaults;
     use idempotency_core::RecordKey;
     use idempotency_dynamodb::DynamoDbRepository;
 
-    struct Faults {
-        direct: DynamoDbRepository,
-        proxy: FaultProxy,
-    }
-
-    #[async_trait::async_trait]
-    impl StoreFaults for Faults {
-        /// An item with a status no version of the record format has.
-        async fn corrupt(&self, key: &RecordKey) -> Result<(), String> {
-            self.direct
-                .client()
-                .put_item()
-                .table_name(self.direct.table_name())
-                .item("pk", AttributeValue::S(key.encode()))
-                .item("status", AttributeValue::S("exploded".into()))
-                .item("expires_at", AttributeValue::N(u64::MAX.to_string()))
-                .send()
-                .await
-                .map(drop)
-                .map_err(|e| format!("{e:?}"))
-        }
-
-        async fn unreach(&self) -> Result<(), String> {
-            self.proxy.cut();
-            Ok(())
-        }
-
-        async fn reach(&self) -> Result<(), String> {
-            self.proxy.heal();
-            Ok(())
-        }
+    /// An item with a status no version of the record format has.
+    async fn corrupt(direct: DynamoDbRepository, key: RecordKey) -> Result<(), String> {
+        direct
+            .client()
+            .put_item()
+            .table_name(direct.table_name())
+            .item("pk", AttributeValue::S(key.encode()))
+            .item("status", AttributeValue::S("exploded".into()))
+            .item("expires_at", AttributeValue::N(u64::MAX.to_string()))
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| format!("{e:?}"))
     }
 
     async fn repository_and_faults() -> (SharedRepository, SharedFaults) {
@@ -71,7 +53,8 @@ mod store_faults {
         ))
         .await
         .expect("connect through the fault proxy");
-        (Arc::new(repo), Arc::new(Faults { direct, proxy }))
+        let faults = ProxyFaults::new(proxy, move |key| corrupt(direct.clone(), key));
+        (Arc::new(repo), Arc::new(faults))
     }
 
     idempotency_conformance::store_fault_tests!(repository_and_faults);

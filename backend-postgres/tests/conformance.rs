@@ -18,57 +18,39 @@ idempotency_conformance::conformance_tests!(repository);
 /// cannot decode, and a server that stops answering.
 mod store_faults {
     use super::*;
-    use idempotency_conformance::containers::FaultProxy;
-    use idempotency_conformance::{SharedFaults, StoreFaults};
+    use idempotency_conformance::containers::{FaultProxy, ProxyFaults};
+    use idempotency_conformance::SharedFaults;
     use idempotency_core::{Clock, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock};
     use idempotency_postgres::PgRepository;
     use std::time::Duration;
 
     const TABLE: &str = "idem_conformance";
 
-    struct Faults {
-        direct: PgRepository,
-        proxy: FaultProxy,
-    }
-
-    #[async_trait::async_trait]
-    impl StoreFaults for Faults {
-        /// A live record whose owner token is 2 bytes instead of 16.
-        async fn corrupt(&self, key: &RecordKey) -> Result<(), String> {
-            let now = SystemClock.now();
-            self.direct
-                .reserve(ReserveRequest {
-                    key,
-                    owner: OwnerToken::random(),
-                    fingerprint: None,
-                    now,
-                    lease_until: now + Duration::from_secs(3600),
-                    expires_at: now + Duration::from_secs(7200),
-                    retry_failed: false,
-                    clock_skew: Duration::ZERO,
-                })
-                .await
-                .map_err(|e| e.to_string())?;
-            sqlx::query(&format!(
-                "UPDATE {TABLE} SET owner = '\\x0102'::bytea WHERE namespace = $1 AND id = $2"
-            ))
-            .bind(key.namespace().as_bytes())
-            .bind(key.id().as_bytes())
-            .execute(self.direct.pool())
+    /// A live record whose owner token is 2 bytes instead of 16.
+    async fn corrupt(direct: PgRepository, key: RecordKey) -> Result<(), String> {
+        let now = SystemClock.now();
+        direct
+            .reserve(ReserveRequest {
+                key: &key,
+                owner: OwnerToken::random(),
+                fingerprint: None,
+                now,
+                lease_until: now + Duration::from_secs(3600),
+                expires_at: now + Duration::from_secs(7200),
+                retry_failed: false,
+                clock_skew: Duration::ZERO,
+            })
             .await
-            .map(drop)
-            .map_err(|e| e.to_string())
-        }
-
-        async fn unreach(&self) -> Result<(), String> {
-            self.proxy.cut();
-            Ok(())
-        }
-
-        async fn reach(&self) -> Result<(), String> {
-            self.proxy.heal();
-            Ok(())
-        }
+            .map_err(|e| e.to_string())?;
+        sqlx::query(&format!(
+            "UPDATE {TABLE} SET owner = '\\x0102'::bytea WHERE namespace = $1 AND id = $2"
+        ))
+        .bind(key.namespace().as_bytes())
+        .bind(key.id().as_bytes())
+        .execute(direct.pool())
+        .await
+        .map(drop)
+        .map_err(|e| e.to_string())
     }
 
     async fn repository_and_faults() -> (SharedRepository, SharedFaults) {
@@ -83,7 +65,8 @@ mod store_faults {
         ))
         .await
         .expect("connect through the fault proxy");
-        (Arc::new(repo), Arc::new(Faults { direct, proxy }))
+        let faults = ProxyFaults::new(proxy, move |key| corrupt(direct.clone(), key));
+        (Arc::new(repo), Arc::new(faults))
     }
 
     idempotency_conformance::store_fault_tests!(repository_and_faults);

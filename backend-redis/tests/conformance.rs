@@ -43,36 +43,8 @@ mod script_strategy {
 /// our keys, and a server that stops answering.
 mod store_faults {
     use super::*;
-    use idempotency_conformance::containers::{FaultProxy, RedisServer};
-    use idempotency_conformance::{SharedFaults, StoreFaults};
-    use idempotency_core::RecordKey;
-
-    struct Faults {
-        server: RedisServer,
-        proxy: FaultProxy,
-    }
-
-    #[async_trait::async_trait]
-    impl StoreFaults for Faults {
-        async fn corrupt(&self, key: &RecordKey) -> Result<(), String> {
-            let redis_key = RedisRepository::redis_key(key);
-            self.server
-                .command(&["SET", &redis_key, "\u{1}not a record"])
-                .await
-                .map(drop)
-                .map_err(|e| e.to_string())
-        }
-
-        async fn unreach(&self) -> Result<(), String> {
-            self.proxy.cut();
-            Ok(())
-        }
-
-        async fn reach(&self) -> Result<(), String> {
-            self.proxy.heal();
-            Ok(())
-        }
-    }
+    use idempotency_conformance::containers::{FaultProxy, ProxyFaults};
+    use idempotency_conformance::SharedFaults;
 
     async fn repository_and_faults() -> (SharedRepository, SharedFaults) {
         let server = containers::redis()
@@ -87,7 +59,18 @@ mod store_faults {
         ))
         .await
         .expect("connect through the fault proxy");
-        (Arc::new(repo), Arc::new(Faults { server, proxy }))
+        let faults = ProxyFaults::new(proxy, move |key| {
+            let server = server.clone();
+            async move {
+                let redis_key = RedisRepository::redis_key(&key);
+                server
+                    .command(&["SET", &redis_key, "\u{1}not a record"])
+                    .await
+                    .map(drop)
+                    .map_err(|e| e.to_string())
+            }
+        });
+        (Arc::new(repo), Arc::new(faults))
     }
 
     idempotency_conformance::store_fault_tests!(repository_and_faults);

@@ -74,7 +74,7 @@ mod wire;
 pub use docker::{Dedicated, Origin};
 pub use dynamodb::{dynamodb, DynamoDbResponse, DynamoDbServer};
 pub use error::HarnessError;
-pub use fault_proxy::FaultProxy;
+pub use fault_proxy::{FaultProxy, ProxyFaults};
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, RedisClusterServer};

@@ -86,19 +86,8 @@ impl WireCounter {
             url::Url::parse(url).map_err(|e| HarnessError::operation("parse the server URL", e))?;
         let host = parsed.host_str().unwrap_or("localhost").to_owned();
         let port = parsed.port().unwrap_or(default_port);
-        let listener = TcpListener::bind("127.0.0.1:0")
-            .await
-            .map_err(|e| HarnessError::operation("bind the counting proxy", e))?;
-        let local = listener
-            .local_addr()
-            .map_err(|e| HarnessError::operation("bind the counting proxy", e))?;
-        let mut via = parsed.clone();
-        via.set_host(Some("127.0.0.1"))
-            .and_then(|()| {
-                via.set_port(Some(local.port()))
-                    .map_err(|()| url::ParseError::InvalidPort)
-            })
-            .map_err(|e| HarnessError::operation("build the proxied URL", e))?;
+        let (listener, _, mut via) =
+            super::fault_proxy::listen_for(&parsed, "the counting proxy").await?;
         let query: Vec<(String, String)> = parsed
             .query_pairs()
             .filter(|(k, _)| k != "sslmode")

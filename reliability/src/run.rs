@@ -1,0 +1,408 @@
+//! One run: consumers deliver every key several times, in random order, while
+//! a fault is injected; then every key is redelivered until answered, and the
+//! ledger of effects is checked.
+
+use std::collections::{HashMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use idempotency_core::{Error, ExecuteError, HandlerError, IdempotencyManager, Outcome};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use tokio::time::Instant;
+
+use crate::figures::Figures;
+use crate::scenario::Scenario;
+use crate::target::{Backend, Target};
+
+/// The size of a run.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    /// Distinct keys.
+    pub keys: usize,
+    /// Deliveries of each key.
+    pub deliveries: usize,
+    /// Concurrent consumers (tasks).
+    pub consumers: usize,
+    /// Simulated processes: managers with their own connections; consumers
+    /// are spread over them.
+    pub processes: usize,
+    /// The seed of the delivery order, delays and give-up points.
+    pub seed: u64,
+}
+
+impl Plan {
+    /// A run of a few seconds.
+    pub fn short(seed: u64) -> Plan {
+        Plan {
+            keys: 40,
+            deliveries: 3,
+            consumers: 6,
+            processes: 2,
+            seed,
+        }
+    }
+}
+
+/// What the checker collects while the run goes on.
+#[derive(Default)]
+struct Journal {
+    /// Per key: (attempt, consumer) of every effect the handler applied.
+    effects: HashMap<usize, Vec<(u32, usize)>>,
+    answered: HashMap<usize, &'static str>,
+    retryable: usize,
+    wrong_class: Vec<String>,
+    slowest: Duration,
+    executions: usize,
+    /// Per key: what each delivery got, in order (for a failing history).
+    history: HashMap<usize, Vec<String>>,
+}
+
+type Shared = Arc<Mutex<Journal>>;
+
+fn journal(shared: &Shared) -> std::sync::MutexGuard<'_, Journal> {
+    shared.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Runs `scenario` on `backend` with `plan`.
+///
+/// # Errors
+/// When the store cannot be set up; the scenario's own failures are in the
+/// returned figures (see [`Figures::verdict`]).
+pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Figures, String> {
+    let plan = Plan {
+        keys: scenario.keys(plan.keys, plan.consumers),
+        ..plan
+    };
+    let target = Arc::new(Target::connect(backend, plan.processes).await?);
+    let prefix = format!("rel-{:016x}", rand::random::<u64>());
+    let managers = (0..plan.consumers)
+        .map(|c| {
+            target.manager(
+                c % plan.processes,
+                scenario.config(&prefix),
+                scenario.clock_offset(c),
+            )
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let shared: Shared = Arc::default();
+    let mut rng = StdRng::seed_from_u64(plan.seed);
+    let mut order: Vec<usize> = (0..plan.keys)
+        .flat_map(|k| std::iter::repeat_n(k, plan.deliveries))
+        .collect();
+    order.shuffle(&mut rng);
+    let queue = Arc::new(Mutex::new(VecDeque::from(order)));
+
+    let started = Instant::now();
+    let faults = tokio::spawn(inject(target.clone(), scenario));
+    let consumers: Vec<_> = managers
+        .into_iter()
+        .enumerate()
+        .map(|(c, m)| {
+            let seed = plan.seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let pace = pace(scenario, plan);
+            tokio::spawn(consume(
+                c,
+                m,
+                scenario,
+                pace,
+                queue.clone(),
+                shared.clone(),
+                seed,
+            ))
+        })
+        .collect();
+    let mut panics = 0;
+    for consumer in consumers {
+        if consumer.await.is_err() {
+            panics += 1;
+        }
+    }
+    let faults_injected = faults.await.unwrap_or_default();
+    if let Some(proxy) = &target.proxy {
+        proxy.clear();
+    }
+    let redelivery = redeliver_unanswered(&target, scenario, &prefix, plan, &shared).await?;
+    let lost_replies = target.proxy.as_ref().map_or(0, |p| p.lost_replies());
+    let j = journal(&shared);
+    Ok(Figures::collect(
+        backend,
+        scenario,
+        plan,
+        &FiguresInput {
+            effects: &j.effects,
+            answered: &j.answered,
+            history: &j.history,
+            executions: j.executions,
+            retryable: j.retryable,
+            wrong_class: &j.wrong_class,
+            slowest: j.slowest,
+            panics: panics + redelivery,
+            faults: faults_injected,
+            lost_replies,
+            took: started.elapsed(),
+        },
+    ))
+}
+
+/// What a run hands to [`Figures::collect`].
+pub(crate) struct FiguresInput<'a> {
+    pub(crate) effects: &'a HashMap<usize, Vec<(u32, usize)>>,
+    pub(crate) answered: &'a HashMap<usize, &'static str>,
+    pub(crate) history: &'a HashMap<usize, Vec<String>>,
+    pub(crate) executions: usize,
+    pub(crate) retryable: usize,
+    pub(crate) wrong_class: &'a [String],
+    pub(crate) slowest: Duration,
+    pub(crate) panics: usize,
+    pub(crate) faults: usize,
+    pub(crate) lost_replies: u64,
+    pub(crate) took: Duration,
+}
+
+/// One consumer: takes deliveries until the queue is empty; a delivery that
+/// was not answered (in progress, a retryable error, the caller gave up) goes
+/// back to the queue, as a broker would redeliver it.
+/// The mean pause between one consumer's deliveries that spreads the first
+/// deliveries over the scenario's fault schedule.
+fn pace(scenario: Scenario, plan: Plan) -> Duration {
+    let deliveries = u32::try_from(plan.keys * plan.deliveries)
+        .unwrap_or(u32::MAX)
+        .max(1);
+    let consumers = u32::try_from(plan.consumers).unwrap_or(u32::MAX);
+    scenario.span() * consumers / deliveries
+}
+
+async fn consume(
+    consumer: usize,
+    manager: IdempotencyManager,
+    scenario: Scenario,
+    pace: Duration,
+    queue: Arc<Mutex<VecDeque<usize>>>,
+    shared: Shared,
+    seed: u64,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    loop {
+        let next = queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop_front();
+        let Some(key) = next else { break };
+        let pace_us = u64::try_from(pace.as_micros()).unwrap_or(u64::MAX).max(1);
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
+        let give_up = (scenario == Scenario::CallerGivesUp)
+            .then(|| Duration::from_millis(rng.random_range(0..30)));
+        let answer = deliver(&manager, scenario, key, consumer, give_up, &shared).await;
+        if let Some(pause) = answer {
+            tokio::time::sleep(pause).await;
+            queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push_back(key);
+        }
+    }
+}
+
+/// One delivery of `key`; `Some(pause)` when it must be redelivered after
+/// `pause`.
+async fn deliver(
+    manager: &IdempotencyManager,
+    scenario: Scenario,
+    key: usize,
+    consumer: usize,
+    give_up: Option<Duration>,
+    shared: &Shared,
+) -> Option<Duration> {
+    let handler = handler(scenario, key, consumer, shared.clone());
+    let id = format!("evt-{key}");
+    let payload = serde_json::json!({ "event": key });
+    let begun = Instant::now();
+    let call = AssertUnwindSafe(manager.execute_detached(&id, &payload, handler));
+    let result = match give_up {
+        Some(limit) => tokio::time::timeout(limit, call).await.ok(),
+        None => Some(call.await),
+    };
+    let took = begun.elapsed();
+    let mut j = journal(shared);
+    j.slowest = j.slowest.max(took);
+    j.executions += 1;
+    let Some(result) = result else {
+        j.history
+            .entry(key)
+            .or_default()
+            .push(format!("c{consumer}: gave up after {took:?}"));
+        return Some(Duration::from_millis(50));
+    };
+    record(&mut j, key, consumer, result)
+}
+
+/// The future of one handler run.
+type HandlerFuture =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<u64, HandlerError<String>>> + Send>>;
+
+/// The handler of one delivery: takes the scenario's time, then applies its
+/// effect to the ledger.
+fn handler(
+    scenario: Scenario,
+    key: usize,
+    consumer: usize,
+    shared: Shared,
+) -> impl FnOnce(idempotency_core::ExecutionContext) -> HandlerFuture + Send + 'static {
+    move |ctx| {
+        Box::pin(async move {
+            tokio::time::sleep(scenario.handler_time()).await;
+            journal(&shared)
+                .effects
+                .entry(key)
+                .or_default()
+                .push((ctx.attempt(), consumer));
+            Ok(key as u64)
+        })
+    }
+}
+
+/// Notes what a delivery got; `Some(pause)` when it must be redelivered.
+fn record(
+    j: &mut Journal,
+    key: usize,
+    consumer: usize,
+    result: Result<Outcome<u64>, ExecuteError<String>>,
+) -> Option<Duration> {
+    let (note, redeliver) = match result {
+        Ok(outcome) => {
+            let kind = outcome_kind(&outcome);
+            j.answered.entry(key).or_insert(kind);
+            (kind.to_owned(), None)
+        }
+        Err(ExecuteError::Idempotency(Error::InProgress { retry_after, .. })) => (
+            format!("in progress, retry after {retry_after:?}"),
+            Some(retry_after.clamp(Duration::from_millis(5), Duration::from_millis(200))),
+        ),
+        Err(ExecuteError::Idempotency(e)) if e.is_retryable() => {
+            j.retryable += 1;
+            (format!("retryable: {e}"), Some(Duration::from_millis(50)))
+        }
+        Err(e) => {
+            j.wrong_class.push(format!("evt-{key}: {e}"));
+            (
+                format!("not retryable: {e}"),
+                Some(Duration::from_millis(50)),
+            )
+        }
+    };
+    j.history
+        .entry(key)
+        .or_default()
+        .push(format!("c{consumer}: {note}"));
+    redeliver
+}
+
+fn outcome_kind(outcome: &Outcome<u64>) -> &'static str {
+    match outcome {
+        Outcome::Executed(_) => "executed",
+        Outcome::Cached(_) => "cached",
+        Outcome::Duplicate => "duplicate",
+        Outcome::LeaseLost(_) => "lease lost",
+        Outcome::Unrecorded { .. } => "unrecorded",
+        Outcome::Unprotected(_) => "unprotected",
+        _ => "other",
+    }
+}
+
+/// After the faults: every key not yet answered is redelivered until it is,
+/// for at most two leases plus ten seconds. Returns the panics seen.
+async fn redeliver_unanswered(
+    target: &Target,
+    scenario: Scenario,
+    prefix: &str,
+    plan: Plan,
+    shared: &Shared,
+) -> Result<usize, String> {
+    let manager = target.manager(0, scenario.config(prefix), Duration::ZERO)?;
+    let deadline = Instant::now() + Scenario::LEASE * 2 + Duration::from_secs(10);
+    let mut panics = 0;
+    for key in 0..plan.keys {
+        while !journal(shared).answered.contains_key(&key) && Instant::now() < deadline {
+            let m = manager.clone();
+            let s = shared.clone();
+            let delivery = tokio::spawn(async move {
+                deliver(&m, Scenario::Baseline, key, usize::MAX, None, &s).await
+            });
+            match delivery.await {
+                Ok(Some(pause)) => tokio::time::sleep(pause).await,
+                Ok(None) => {}
+                Err(_) => panics += 1,
+            }
+        }
+    }
+    Ok(panics)
+}
+
+/// Injects `scenario`'s fault while the consumers run; returns how many
+/// faults were injected.
+async fn inject(target: Arc<Target>, scenario: Scenario) -> usize {
+    let Some(proxy) = target.proxy.as_ref() else {
+        return 0;
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let mut faults = 0;
+    let kinds: &[Scenario] = match scenario {
+        Scenario::Mixed => &[
+            Scenario::Latency,
+            Scenario::BlackHole,
+            Scenario::Resets,
+            Scenario::LostReplies,
+        ],
+        s if s.needs_network() => std::slice::from_ref(match s {
+            Scenario::Latency => &Scenario::Latency,
+            Scenario::BlackHole => &Scenario::BlackHole,
+            Scenario::Resets => &Scenario::Resets,
+            _ => &Scenario::LostReplies,
+        }),
+        _ => &[],
+    };
+    for kind in kinds {
+        faults += one_fault(proxy, *kind).await;
+        proxy.clear();
+    }
+    faults
+}
+
+async fn one_fault(
+    proxy: &idempotency_conformance::containers::FaultProxy,
+    kind: Scenario,
+) -> usize {
+    const WINDOW: Duration = Duration::from_secs(1);
+    match kind {
+        Scenario::Latency => {
+            proxy.set_latency(Duration::from_millis(2), Duration::from_millis(3));
+            tokio::time::sleep(WINDOW).await;
+            1
+        }
+        Scenario::BlackHole => {
+            proxy.cut();
+            tokio::time::sleep(WINDOW).await;
+            1
+        }
+        Scenario::Resets => {
+            let until = Instant::now() + WINDOW;
+            let mut n = 0;
+            while Instant::now() < until {
+                proxy.reset();
+                n += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            n
+        }
+        _ => {
+            proxy.lose_replies(0.2);
+            tokio::time::sleep(WINDOW).await;
+            usize::try_from(proxy.lost_replies())
+                .unwrap_or(usize::MAX)
+                .max(1)
+        }
+    }
+}

@@ -1,0 +1,48 @@
+//! Every scenario once per backend: each key's effects within the contract's
+//! bound, every key answered, no panic, errors of the right class, no call
+//! past its bound. A failure prints the seed and the failing key's history.
+
+use idempotency_reliability::{run, scenarios_for, Backend, Figures, Plan};
+
+async fn every_scenario(backend: Backend) {
+    let seed = std::env::var("IDEMPOTENCY_RELIABILITY_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random::<u64>);
+    println!("{}", Figures::header());
+    let mut failures = Vec::new();
+    for scenario in scenarios_for(backend) {
+        let figures = run(backend, scenario, Plan::short(seed))
+            .await
+            .unwrap_or_else(|e| panic!("{backend} / {scenario}: {e}"));
+        println!("{}", figures.row());
+        if let Err(e) = figures.verdict() {
+            failures.push(e);
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "replay with IDEMPOTENCY_RELIABILITY_SEED={seed}:\n{}",
+        failures.join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory() {
+    every_scenario(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis() {
+    every_scenario(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres() {
+    every_scenario(Backend::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dynamodb() {
+    every_scenario(Backend::Dynamodb).await;
+}
