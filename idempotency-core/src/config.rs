@@ -179,6 +179,20 @@ impl Config {
         if self.store_timeout.is_zero() {
             return Err(Error::config("store_timeout must be positive"));
         }
+        if self.store_timeout >= self.processing_timeout {
+            return Err(Error::config(format!(
+                "store_timeout ({:?}) must be shorter than processing_timeout ({:?}): a store \
+                 call that may outlast the lease cannot record an outcome within it",
+                self.store_timeout, self.processing_timeout
+            )));
+        }
+        if self.key_prefix.is_empty() || self.key_prefix.len() > crate::MAX_NAMESPACE_BYTES {
+            return Err(Error::config(format!(
+                "key_prefix must be 1 to {} bytes long (it is {})",
+                crate::MAX_NAMESPACE_BYTES,
+                self.key_prefix.len()
+            )));
+        }
         let lease_span = self.processing_timeout.saturating_add(self.clock_skew);
         if self.ttl < lease_span {
             return Err(Error::config(format!(
@@ -195,9 +209,16 @@ impl Config {
                 ));
             }
         }
-        if let InProgressPolicy::Wait { poll_interval, .. } = self.in_progress {
-            if poll_interval.is_zero() {
-                return Err(Error::config("in_progress.poll_interval must be positive"));
+        if let InProgressPolicy::Wait {
+            poll_interval,
+            timeout,
+        } = self.in_progress
+        {
+            if poll_interval.is_zero() || timeout.is_zero() {
+                return Err(Error::config(
+                    "in_progress.timeout and in_progress.poll_interval must be positive \
+                     (for no wait, use the fail_fast policy)",
+                ));
             }
         }
         Ok(())

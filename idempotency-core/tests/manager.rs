@@ -212,6 +212,30 @@ async fn invalid_configuration_is_rejected() {
             store_timeout: Duration::ZERO,
             ..Config::default()
         },
+        // A store call that may outlast the lease.
+        Config {
+            store_timeout: Duration::from_secs(300),
+            ..Config::default()
+        },
+        Config {
+            key_prefix: String::new(),
+            ..Config::default()
+        },
+        Config {
+            key_prefix: "p".repeat(600),
+            ..Config::default()
+        },
+        Config {
+            in_progress: idempotency_core::InProgressPolicy::Wait {
+                timeout: Duration::ZERO,
+                poll_interval: Duration::from_millis(10),
+            },
+            ..Config::default()
+        },
+        Config {
+            lease_extension_interval: Some(Duration::from_secs(300)),
+            ..Config::default()
+        },
     ] {
         let r = IdempotencyManager::new(Arc::new(MemoryRepository::new()), bad);
         assert!(matches!(r, Err(Error::Config { .. })));
