@@ -76,7 +76,8 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
         keys: scenario.keys(plan.keys, plan.consumers),
         ..plan
     };
-    let target = Arc::new(Target::connect(backend, plan.processes).await?);
+    let target =
+        Arc::new(Target::connect(backend, plan.processes, scenario.needs_own_server()).await?);
     let prefix = format!("rel-{:016x}", rand::random::<u64>());
     let managers = (0..plan.consumers)
         .map(|c| {
@@ -322,7 +323,7 @@ async fn redeliver_unanswered(
     shared: &Shared,
 ) -> Result<usize, String> {
     let manager = target.manager(0, scenario.config(prefix), Duration::ZERO)?;
-    let deadline = Instant::now() + Scenario::LEASE * 2 + Duration::from_secs(10);
+    let deadline = Instant::now() + scenario.lease() * 2 + Duration::from_secs(10);
     let mut panics = 0;
     for key in 0..plan.keys {
         while !journal(shared).answered.contains_key(&key) && Instant::now() < deadline {
@@ -348,6 +349,17 @@ async fn inject(target: Arc<Target>, scenario: Scenario) -> usize {
         return 0;
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
+    if let Some(server) = &target.server {
+        let done = match scenario {
+            Scenario::ServerRestart => server.restart().await,
+            _ => server.pause_for(Duration::from_secs(1)).await,
+        };
+        if let Err(e) = done {
+            eprintln!("{scenario}: {e}");
+            return 0;
+        }
+        return 1;
+    }
     let mut faults = 0;
     let kinds: &[Scenario] = match scenario {
         Scenario::Mixed => &[

@@ -29,11 +29,15 @@ pub enum Scenario {
     ClockAhead,
     /// Latency, a black hole, resets and lost replies in turn.
     Mixed,
+    /// The server's processes are frozen (`docker pause`) for a second.
+    ServerPause,
+    /// The server is stopped and started again (PostgreSQL: durable).
+    ServerRestart,
 }
 
 impl Scenario {
     /// Every scenario, in report order.
-    pub const ALL: [Scenario; 9] = [
+    pub const ALL: [Scenario; 11] = [
         Scenario::Baseline,
         Scenario::Latency,
         Scenario::BlackHole,
@@ -43,6 +47,8 @@ impl Scenario {
         Scenario::SlowHandlerExtended,
         Scenario::ClockAhead,
         Scenario::Mixed,
+        Scenario::ServerPause,
+        Scenario::ServerRestart,
     ];
 
     /// Whether the fault acts on the network (needs a store behind a proxy).
@@ -65,9 +71,22 @@ impl Scenario {
         1
     }
 
-    /// The lease every scenario runs with: short, so takeovers and waits for
-    /// abandoned leases happen within a run.
-    pub const LEASE: Duration = Duration::from_secs(3);
+    /// Whether the fault acts on the server itself (needs a container of the
+    /// run's own).
+    pub fn needs_own_server(self) -> bool {
+        matches!(self, Scenario::ServerPause | Scenario::ServerRestart)
+    }
+
+    /// The lease: short, so takeovers and waits for abandoned leases happen
+    /// within a run; longer than a restart of the server, so a restart is an
+    /// outage shorter than the lease (the contract's condition for exactly
+    /// once).
+    pub fn lease(self) -> Duration {
+        match self {
+            Scenario::ServerRestart => Duration::from_secs(20),
+            _ => Duration::from_secs(3),
+        }
+    }
 
     /// How long the fault schedule lasts (each fault window is one second,
     /// after 50 ms): the deliveries are spread over it, so the faults meet
@@ -75,6 +94,8 @@ impl Scenario {
     pub fn span(self) -> Duration {
         match self {
             Scenario::Mixed => Duration::from_millis(4_300),
+            Scenario::ServerRestart => Duration::from_millis(5_000),
+            Scenario::ServerPause => Duration::from_millis(1_300),
             s if s.needs_network() => Duration::from_millis(1_300),
             _ => Duration::from_millis(500),
         }
@@ -92,7 +113,7 @@ impl Scenario {
     /// How long the handler takes.
     pub fn handler_time(self) -> Duration {
         match self {
-            Scenario::SlowHandlerExtended => Self::LEASE * 3 / 2,
+            Scenario::SlowHandlerExtended => self.lease() * 3 / 2,
             _ => Duration::from_millis(10),
         }
     }
@@ -102,13 +123,13 @@ impl Scenario {
         let mut config = Config {
             key_prefix: key_prefix.to_owned(),
             ttl: Duration::from_secs(120),
-            processing_timeout: Self::LEASE,
+            processing_timeout: self.lease(),
             store_timeout: Duration::from_millis(700),
             clock_skew: Duration::from_millis(400),
             ..Config::default()
         };
         if self == Scenario::SlowHandlerExtended {
-            config.lease_extension_interval = Some(Self::LEASE / 4);
+            config.lease_extension_interval = Some(self.lease() / 4);
         }
         config
     }
@@ -134,6 +155,8 @@ impl fmt::Display for Scenario {
             Scenario::SlowHandlerExtended => "slow handler, extended",
             Scenario::ClockAhead => "clock ahead (within skew)",
             Scenario::Mixed => "mixed",
+            Scenario::ServerPause => "server paused",
+            Scenario::ServerRestart => "server restarted",
         };
         f.write_str(name)
     }

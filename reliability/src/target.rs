@@ -5,7 +5,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_conformance::containers::{self, FaultProxy};
+use idempotency_conformance::containers::{
+    self, Dedicated, DynamoDbServer, FaultProxy, PostgresServer, RedisServer,
+};
 use idempotency_core::{
     Clock, Config, IdempotencyManager, JsonCodec, MemoryRepository, SharedRepository, SystemClock,
     Timestamp,
@@ -43,7 +45,87 @@ const TABLE: &str = "idem_reliability";
 pub struct Target {
     /// The proxy between the managers and the server (none for memory).
     pub proxy: Option<FaultProxy>,
+    /// The run's own server, when the scenario acts on it.
+    pub server: Option<OwnServer>,
     repos: Vec<SharedRepository>,
+}
+
+/// A server in a container of the run's own.
+#[derive(Debug)]
+pub enum OwnServer {
+    /// Redis.
+    Redis(Dedicated<RedisServer>),
+    /// PostgreSQL.
+    Postgres(Dedicated<PostgresServer>),
+    /// DynamoDB (moto).
+    Dynamodb(Dedicated<DynamoDbServer>),
+}
+
+impl OwnServer {
+    async fn start(backend: Backend) -> Result<OwnServer, String> {
+        let harness = |e: containers::HarnessError| format!("{backend}: {e}");
+        Ok(match backend {
+            Backend::Redis => OwnServer::Redis(RedisServer::dedicated().await.map_err(harness)?),
+            Backend::Postgres => {
+                OwnServer::Postgres(PostgresServer::dedicated().await.map_err(harness)?)
+            }
+            Backend::Dynamodb => {
+                OwnServer::Dynamodb(DynamoDbServer::dedicated().await.map_err(harness)?)
+            }
+            Backend::Memory => return Err("the in-memory store has no server".to_owned()),
+        })
+    }
+
+    fn url(&self) -> String {
+        match self {
+            OwnServer::Redis(s) => s.url().to_owned(),
+            OwnServer::Postgres(s) => s.url().to_owned(),
+            OwnServer::Dynamodb(s) => dynamodb_url(s.region(), s.endpoint()),
+        }
+    }
+
+    fn endpoint(&self) -> String {
+        match self {
+            OwnServer::Dynamodb(s) => s.endpoint().to_owned(),
+            _ => self.url(),
+        }
+    }
+
+    /// Freezes the server (`docker pause`) for `d`.
+    ///
+    /// # Errors
+    /// When Docker refuses.
+    pub async fn pause_for(&self, d: Duration) -> Result<(), String> {
+        let r = match self {
+            OwnServer::Redis(s) => pause_for(s, d).await,
+            OwnServer::Postgres(s) => pause_for(s, d).await,
+            OwnServer::Dynamodb(s) => pause_for(s, d).await,
+        };
+        r.map_err(|e| e.to_string())
+    }
+
+    /// Stops and starts the server.
+    ///
+    /// # Errors
+    /// When Docker refuses or the server does not come back.
+    pub async fn restart(&self) -> Result<(), String> {
+        let r = match self {
+            OwnServer::Redis(s) => s.restart().await,
+            OwnServer::Postgres(s) => s.restart().await,
+            OwnServer::Dynamodb(s) => s.restart().await,
+        };
+        r.map_err(|e| e.to_string())
+    }
+}
+
+async fn pause_for<S>(server: &Dedicated<S>, d: Duration) -> Result<(), containers::HarnessError> {
+    server.pause().await?;
+    tokio::time::sleep(d).await;
+    server.unpause().await
+}
+
+fn dynamodb_url(region: &str, endpoint: &str) -> String {
+    format!("dynamodb://{TABLE}?region={region}&endpoint={endpoint}&credentials=dummy&create_table=true")
 }
 
 impl Target {
@@ -52,15 +134,24 @@ impl Target {
     ///
     /// # Errors
     /// When the server cannot be had or a repository cannot connect.
-    pub async fn connect(backend: Backend, processes: usize) -> Result<Target, String> {
+    pub async fn connect(
+        backend: Backend,
+        processes: usize,
+        own_server: bool,
+    ) -> Result<Target, String> {
         if backend == Backend::Memory {
             let shared: SharedRepository = Arc::new(MemoryRepository::new());
             return Ok(Target {
                 proxy: None,
+                server: None,
                 repos: vec![shared; processes],
             });
         }
-        let (direct, proxy) = proxied_urls(backend).await?;
+        let server = match own_server {
+            true => Some(OwnServer::start(backend).await?),
+            false => None,
+        };
+        let (direct, proxy) = proxied_urls(backend, server.as_ref()).await?;
         // Created (migrated) once, directly, before the processes connect.
         idempotency::connect(&direct)
             .await
@@ -76,6 +167,7 @@ impl Target {
         }
         Ok(Target {
             proxy: Some(proxy),
+            server,
             repos,
         })
     }
@@ -96,10 +188,29 @@ impl Target {
     }
 }
 
-/// The direct URL of the server (with its options) and a proxy in front of it.
-async fn proxied_urls(backend: Backend) -> Result<(String, FaultProxy), String> {
+/// The direct URL of the server (with its options) and a proxy in front of it:
+/// the run's own server, or the harness's shared one.
+async fn proxied_urls(
+    backend: Backend,
+    own: Option<&OwnServer>,
+) -> Result<(String, FaultProxy), String> {
     let harness = |e: containers::HarnessError| format!("{backend}: {e}");
-    let (direct, server) = match backend {
+    let (direct, server) = match (backend, own) {
+        (_, Some(own)) => (own.url(), own.endpoint()),
+        _ => shared_urls(backend).await?,
+    };
+    let proxy = FaultProxy::start(&server).await.map_err(harness)?;
+    let direct = match backend {
+        Backend::Postgres => with_query(&direct, &format!("table={TABLE}")),
+        _ => direct,
+    };
+    Ok((direct, proxy))
+}
+
+/// The direct URL and the proxied server address of the harness's server.
+async fn shared_urls(backend: Backend) -> Result<(String, String), String> {
+    let harness = |e: containers::HarnessError| format!("{backend}: {e}");
+    Ok(match backend {
         Backend::Redis => {
             let server = containers::redis().await.map_err(harness)?;
             let url = server.url().to_owned();
@@ -112,21 +223,11 @@ async fn proxied_urls(backend: Backend) -> Result<(String, FaultProxy), String> 
         }
         Backend::Dynamodb => {
             let server = containers::dynamodb().await.map_err(harness)?;
-            let direct = format!(
-                "dynamodb://{TABLE}?region={}&endpoint={}&credentials=dummy&create_table=true",
-                server.region(),
-                server.endpoint()
-            );
+            let direct = dynamodb_url(server.region(), server.endpoint());
             (direct, server.endpoint().to_owned())
         }
-        Backend::Memory => unreachable!("memory has no server"),
-    };
-    let proxy = FaultProxy::start(&server).await.map_err(harness)?;
-    let direct = match backend {
-        Backend::Postgres => with_query(&direct, &format!("table={TABLE}")),
-        _ => direct,
-    };
-    Ok((direct, proxy))
+        Backend::Memory => return Err("the in-memory store has no server".to_owned()),
+    })
 }
 
 /// The URL the processes use: through the proxy, with short timeouts (so an

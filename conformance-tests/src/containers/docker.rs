@@ -804,6 +804,33 @@ impl<S> Dedicated<S> {
         .await
     }
 
+    /// Freezes the server's processes (`docker pause`): connections stay open,
+    /// nothing is answered, until [`unpause`](Dedicated::unpause) — a server
+    /// stalled by a long GC, swapping, or a frozen VM.
+    pub async fn pause(&self) -> Result<(), HarnessError> {
+        let inner = self.inner()?;
+        on_harness(async move {
+            inner.container.pause().await.map_err(|e| {
+                HarnessError::operation(format!("pausing the {} container", inner.kind.name()), e)
+            })
+        })
+        .await
+    }
+
+    /// Resumes a paused server.
+    pub async fn unpause(&self) -> Result<(), HarnessError> {
+        let inner = self.inner()?;
+        on_harness(async move {
+            inner.container.unpause().await.map_err(|e| {
+                HarnessError::operation(
+                    format!("unpausing the {} container", inner.kind.name()),
+                    e,
+                )
+            })
+        })
+        .await
+    }
+
     /// [`stop`](Dedicated::stop), then [`start`](Dedicated::start).
     pub async fn restart(&self) -> Result<(), HarnessError> {
         self.stop().await?;
