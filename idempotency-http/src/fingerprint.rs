@@ -44,6 +44,13 @@ pub enum RequestFingerprint {
     MethodPathBody,
     /// Method, path, query string and body.
     MethodPathQueryBody,
+    /// Method, path and the body as JSON means it: for a JSON body
+    /// (`Content-Type` `application/json` or `…+json`) that parses, its
+    /// canonical form (object keys sorted, insignificant whitespace dropped),
+    /// so a retry that serializes the same document differently still matches;
+    /// any other body as bytes. Raw bytes stay the default: they are exact,
+    /// cost no parsing, and a client retrying sends the same bytes.
+    MethodPathJsonBody,
     /// Method and path; the body is not read (for large uploads).
     MethodPath,
     /// The body alone.
@@ -67,6 +74,7 @@ impl RequestFingerprint {
             self,
             RequestFingerprint::MethodPathBody
                 | RequestFingerprint::MethodPathQueryBody
+                | RequestFingerprint::MethodPathJsonBody
                 | RequestFingerprint::Body
                 | RequestFingerprint::Custom(_)
         )
@@ -102,6 +110,21 @@ impl RequestFingerprint {
                 }
                 field(body);
             }
+            RequestFingerprint::MethodPathJsonBody => {
+                field(b"method-path-json-body");
+                field(parts.method.as_str().as_bytes());
+                field(parts.uri.path().as_bytes());
+                match canonical_json_body(parts, body) {
+                    Some(canonical) => {
+                        field(b"json");
+                        field(&canonical);
+                    }
+                    None => {
+                        field(b"bytes");
+                        field(body);
+                    }
+                }
+            }
             RequestFingerprint::MethodPath => {
                 field(b"method-path");
                 field(parts.method.as_str().as_bytes());
@@ -120,11 +143,29 @@ impl RequestFingerprint {
     }
 }
 
+/// The canonical JSON of a JSON body that parses, else `None`.
+fn canonical_json_body(parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
+    let content_type = parts
+        .headers
+        .get(http::header::CONTENT_TYPE)?
+        .to_str()
+        .ok()?;
+    let essence = content_type.split(';').next()?.trim().to_ascii_lowercase();
+    if essence != "application/json" && !essence.ends_with("+json") {
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
+    idempotency_core::canonical_json(&value)
+        .ok()
+        .map(String::into_bytes)
+}
+
 impl fmt::Debug for RequestFingerprint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             RequestFingerprint::MethodPathBody => "MethodPathBody",
             RequestFingerprint::MethodPathQueryBody => "MethodPathQueryBody",
+            RequestFingerprint::MethodPathJsonBody => "MethodPathJsonBody",
             RequestFingerprint::MethodPath => "MethodPath",
             RequestFingerprint::Body => "Body",
             RequestFingerprint::Disabled => "Disabled",
@@ -138,6 +179,42 @@ mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
     use super::*;
+
+    fn json_request(content_type: &str) -> Parts {
+        http::Request::post("/orders")
+            .header(http::header::CONTENT_TYPE, content_type)
+            .body(())
+            .unwrap()
+            .into_parts()
+            .0
+    }
+
+    #[test]
+    fn json_fingerprints_ignore_key_order_and_whitespace_only() {
+        let f = RequestFingerprint::MethodPathJsonBody;
+        let json = json_request("application/json; charset=utf-8");
+        let a = f.compute(&json, br#"{"amount": 5, "currency": "EUR"}"#);
+        let b = f.compute(&json, b"{\"currency\":\"EUR\",\n \"amount\":5}");
+        let other = f.compute(&json, br#"{"amount": 6, "currency": "EUR"}"#);
+        assert_eq!(a, b);
+        assert_ne!(a, other);
+        // Not JSON, or not parseable: the bytes count.
+        let text = json_request("text/plain");
+        assert_ne!(
+            f.compute(&text, br#"{"a":1,"b":2}"#),
+            f.compute(&text, br#"{"b":2,"a":1}"#)
+        );
+        assert_ne!(f.compute(&json, b"{broken"), f.compute(&json, b"{broken "));
+        assert!(f
+            .compute(&json_request("application/problem+json"), b"{}")
+            .is_some());
+        // The raw default keeps telling the two serializations apart.
+        let raw = RequestFingerprint::MethodPathBody;
+        assert_ne!(
+            raw.compute(&json, br#"{"amount": 5, "currency": "EUR"}"#),
+            raw.compute(&json, b"{\"currency\":\"EUR\",\n \"amount\":5}")
+        );
+    }
     use http::Request;
 
     fn parts(method: &str, uri: &str) -> Parts {

@@ -16,7 +16,7 @@ use tower::{Layer, Service};
 
 use crate::body::IdempotencyBody;
 use crate::fingerprint::RequestFingerprint;
-use crate::key::{CallerFn, DEFAULT_MAX_KEY_LENGTH};
+use crate::key::{caller_from_header, CallerFn, DEFAULT_MAX_KEY_LENGTH};
 use crate::problem::{Problem, DEFAULT_PROBLEM_TYPE_BASE};
 use crate::stored::RawBytesCodec;
 
@@ -110,14 +110,19 @@ impl HeaderSelection {
     }
 }
 
-/// Whether a response is stored by default: every status below 500 except
-/// `408 Request Timeout`, `425 Too Early` and `429 Too Many Requests`.
+/// Whether a response is stored by default: what a retry of the same request
+/// must see again, and nothing else.
 ///
-/// 2xx and 4xx are final answers to the request and are replayed (the IETF
-/// draft's model; a validation error does not change on retry). 3xx are final
-/// too (a `303 See Other` after a POST is its outcome). 5xx, and the three
-/// "retry later" 4xx, are released so the client's retry runs the handler
-/// again.
+/// - **2xx**: the request's effect happened; a retry must not repeat it.
+/// - **`400 Bad Request`** and **`422 Unprocessable Content`**: the request
+///   itself is wrong (malformed, failed validation); the same bytes get the same
+///   answer, so replaying it is exact, and the key stays bound to the request.
+///
+/// Everything else leaves the key free, so the client's retry runs the handler
+/// again: 3xx; `401`/`403` (the client may fix its credentials), `404`/`409`/
+/// `410` (the resource's state may change), `408`/`425`/`429` ("retry later");
+/// and 5xx. Choose otherwise with
+/// [`IdempotencyLayer::store_response_if`].
 ///
 /// ```
 /// use http::StatusCode;
@@ -125,17 +130,19 @@ impl HeaderSelection {
 ///
 /// assert!(is_stored_by_default(StatusCode::CREATED));
 /// assert!(is_stored_by_default(StatusCode::BAD_REQUEST));
+/// assert!(is_stored_by_default(StatusCode::UNPROCESSABLE_ENTITY));
+/// assert!(!is_stored_by_default(StatusCode::UNAUTHORIZED));
+/// assert!(!is_stored_by_default(StatusCode::NOT_FOUND));
+/// assert!(!is_stored_by_default(StatusCode::CONFLICT));
 /// assert!(!is_stored_by_default(StatusCode::TOO_MANY_REQUESTS));
 /// assert!(!is_stored_by_default(StatusCode::SERVICE_UNAVAILABLE));
 /// ```
 pub fn is_stored_by_default(status: StatusCode) -> bool {
-    status.as_u16() >= 200
-        && status.as_u16() < 500
-        && !matches!(
+    status.is_success()
+        || matches!(
             status,
-            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
+            StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY
         )
-        && status.as_u16() != 425
 }
 
 /// Decides from a response's head whether it is stored.
@@ -332,7 +339,7 @@ impl IdempotencyLayer {
                 default_protection: Protection::Required,
                 rules: Vec::new(),
                 route_fn: None,
-                caller_fn: None,
+                caller_fn: Some(Arc::new(caller_from_header(http::header::AUTHORIZATION))),
                 fingerprint: RequestFingerprint::default(),
                 max_key_length: DEFAULT_MAX_KEY_LENGTH,
                 key_validator: None,
@@ -441,15 +448,25 @@ impl IdempotencyLayer {
 
     /// How to name the caller (tenant, account, API key digest): records are
     /// scoped by it, so one caller never receives another's response for the
-    /// same key. Without it (the default) every client shares one key space;
-    /// set it whenever clients choose their own keys. Run the layer inside
-    /// your authentication so the identity can come from a request extension.
-    /// See [`caller_from_header`](crate::caller_from_header).
+    /// same key. The default is the SHA-256 of the `Authorization` header
+    /// ([`caller_from_header`](crate::caller_from_header)): clients with other
+    /// credentials never share a key space; requests without the header share
+    /// the anonymous one. Run the layer inside your authentication and name the
+    /// caller from what it established (a request extension holding the user
+    /// id) when credentials rotate or several credentials belong to one tenant.
     pub fn caller_identity(
         self,
         f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
         self.edit(|s| s.caller_fn = Some(Arc::new(f)))
+    }
+
+    /// Every client shares one key space: two clients sending the same key to
+    /// the same route with the same body get one execution, and the second
+    /// receives the first's stored response. Only for a single trusted client
+    /// (a backend calling itself); otherwise keep a caller identity.
+    pub fn without_caller_identity(self) -> Self {
+        self.edit(|s| s.caller_fn = None)
     }
 
     /// Which parts of a request must match when a key is reused (default
@@ -716,13 +733,15 @@ mod tests {
 
     #[test]
     fn default_store_policy() {
-        for code in [200, 201, 204, 303, 400, 401, 404, 409, 422] {
+        for code in [200, 201, 204, 400, 422] {
             assert!(
                 is_stored_by_default(StatusCode::from_u16(code).unwrap()),
                 "{code}"
             );
         }
-        for code in [101, 408, 425, 429, 500, 502, 503, 504] {
+        for code in [
+            101, 303, 401, 403, 404, 408, 409, 410, 425, 429, 500, 502, 503, 504,
+        ] {
             assert!(
                 !is_stored_by_default(StatusCode::from_u16(code).unwrap()),
                 "{code}"

@@ -88,22 +88,26 @@
 //!   encoded injectively, inside the manager's namespace. The route is the
 //!   matched template (`/orders/{id}`, with the `axum` feature or a
 //!   [route extractor](IdempotencyLayer::route_extractor)) or else the path.
-//!   With a [caller identity](IdempotencyLayer::caller_identity) (tenant, API
-//!   key digest) one client can never replay another's response.
+//!   The [caller identity](IdempotencyLayer::caller_identity) defaults to a
+//!   digest of the `Authorization` header, so one client can never replay
+//!   another's response; [`without_caller_identity`](IdempotencyLayer::without_caller_identity)
+//!   is the explicit opt-out.
 //! - **Fingerprint**: SHA-256 over method, path and body by default
-//!   ([`RequestFingerprint`]), stored with the record; a different request
-//!   under the same key is a `422`.
+//!   ([`RequestFingerprint`]; `MethodPathJsonBody` compares JSON bodies by
+//!   their canonical form), stored with the record; a different request under
+//!   the same key is a `422`.
 //! - **State machine**: the manager's ([`idempotency_core::IdempotencyManager`]):
 //!   one request acquires the key with a lease, every concurrent duplicate gets
 //!   `409` (or waits), a request whose lease ran out (crashed instance) is taken
 //!   over with a new fencing token, records expire after the manager's `ttl`.
-//!   If the client disconnects (the response future is dropped) or the handler
-//!   panics, the key is released, so the retry runs the handler.
+//!   If the client disconnects (the response future is dropped), the handler
+//!   runs to the end on its own task and its response is stored for the
+//!   retry; if the handler panics, the key is released, so the retry runs it.
 //! - **What is stored**: the status, the [selected headers](HeaderSelection)
 //!   (all but hop-by-hop, `Content-Length`, `Date` and `Set-Cookie` by
 //!   default), the body and any trailers, in a compact binary form, when
-//!   [the response is stored](is_stored_by_default) (every status below 500
-//!   except 408, 425 and 429, by default). A body is read up to the cap
+//!   [the response is stored](is_stored_by_default) (2xx, 400 and 422 by
+//!   default). A body is read up to the cap
 //!   ([`max_cached_body`](IdempotencyLayer::max_cached_body), the manager's
 //!   `max_result_size_bytes` and the store's limit, whichever is smallest); a
 //!   larger one streams through to the first client, the key completes without

@@ -193,3 +193,71 @@ async fn default_route_extractor() {
         assert_eq!(app.runs("items"), 2);
     }
 }
+
+/// An app with the layer's defaults: no caller identity configured.
+fn default_app(
+    layer: idempotency_http::IdempotencyLayer,
+) -> (axum::Router, Arc<std::sync::atomic::AtomicUsize>) {
+    let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = runs.clone();
+    let router = axum::Router::new()
+        .route(
+            "/orders",
+            axum::routing::post(move || {
+                let n = counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1;
+                async move { (StatusCode::CREATED, format!("order {n}")) }
+            }),
+        )
+        .layer(layer);
+    (router, runs)
+}
+
+fn order(authorization: Option<&str>) -> axum::http::Request<axum::body::Body> {
+    let mut request = post("/orders", Some("same-key"), "same body");
+    if let Some(credentials) = authorization {
+        request.headers_mut().insert(
+            axum::http::header::AUTHORIZATION,
+            credentials.parse().unwrap(),
+        );
+    }
+    request
+}
+
+fn layer() -> idempotency_http::IdempotencyLayer {
+    let manager = idempotency_core::IdempotencyManager::new(
+        Arc::new(MemoryRepository::new()),
+        Config::default(),
+    )
+    .unwrap();
+    idempotency_http::IdempotencyLayer::new(manager)
+}
+
+/// By default, callers with other credentials never share a key space: the
+/// second client's order runs, and it never sees the first's response.
+#[tokio::test]
+async fn callers_are_told_apart_by_their_credentials_by_default() {
+    let (router, runs) = default_app(layer());
+    let alice = common::send(&router, order(Some("Bearer alice"))).await;
+    let bob = common::send(&router, order(Some("Bearer bob"))).await;
+    assert!(!bob.replayed(), "bob got alice's stored response");
+    assert_eq!(
+        (alice.text(), bob.text()),
+        ("order 1".into(), "order 2".into())
+    );
+    assert!(common::send(&router, order(Some("Bearer alice")))
+        .await
+        .replayed());
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
+/// Without a caller identity (an explicit choice), every client shares one
+/// key space.
+#[tokio::test]
+async fn without_caller_identity_clients_share_keys() {
+    let (router, runs) = default_app(layer().without_caller_identity());
+    common::send(&router, order(Some("Bearer alice"))).await;
+    let bob = common::send(&router, order(Some("Bearer bob"))).await;
+    assert!(bob.replayed());
+    assert_eq!(bob.text(), "order 1");
+    assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

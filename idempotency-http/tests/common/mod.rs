@@ -766,6 +766,31 @@ pub async fn server_errors_are_released_client_errors_stored(repo: SharedReposit
     assert!(again.replayed());
     assert_eq!(again.body, invalid.body);
     assert_eq!(app.runs("status"), 3);
+
+    // What a fixed request or a changed resource answers differently is not
+    // stored: the retry runs.
+    for (code, key) in [
+        (401, "auth"),
+        (403, "forbidden"),
+        (404, "missing"),
+        (409, "clash"),
+    ] {
+        for _ in 0..2 {
+            let r = app
+                .send(post(&format!("/status/{code}"), Some(key), ""))
+                .await;
+            assert_eq!(r.status.as_u16(), code);
+            assert!(!r.replayed(), "{code} was replayed");
+        }
+    }
+    assert_eq!(app.runs("status"), 11);
+    let unprocessable = app.send(post("/status/422", Some("invalid"), "")).await;
+    assert!(!unprocessable.replayed());
+    assert!(app
+        .send(post("/status/422", Some("invalid"), ""))
+        .await
+        .replayed());
+    assert_eq!(app.runs("status"), 12);
 }
 
 /// Two callers using the same key each get their own run and their own
