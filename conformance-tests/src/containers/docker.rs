@@ -822,10 +822,7 @@ impl<S> Dedicated<S> {
         let inner = self.inner()?;
         on_harness(async move {
             inner.container.unpause().await.map_err(|e| {
-                HarnessError::operation(
-                    format!("unpausing the {} container", inner.kind.name()),
-                    e,
-                )
+                HarnessError::operation(format!("unpausing the {} container", inner.kind.name()), e)
             })
         })
         .await
