@@ -162,7 +162,18 @@ fi
 # The trait crate and the suite must work as ordinary dependencies outside this
 # workspace: package both and build them from the packages alone, every feature on.
 say "cargo package -p idempotency-core -p idempotency-conformance (built from the packages)"
-if ! cargo package -p idempotency-core -p idempotency-conformance --allow-dirty --all-features 2>&1 | tee -a "$LOG"; then
+# cargo treats a registry crate of a given name and version as immutable: it reuses
+# the copy it unpacked and the artifacts it built from it before. The packages are
+# rebuilt at every run under the same version, so both are removed first, and the
+# build goes to a target directory of its own (its dependencies stay cached there).
+cargo_home="${CARGO_HOME:-$HOME/.cargo}"
+package_target="${CARGO_TARGET_DIR:-target}/package-check"
+rm -rf "$cargo_home"/registry/src/*/idempotency-core-[0-9]* \
+    "$cargo_home"/registry/src/*/idempotency-conformance-[0-9]* \
+    "$package_target"/debug/.fingerprint/idempotency* \
+    "$package_target"/debug/deps/*idempotency_co*
+if ! cargo package -p idempotency-core -p idempotency-conformance --allow-dirty --all-features \
+    --target-dir "$package_target" 2>&1 | tee -a "$LOG"; then
     status=1
     failed_runs=$((failed_runs + 1))
     say "packaging failed: a file the crates need is outside them, or a dependency has no version"
