@@ -25,6 +25,11 @@ const TABLE_ACTIVE_MAX_WAIT: Duration = Duration::from_secs(120);
 /// The connect timeout the SDK uses by default (behavior version 2024-03-28+).
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(3100);
 
+/// The default bound on each operation, retries included, where neither the
+/// URL (`timeout=`) nor the client sets one: as Redis's response timeout and
+/// the manager's `store_timeout`.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The region used with an endpoint override when none is configured.
 const EMULATOR_REGION: &str = "us-east-1";
 
@@ -43,7 +48,7 @@ const EMULATOR_REGION: &str = "us-east-1";
 /// | `create_table` | `true`: create the table (on-demand, TTL on) if missing, see [`DynamoDbRepository::create_table`] | `false` |
 /// | `partition_key` | the partition key attribute | `pk` |
 /// | `ttl_attribute` | the TTL attribute | `ttl` |
-/// | `timeout` | per-operation timeout, retries included (`500ms`, `5s`) | none (the SDK's) |
+/// | `timeout` | per-operation timeout, retries included (`500ms`, `5s`; zero is refused) | `5s` ([`DEFAULT_OPERATION_TIMEOUT`]) |
 ///
 /// Credentials otherwise come from the SDK's default chain (environment,
 /// profile, web identity, ECS, IMDS).
@@ -170,6 +175,34 @@ fn validate_table_name(table: &str) -> Result<(), String> {
             "table name {table:?} is not 3 to 255 characters of A-Z, a-z, 0-9, `_`, `-`, `.`"
         ))
     }
+}
+
+/// `client` with what this crate needs and it lacks: an HTTP client (without
+/// one, every request fails with "No HTTP client was available"), and the
+/// default operation timeout unless the client sets or disables one.
+pub(crate) fn with_defaults(client: aws_sdk_dynamodb::Client) -> aws_sdk_dynamodb::Client {
+    let config = client.config();
+    let own = config
+        .timeout_config()
+        .cloned()
+        .unwrap_or_else(|| TimeoutConfig::builder().build());
+    // What the client set (or explicitly disabled) wins over the defaults.
+    let timeouts = own
+        .to_builder()
+        .take_unset_from(
+            TimeoutConfig::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .operation_timeout(DEFAULT_OPERATION_TIMEOUT),
+        )
+        .build();
+    if config.http_client().is_some() && timeouts == own {
+        return client;
+    }
+    let mut builder = config.to_builder().timeout_config(timeouts);
+    if config.http_client().is_none() {
+        builder = builder.http_client(http_client());
+    }
+    aws_sdk_dynamodb::Client::from_conf(builder.build())
 }
 
 /// The HTTP client: rustls with `ring` with the `tls` feature, plain HTTP
@@ -474,6 +507,66 @@ mod tests {
         assert_eq!(o.names, AttributeNames::default());
     }
 
+    #[tokio::test]
+    async fn clients_get_an_http_client_and_a_timeout_they_lack() {
+        use aws_sdk_dynamodb::types::AttributeValue;
+        let config = aws_sdk_dynamodb::Config::builder()
+            .behavior_version_latest()
+            .region(Region::new("eu-west-1"))
+            .credentials_provider(Credentials::new("a", "b", None, None, "test"))
+            .build();
+        let bare = aws_sdk_dynamodb::Client::from_conf(config);
+        // As the SDK builds it: no HTTP client, every request fails.
+        let err = bare
+            .get_item()
+            .table_name("t")
+            .key("pk", AttributeValue::S("x".into()))
+            .send()
+            .await
+            .unwrap_err();
+        let ctx = crate::error::Ctx {
+            table: "t",
+            partition_key: "pk",
+            operation: "GetItem",
+        };
+        match map_sdk_error(err, ctx) {
+            Error::Config { message } => assert!(message.contains("HTTP client"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+        // Through the repository: supplied, with the default operation timeout.
+        let repo = DynamoDbRepository::from_client(bare, "t");
+        let config = repo.client().config();
+        assert!(config.http_client().is_some());
+        let timeouts = config.timeout_config().unwrap();
+        assert_eq!(
+            timeouts.operation_timeout(),
+            Some(DEFAULT_OPERATION_TIMEOUT)
+        );
+
+        // A client's own timeout, or its explicit "none", is kept.
+        for own in [
+            TimeoutConfig::builder()
+                .operation_timeout(Duration::from_secs(42))
+                .build(),
+            TimeoutConfig::disabled(),
+        ] {
+            let config = aws_sdk_dynamodb::Config::builder()
+                .behavior_version_latest()
+                .region(Region::new("eu-west-1"))
+                .timeout_config(own.clone())
+                .build();
+            let repo =
+                DynamoDbRepository::from_client(aws_sdk_dynamodb::Client::from_conf(config), "t");
+            let kept = repo
+                .client()
+                .config()
+                .timeout_config()
+                .unwrap()
+                .operation_timeout();
+            assert_eq!(kept, own.operation_timeout());
+        }
+    }
+
     #[test]
     fn rejects_bad_urls() {
         for bad in [
@@ -489,6 +582,7 @@ mod tests {
             "dynamodb://table?credentials=root",
             "dynamodb://table?endpoint=ftp://x",
             "dynamodb://table?timeout=soon",
+            "dynamodb://table?timeout=0s",
             "dynamodb://table?partition_key=ttl",
             "dynamodb://table?partition_key=",
         ] {

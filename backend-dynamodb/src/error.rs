@@ -174,6 +174,12 @@ where
                     "DynamoDB rejected {operation} on table `{table}`: {message} (the table must have \
                      the String partition key `{partition_key}` and no sort key)"
                 ))
+            } else if code.is_empty() {
+                Error::config(format!(
+                    "DynamoDB {operation} on table `{table}`: the endpoint answered HTTP \
+                     {http_status} without a DynamoDB error code; is it a DynamoDB endpoint? \
+                     ({message})"
+                ))
             } else if CREDENTIAL_CODES.contains(&code) {
                 Error::config(format!(
                     "DynamoDB refused the credentials for {operation} on table `{table}`: {code} {message}"
@@ -226,9 +232,26 @@ fn cause_before_sending(err: &(dyn std::error::Error + 'static)) -> Option<Cause
                     Some(Cause::Config("invalid AWS credentials configuration"))
                 }
                 CredentialsError::ProviderTimedOut(_) => Some(Cause::Timeout),
-                // Provider errors (an STS 503, an unreachable IMDS) may pass.
+                // The default chain ended at an instance metadata service that
+                // refuses to issue a session token (IMDS disabled, or a hop
+                // limit a container cannot reach): it will refuse every time.
+                // (An unreachable IMDS is already `CredentialsNotLoaded`.)
+                CredentialsError::ProviderError(_) if imds_refused_token(c) => Some(Cause::Config(
+                    "no AWS credentials: none in the environment or profile, and the \
+                     instance metadata service (IMDS) refused to issue any",
+                )),
+                // Other provider errors (an STS 503, an IMDS 500) may pass.
                 _ => None,
             };
+        }
+        // The orchestrator's words when the SDK client has no HTTP client
+        // (its `default-https-client` feature off and none configured); the
+        // error has no type of its own.
+        if e.to_string().contains("No HTTP client was available") {
+            return Some(Cause::Config(
+                "no HTTP client on the SDK client: configure one, or build the repository \
+                 with DynamoDbRepository::from_client, which supplies one",
+            ));
         }
         // The generated resolver's error type, and the runtime's.
         if e.is::<aws_smithy_http::endpoint::ResolveEndpointError>()
@@ -241,6 +264,20 @@ fn cause_before_sending(err: &(dyn std::error::Error + 'static)) -> Option<Cause
         current = e.source();
     }
     None
+}
+
+/// Whether `err`'s chain holds IMDS refusing a session token (not a failure
+/// to reach it, which may pass).
+fn imds_refused_token(err: &(dyn std::error::Error + 'static)) -> bool {
+    use aws_config::imds::client::error::ImdsError;
+    let mut current = Some(err);
+    while let Some(e) = current {
+        if let Some(ImdsError::FailedToLoadToken(token)) = e.downcast_ref::<ImdsError>() {
+            return !token.is_dispatch_failure();
+        }
+        current = e.source();
+    }
+    false
 }
 
 fn unavailable<E>(message: String, err: SdkError<E, HttpResponse>) -> Error
@@ -327,6 +364,13 @@ mod tests {
             service("SomethingNew", 400),
             Error::Backend { .. }
         ));
+        // A 4xx without a DynamoDB error code: not a DynamoDB endpoint.
+        match service("", 404) {
+            Error::Config { message } => {
+                assert!(message.contains("DynamoDB endpoint"), "{message}")
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -23,7 +23,11 @@
 //! Build a repository from a URL ([`connect`], options listed there), from the
 //! environment ([`DynamoDbRepository::from_env`]), or from your own SDK setup
 //! ([`DynamoDbRepository::from_sdk_config`], [`DynamoDbRepository::from_client`]),
-//! which needs no network until the first operation:
+//! which needs no network until the first operation. A client built from the
+//! SDK's own `Config::builder()` has no HTTP client (this crate turns the
+//! SDK's default one off); `from_client` supplies one, and the default
+//! operation timeout, so the repository below sends its first request (the
+//! credentials then come from the client's provider):
 //!
 //! ```
 //! use idempotency_core::Repository;
@@ -143,7 +147,7 @@ mod error;
 mod item;
 mod repository;
 
-pub use connect::connect;
+pub use connect::{connect, DEFAULT_OPERATION_TIMEOUT};
 pub use counter::RequestCounter;
 pub use item::AttributeNames;
 pub use repository::DynamoDbRepository;

@@ -44,7 +44,12 @@ pub struct DynamoDbRepository {
 
 impl DynamoDbRepository {
     /// A repository on `table` using an existing client (its region, endpoint,
-    /// credentials, retry and timeout settings are kept).
+    /// credentials, retry and timeout settings are kept). What the client
+    /// lacks, this crate supplies: an HTTP client (HTTPS with the `tls`
+    /// feature, plain HTTP without) when none is configured, and the default
+    /// operation timeout ([`DEFAULT_OPERATION_TIMEOUT`](crate::DEFAULT_OPERATION_TIMEOUT),
+    /// retries included) when the client sets none — a timeout explicitly
+    /// disabled on the client stays disabled.
     ///
     /// ```no_run
     /// # async fn example() -> Result<(), idempotency_core::Error> {
@@ -55,7 +60,7 @@ impl DynamoDbRepository {
     /// ```
     pub fn from_client(client: Client, table: impl Into<String>) -> Self {
         DynamoDbRepository {
-            client,
+            client: crate::connect::with_defaults(client),
             table: Arc::from(table.into()),
             names: Arc::new(AttributeNames::default()),
         }

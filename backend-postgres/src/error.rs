@@ -14,6 +14,8 @@ pub(crate) const BACKEND: &str = "postgres";
 /// - `statement_timeout` (`57014`) and `lock_timeout` (`55P03`) → [`Error::Timeout`];
 /// - a missing schema, table or function (`3F000`, `42P01`, `42883`) →
 ///   [`Error::Config`] naming the table and `migrate()`;
+/// - refused credentials (class `28`), a missing database (`3D000`), a missing
+///   privilege (`42501`) → [`Error::Config`] saying what to fix;
 /// - undecodable columns → [`Error::Corrupt`] naming the key;
 /// - anything else → [`Error::Backend`].
 ///
@@ -60,6 +62,24 @@ pub(crate) fn map_sqlx(
                 "57014" | "55P03" => Error::Timeout {
                     backend: BACKEND,
                     operation,
+                },
+                c if c.starts_with("28") => Error::Config {
+                    message: format!(
+                        "{operation}: PostgreSQL refused the credentials; check the user and \
+                         password in the URL ({err})"
+                    ),
+                },
+                "3D000" => Error::Config {
+                    message: format!(
+                        "{operation}: the database in the URL does not exist; create it or fix \
+                         the URL's path ({err})"
+                    ),
+                },
+                "42501" => Error::Config {
+                    message: format!(
+                        "{operation}: the PostgreSQL role lacks a privilege on {table} (grant it, \
+                         or run migrate() as a role that may create it) ({err})"
+                    ),
                 },
                 "3F000" | "42P01" | "42883" => Error::Config {
                     message: format!(

@@ -33,10 +33,15 @@
 //! | [`PgRepository::from_pool`] (your pool, default names), [`PgRepositoryBuilder::build_with_pool`] | no |
 //! | [`PgRepository::builder`]`()….connect(url)` / `.connect_lazy(url)` | only with `migrate=true` |
 //!
-//! URL query options taken by this crate (all others, e.g. `sslmode`, go to
-//! sqlx): `schema` (default `public`), `table` (default `idempotency_records`),
-//! `migrate`, `max_connections` (default 10), `acquire_timeout` (default `5s`),
-//! `operation_timeout` (default none). Schema and table names must be plain
+//! URL query options taken by this crate: `schema` (default `public`), `table`
+//! (default `idempotency_records`), `migrate`, `max_connections` (default 10),
+//! `acquire_timeout` (default `5s`), `operation_timeout` (default `5s`; both
+//! must be positive). sqlx's connection options (`sslmode`, `sslrootcert`,
+//! `sslcert`, `sslkey`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
+//! `application_name`, `options`, `options[NAME]`, `statement-cache-capacity`)
+//! pass through; any other option is an
+//! [`Error::Config`](idempotency_core::Error::Config) naming it (a typo such as
+//! `tabel=` or `sslmod=` never silently falls back to a default). Schema and table names must be plain
 //! identifiers — ASCII letters, digits, `_`, not starting with a digit; at most 63
 //! and 48 bytes — and are always quoted (case-sensitive); anything else is an
 //! [`Error::Config`](idempotency_core::Error::Config), never SQL. TLS
@@ -56,7 +61,7 @@
 //! | key | `namespace` and `id` as `bytea` (their UTF-8 bytes): injective for every string, NUL included |
 //! | `max_id_bytes` | 1024 (longer ids are digested by the manager); namespaces ≤ 512 bytes (core limit) |
 //! | `max_result_bytes` | 16 MiB per result or stored error (`bytea`; larger → `TooLarge`, the manager completes without caching) |
-//! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) is a client-side timer around this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer); the manager's `store_timeout` bounds every call anyway |
+//! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) (default 5 s) is a client-side timer around each of this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer): a paused server fails a call after it, not after the outage; the manager's `store_timeout` bounds every call too |
 //! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57P01–57P03, 40001, 40P01 → `Unavailable`; `57014`, `55P03`, the operation timeout → `Timeout` |
 //! | corrupt rows | wrong-length owner or fingerprint, unknown status, negative instants → `Corrupt` naming the key |
 //!
@@ -217,7 +222,7 @@ mod repository;
 mod transaction;
 
 pub use names::Statements;
-pub use repository::{PgRepository, PgRepositoryBuilder, ENV_URL_VARS};
+pub use repository::{PgRepository, PgRepositoryBuilder, DEFAULT_OPERATION_TIMEOUT, ENV_URL_VARS};
 pub use transaction::{PgTransactionRepository, PgTransactionalManager};
 
 /// Re-exported so users name the same sqlx version as this crate.

@@ -51,16 +51,24 @@ impl UrlOptions {
                     );
                 }
                 "acquire_timeout" => {
-                    options.acquire_timeout = Some(parse_duration(&value).ok_or_else(|| {
-                        invalid("acquire_timeout", &value, "a duration such as 5s")
-                    })?);
+                    options.acquire_timeout = Some(positive_duration("acquire_timeout", &value)?);
                 }
                 "operation_timeout" => {
-                    options.operation_timeout = Some(parse_duration(&value).ok_or_else(|| {
-                        invalid("operation_timeout", &value, "a duration such as 10s")
-                    })?);
+                    options.operation_timeout =
+                        Some(positive_duration("operation_timeout", &value)?);
                 }
-                _ => rest.push((name.into_owned(), value)),
+                other if is_sqlx_option(other) => {
+                    if matches!(other, "sslmode" | "ssl-mode") {
+                        check_tls_available(&value)?;
+                    }
+                    rest.push((name.into_owned(), value));
+                }
+                other => {
+                    return Err(Error::config(format!(
+                        "unknown PostgreSQL URL option {other:?}; this crate reads {OWN_OPTIONS}, \
+                         and passes on {SQLX_OPTIONS}"
+                    )))
+                }
             }
         }
         if rest.is_empty() {
@@ -71,6 +79,62 @@ impl UrlOptions {
         options.sqlx_url = parsed.into();
         Ok(options)
     }
+}
+
+/// This crate's own URL options, for messages.
+const OWN_OPTIONS: &str =
+    "schema, table, migrate, max_connections, acquire_timeout, operation_timeout";
+
+/// The connection options sqlx reads, for messages.
+const SQLX_OPTIONS: &str = "sslmode, sslrootcert, sslcert, sslkey, host, hostaddr, port, \
+     dbname, user, password, application_name, options, options[NAME], statement-cache-capacity";
+
+/// Whether sqlx reads `name` (sqlx ignores the others with a log line only, so
+/// a typo such as `sslmod=require` would silently connect without TLS).
+fn is_sqlx_option(name: &str) -> bool {
+    matches!(
+        name,
+        "sslmode"
+            | "ssl-mode"
+            | "sslrootcert"
+            | "ssl-root-cert"
+            | "ssl-ca"
+            | "sslcert"
+            | "ssl-cert"
+            | "sslkey"
+            | "ssl-key"
+            | "statement-cache-capacity"
+            | "host"
+            | "hostaddr"
+            | "port"
+            | "dbname"
+            | "user"
+            | "password"
+            | "application_name"
+            | "options"
+    ) || (name.starts_with("options[") && name.ends_with(']'))
+}
+
+/// `sslmode` values that need TLS refuse to connect without it, every time:
+/// a configuration error, not an outage to retry.
+fn check_tls_available(mode: &str) -> Result<(), Error> {
+    let needs_tls = matches!(
+        mode.to_ascii_lowercase().as_str(),
+        "require" | "verify-ca" | "verify-full"
+    );
+    if needs_tls && !cfg!(feature = "tls") {
+        return Err(Error::config(format!(
+            "sslmode={mode} needs TLS, which this build lacks: enable the `tls` feature of \
+             idempotency-postgres (`postgres-tls` of idempotency), or use sslmode=prefer/disable"
+        )));
+    }
+    Ok(())
+}
+
+fn positive_duration(name: &str, value: &str) -> Result<Duration, Error> {
+    parse_duration(value)
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| invalid(name, value, "a positive duration such as 5s or 500ms"))
 }
 
 fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
@@ -120,5 +184,46 @@ mod tests {
         }
         assert!(UrlOptions::parse("postgres://h/db?migrate=maybe").is_err());
         assert!(UrlOptions::parse("postgres://h/db?max_connections=0").is_err());
+    }
+
+    #[test]
+    fn rejects_unknown_options_and_zero_timeouts() {
+        for (url, named) in [
+            ("postgres://h/db?tabel=idem", "tabel"),
+            ("postgres://h/db?sslmod=require", "sslmod"),
+            ("postgres://h/db?connect_timeout=5", "connect_timeout"),
+            ("postgres://h/db?operation_timeout=0s", "operation_timeout"),
+            ("postgres://h/db?acquire_timeout=0ms", "acquire_timeout"),
+        ] {
+            match UrlOptions::parse(url) {
+                Err(Error::Config { message }) => assert!(message.contains(named), "{message}"),
+                other => panic!("{url}: {other:?}"),
+            }
+        }
+        let o = UrlOptions::parse(
+            "postgres://h/db?application_name=a&options[search_path]=x&statement-cache-capacity=9",
+        )
+        .unwrap();
+        assert!(o.sqlx_url.contains("application_name=a"), "{}", o.sqlx_url);
+    }
+
+    #[test]
+    fn sslmode_needing_tls_is_refused_without_the_feature() {
+        for mode in ["require", "verify-ca", "verify-full", "REQUIRE"] {
+            let r = UrlOptions::parse(&format!("postgres://h/db?sslmode={mode}"));
+            if cfg!(feature = "tls") {
+                assert!(r.is_ok(), "{mode}: {r:?}");
+            } else {
+                match r {
+                    Err(Error::Config { message }) => {
+                        assert!(message.contains("`tls`"), "{message}")
+                    }
+                    other => panic!("{mode}: {other:?}"),
+                }
+            }
+        }
+        for mode in ["disable", "prefer", "allow"] {
+            assert!(UrlOptions::parse(&format!("postgres://h/db?sslmode={mode}")).is_ok());
+        }
     }
 }

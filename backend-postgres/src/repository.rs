@@ -24,6 +24,9 @@ pub const ENV_URL_VARS: [&str; 2] = ["IDEMPOTENCY_POSTGRES_URL", "DATABASE_URL"]
 
 const DEFAULT_MAX_CONNECTIONS: u32 = 10;
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// The default bound on each of this crate's operations, as Redis's response
+/// timeout and the manager's `store_timeout`.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// An idempotency [`Repository`] in a PostgreSQL table, on a sqlx [`PgPool`].
 ///
@@ -35,7 +38,7 @@ pub struct PgRepository {
     pool: PgPool,
     sql: Arc<Statements>,
     /// The client-side bound on each operation.
-    operation_timeout: Option<Duration>,
+    operation_timeout: Duration,
 }
 
 impl fmt::Debug for PgRepository {
@@ -85,14 +88,15 @@ impl PgRepository {
         PgRepository::from_url(&url).await
     }
 
-    /// Uses an existing pool (its own settings — size, TLS, timeouts — are kept)
-    /// with the default schema and table. Use
+    /// Uses an existing pool (its own settings — size, TLS, acquire timeout —
+    /// are kept) with the default schema and table and the default
+    /// [`operation_timeout`](PgRepositoryBuilder::operation_timeout). Use
     /// [`PgRepositoryBuilder::build_with_pool`] to choose them.
     pub fn from_pool(pool: PgPool) -> Self {
         PgRepository {
             pool,
             sql: Arc::new(Statements::defaults()),
-            operation_timeout: None,
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
         }
     }
 
@@ -107,7 +111,7 @@ impl PgRepository {
     ///
     /// # Errors
     /// [`Error::Unavailable`] when the server cannot be reached,
-    /// [`Error::Backend`] for a refused DDL statement (missing privilege).
+    /// [`Error::Config`] for a refused DDL statement (missing privilege).
     pub async fn migrate(&self) -> Result<(), Error> {
         crate::migrate::run(&self.pool, &self.sql).await
     }
@@ -149,21 +153,18 @@ impl PgRepository {
         &self.sql
     }
 
-    /// Runs `fut` under the operation timeout, if one is set.
+    /// Runs `fut` under the operation timeout.
     pub(crate) async fn timed<T>(
         &self,
         operation: &'static str,
         fut: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
-        match self.operation_timeout {
-            None => fut.await,
-            Some(limit) => tokio::time::timeout(limit, fut)
-                .await
-                .unwrap_or(Err(Error::Timeout {
-                    backend: BACKEND,
-                    operation,
-                })),
-        }
+        tokio::time::timeout(self.operation_timeout, fut)
+            .await
+            .unwrap_or(Err(Error::Timeout {
+                backend: BACKEND,
+                operation,
+            }))
     }
 }
 
@@ -189,7 +190,7 @@ pub struct PgRepositoryBuilder {
     table: String,
     max_connections: u32,
     acquire_timeout: Duration,
-    operation_timeout: Option<Duration>,
+    operation_timeout: Duration,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -199,7 +200,7 @@ impl Default for PgRepositoryBuilder {
             table: DEFAULT_TABLE.to_owned(),
             max_connections: DEFAULT_MAX_CONNECTIONS,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
-            operation_timeout: None,
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
         }
     }
 }
@@ -228,16 +229,20 @@ impl PgRepositoryBuilder {
 
     /// How long an operation waits for a pooled connection before failing with
     /// [`Error::Unavailable`] (default 5 s; also bounds connecting while the
-    /// server is down).
+    /// server is down). Zero is refused when the repository is built.
     pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
         self.acquire_timeout = timeout;
         self
     }
 
     /// An upper bound on each of this crate's operations, after which it fails
-    /// with [`Error::Timeout`] (default none: a reservation may legitimately wait
-    /// for a row lock held by a transactional handler; the manager's own
-    /// `store_timeout` bounds every call anyway).
+    /// with [`Error::Timeout`] (default 5 s, as the manager's `store_timeout`;
+    /// zero is refused when the repository is built). A paused or black-holed
+    /// server fails each call after this long, never after the outage. It also
+    /// bounds how long a reservation waits for the row lock of a transactional
+    /// handler's open transaction ([`PgTransactionalManager`](crate::PgTransactionalManager)):
+    /// raise it above your longest transactional handler if duplicates should
+    /// wait rather than get a retryable `Timeout`.
     ///
     /// It is a client-side timer around this crate's statements only — never a
     /// connection's `statement_timeout`, which would also cut the business
@@ -246,7 +251,7 @@ impl PgRepositoryBuilder {
     /// timeout is ambiguous ("maybe applied"), and the manager retries it with
     /// the same owner token, which the contract makes safe.
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
-        self.operation_timeout = Some(timeout);
+        self.operation_timeout = timeout;
         self
     }
 
@@ -264,8 +269,18 @@ impl PgRepositoryBuilder {
             self.acquire_timeout = timeout;
         }
         if let Some(timeout) = options.operation_timeout {
-            self.operation_timeout = Some(timeout);
+            self.operation_timeout = timeout;
         }
+    }
+
+    /// Refuses settings no repository can work with.
+    fn validate(&self) -> Result<Statements, Error> {
+        if self.operation_timeout.is_zero() || self.acquire_timeout.is_zero() {
+            return Err(Error::config(
+                "PostgreSQL operation_timeout and acquire_timeout must be positive",
+            ));
+        }
+        Statements::new(&self.schema, &self.table)
     }
 
     /// Connects a new pool to `url` (`postgres://` or `postgresql://`) and checks
@@ -278,8 +293,10 @@ impl PgRepositoryBuilder {
     /// `application_name`, …) is sqlx's.
     ///
     /// # Errors
-    /// [`Error::Config`] for a bad URL or name, [`Error::Unavailable`] when no
-    /// connection opens within the acquire timeout.
+    /// [`Error::Config`] for a bad URL, an unknown option, a bad name, a zero
+    /// timeout, `sslmode=require` without the `tls` feature, credentials or a
+    /// database the server refuses; [`Error::Unavailable`] when the server
+    /// refuses the connection (at once) or none opens within the acquire timeout.
     pub async fn connect(self, url: &str) -> Result<PgRepository, Error> {
         let (repo, migrate) = self.connect_inner(url).await?;
         if migrate == Some(true) {
@@ -294,8 +311,9 @@ impl PgRepositoryBuilder {
     ) -> Result<(PgRepository, Option<bool>), Error> {
         let options = UrlOptions::parse(url)?;
         self.apply_url_options(&options);
-        let sql = Statements::new(&self.schema, &self.table)?;
+        let sql = self.validate()?;
         let connect = self.connect_options(&options)?;
+        self.probe(&connect, &sql.qualified).await?;
         let pool = self
             .pool_options()
             .connect_with(connect)
@@ -305,10 +323,32 @@ impl PgRepositoryBuilder {
             PgRepository {
                 pool,
                 sql: Arc::new(sql),
-                operation_timeout: self.client_timeout(),
+                operation_timeout: self.operation_timeout,
             },
             options.migrate,
         ))
+    }
+
+    /// Opens and closes one connection, so that a refused connection, bad
+    /// credentials or a missing database are reported at once and as what
+    /// they are (the pool would retry a refused connection until its acquire
+    /// timeout and report only that).
+    async fn probe(&self, connect: &PgConnectOptions, table: &str) -> Result<(), Error> {
+        use sqlx::Connection as _;
+        let conn = tokio::time::timeout(self.acquire_timeout, PgConnection::connect_with(connect))
+            .await
+            .map_err(|_| Error::Unavailable {
+                backend: BACKEND,
+                message: format!(
+                    "connect: no connection within the acquire timeout ({:?})",
+                    self.acquire_timeout
+                ),
+                source: None,
+            })?
+            .map_err(|e| map_sqlx(e, "connect", None, table))?;
+        // Closing politely is a courtesy: a failure here changes nothing.
+        let _ = conn.close().await;
+        Ok(())
     }
 
     /// Like [`PgRepositoryBuilder::connect`], without opening a connection yet:
@@ -319,12 +359,12 @@ impl PgRepositoryBuilder {
     pub fn connect_lazy(mut self, url: &str) -> Result<PgRepository, Error> {
         let options = UrlOptions::parse(url)?;
         self.apply_url_options(&options);
-        let sql = Statements::new(&self.schema, &self.table)?;
+        let sql = self.validate()?;
         let connect = self.connect_options(&options)?;
         Ok(PgRepository {
             pool: self.pool_options().connect_lazy_with(connect),
             sql: Arc::new(sql),
-            operation_timeout: self.client_timeout(),
+            operation_timeout: self.operation_timeout,
         })
     }
 
@@ -332,11 +372,11 @@ impl PgRepositoryBuilder {
     /// builder's `max_connections` and `acquire_timeout` do not apply).
     ///
     /// # Errors
-    /// [`Error::Config`] for an invalid schema or table name.
+    /// [`Error::Config`] for an invalid schema or table name or a zero timeout.
     pub fn build_with_pool(self, pool: PgPool) -> Result<PgRepository, Error> {
         Ok(PgRepository {
             pool,
-            sql: Arc::new(Statements::new(&self.schema, &self.table)?),
+            sql: Arc::new(self.validate()?),
             operation_timeout: self.operation_timeout,
         })
     }
@@ -347,12 +387,6 @@ impl PgRepositoryBuilder {
     fn connect_options(&self, options: &UrlOptions) -> Result<PgConnectOptions, Error> {
         PgConnectOptions::from_str(&options.sqlx_url)
             .map_err(|e| Error::config(format!("invalid PostgreSQL URL: {e}")))
-    }
-
-    /// The bound on each of this crate's own statements, on the client: only
-    /// they are bounded, never the caller's statements on the same connection.
-    fn client_timeout(&self) -> Option<Duration> {
-        self.operation_timeout
     }
 
     /// Pools created here skip sqlx's ping before handing out a connection, so

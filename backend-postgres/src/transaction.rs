@@ -85,8 +85,9 @@ impl<'a> PgTransactionRepository<'a> {
     /// [`Repository::reserve`] on the caller's connection.
     ///
     /// # Errors
-    /// As [`Repository::reserve`]; with a `lock_timeout` set, waiting too long
-    /// for another transaction's row lock is [`Error::Timeout`].
+    /// As [`Repository::reserve`]; waiting for another transaction's row lock
+    /// longer than the operation timeout (default 5 s) or a `lock_timeout` is
+    /// [`Error::Timeout`].
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let sql = self.repo.statements();
         let fut = ops::reserve(sql, &mut *self.conn, &request);
@@ -234,10 +235,12 @@ impl<'a> PgTransactionRepository<'a> {
 /// `SELECT … FOR UPDATE` for the lock): when the first transaction commits they
 /// see `Completed` and get [`Outcome::Cached`]; when it rolls back they acquire
 /// the key and run. They never see `Processing` and never get
-/// [`Error::InProgress`] from another transactional attempt. To bound the wait,
-/// set `lock_timeout` for the role or connection (`ALTER ROLE … SET lock_timeout
-/// = '5s'`): an exceeded wait is [`Error::Timeout`]. Keep handlers short: the
-/// transaction holds a pooled connection and the row lock while it runs.
+/// [`Error::InProgress`] from another transactional attempt. The wait is bounded
+/// by the repository's [`operation_timeout`](crate::PgRepositoryBuilder::operation_timeout)
+/// (default 5 s; raise it above your longest transactional handler if
+/// duplicates should wait it out) and by a server-side `lock_timeout` if you set
+/// one: an exceeded wait is [`Error::Timeout`], retryable. Keep handlers short:
+/// the transaction holds a pooled connection and the row lock while it runs.
 ///
 /// It shares the [`Config`] of the [`IdempotencyManager`](idempotency_core::IdempotencyManager)
 /// (namespace from `key_prefix`, `ttl`, `processing_timeout`, `validate_payload`,

@@ -63,8 +63,9 @@ fn tls_misconfiguration(err: &RedisError) -> Option<String> {
 /// during a failover, redirections the cluster client gave up on) →
 /// [`Error::Unavailable`]; an I/O timeout → [`Error::Timeout`]; a value of the
 /// wrong type or format under the key → [`Error::Corrupt`]; bad credentials or
-/// an untrusted TLS certificate → [`Error::Config`]; anything else →
-/// [`Error::Backend`].
+/// an untrusted TLS certificate, a connection whose first reply is not Redis's
+/// protocol (another service at that port) → [`Error::Config`]; anything else
+/// → [`Error::Backend`].
 pub(crate) fn map_redis_error(
     err: RedisError,
     key: Option<&RecordKey>,
@@ -122,9 +123,20 @@ pub(crate) fn map_redis_error(
         _ => {}
     }
     match err.kind() {
-        ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => {
-            Error::config(format!("redis: {err}"))
-        }
+        ErrorKind::AuthenticationFailed => Error::config(format!(
+            "redis refused the credentials; check the user and password in the URL ({err})"
+        )),
+        ErrorKind::InvalidClientConfig => Error::config(format!("redis: {err}")),
+        // The first reply on a new connection is not RESP: another service
+        // listens at that address, and always will.
+        ErrorKind::Parse if operation == "connect" => Error::config(format!(
+            "the URL's host and port answer, but not as a Redis server (its reply is not \
+             Redis's protocol: {}); check the port",
+            err.to_string()
+                .split_whitespace()
+                .collect::<Vec<_>>()
+                .join(" ")
+        )),
         _ => Error::backend(BACKEND, err),
     }
 }

@@ -192,8 +192,8 @@ mod repository;
 mod scripts;
 
 pub use options::{
-    RedisOptions, ReserveStrategy, DEFAULT_MAX_RESULT_BYTES, REDIS_HARD_MAX_RESULT_BYTES,
-    URL_SCHEMES,
+    RedisOptions, ReserveStrategy, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_RESULT_BYTES,
+    DEFAULT_RESPONSE_TIMEOUT, REDIS_HARD_MAX_RESULT_BYTES, URL_SCHEMES,
 };
 pub use repository::{RedisRepository, MAX_ID_BYTES};
 pub use scripts::LuaScript;

@@ -13,6 +13,13 @@ pub const REDIS_HARD_MAX_RESULT_BYTES: usize = 512 * 1024 * 1024 - 1024;
 /// megabytes blocks the server's single thread while it is copied.
 pub const DEFAULT_MAX_RESULT_BYTES: usize = 16 * 1024 * 1024;
 
+/// The default bound on each connection attempt (`connect_timeout=`).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The default bound on each command (`response_timeout=`), as the other
+/// backends' operation timeout and the manager's `store_timeout`.
+pub const DEFAULT_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// Every URL scheme [`RedisRepository::connect`](crate::RedisRepository::connect)
 /// accepts (matched case-insensitively): standalone `redis`, `valkey`, over a
 /// Unix socket `unix`, `redis+unix`, `valkey+unix`; with TLS (feature `tls`)
@@ -125,8 +132,8 @@ impl Default for RedisOptions {
         RedisOptions {
             reserve_strategy: ReserveStrategy::default(),
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
-            connect_timeout: Duration::from_secs(2),
-            response_timeout: Duration::from_secs(5),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            response_timeout: DEFAULT_RESPONSE_TIMEOUT,
             reconnect_retries: 0,
         }
     }
@@ -270,12 +277,14 @@ fn parse_query(query: &str, mut options: RedisOptions) -> Result<(RedisOptions, 
                 options.max_result_bytes = n;
             }
             "connect_timeout" => {
-                options.connect_timeout =
-                    parse_duration(value).ok_or_else(|| bad("a duration such as `2s`"))?;
+                options.connect_timeout = parse_duration(value)
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| bad("a positive duration such as `2s`"))?;
             }
             "response_timeout" => {
-                options.response_timeout =
-                    parse_duration(value).ok_or_else(|| bad("a duration such as `500ms`"))?;
+                options.response_timeout = parse_duration(value)
+                    .filter(|d| !d.is_zero())
+                    .ok_or_else(|| bad("a positive duration such as `500ms`"))?;
             }
             "reconnect_retries" => {
                 options.reconnect_retries = value.parse().map_err(|_| bad("a number"))?;

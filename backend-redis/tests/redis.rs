@@ -392,8 +392,17 @@ async fn outage_and_recovery() {
         .unwrap(),
     );
     let clock = ManualClock::starting_now();
+    // A short lease: an execution caught by the stop between its handler and
+    // its completion retries the completion until shortly before the lease
+    // ends (the contract's recording bound), and the default lease is 300 s.
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        ttl: Duration::from_secs(60),
+        store_timeout: Duration::from_secs(2),
+        ..Config::default()
+    };
     let manager = Arc::new(
-        IdempotencyManager::new(repo.clone() as SharedRepository, Config::default())
+        IdempotencyManager::new(repo.clone() as SharedRepository, config)
             .unwrap()
             .with_clock(Arc::new(clock.clone())),
     );

@@ -77,6 +77,7 @@ pub mod containers;
 
 mod checks;
 mod edges;
+pub mod error_table;
 mod failure_paths;
 mod model;
 mod report;

@@ -1,0 +1,225 @@
+//! PostgreSQL's error table: each misconfiguration or failure, against the
+//! harness's server, comes back as the error variant (and so the retry class)
+//! the guide's table says, with a message naming what to fix.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use idempotency_conformance::containers::FaultProxy;
+use idempotency_conformance::error_table::{
+    assert_error_table, foreign_service, ErrorRow, Expected,
+};
+use idempotency_core::{
+    Clock, Error, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock,
+};
+use idempotency_postgres::PgRepository;
+
+/// `url` with its password replaced.
+fn with_password(url: &str, password: &str) -> String {
+    let mut url = url::Url::parse(url).unwrap();
+    url.set_password(Some(password)).unwrap();
+    url.into()
+}
+
+/// `url` with its database (path) replaced.
+fn with_database(url: &str, database: &str) -> String {
+    let mut url = url::Url::parse(url).unwrap();
+    url.set_path(database);
+    url.into()
+}
+
+/// `url` with `query` appended to its query string.
+fn with_query(url: &str, query: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}{query}")
+}
+
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+async fn reserve(repo: &PgRepository, id: &str) -> Result<(), Error> {
+    let key = RecordKey::new("errors", id, 1024).unwrap();
+    let now = SystemClock.now();
+    repo.reserve(ReserveRequest {
+        key: &key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + Duration::from_secs(60),
+        expires_at: now + Duration::from_secs(120),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    })
+    .await
+    .map(drop)
+}
+
+/// The rows a URL alone decides.
+async fn connection_rows(server: &str) -> Vec<ErrorRow> {
+    let mut rows = vec![
+        ErrorRow::new(
+            "unknown URL option (`?tabel=idem`)",
+            idempotency_postgres::connect(&with_query(server, "tabel=idem")).await,
+            Expected::Config,
+            &["tabel"],
+        ),
+        ErrorRow::new(
+            "zero timeout (`?operation_timeout=0s`)",
+            idempotency_postgres::connect(&with_query(server, "operation_timeout=0s")).await,
+            Expected::Config,
+            &["operation_timeout"],
+        ),
+        ErrorRow::new(
+            "wrong password",
+            idempotency_postgres::connect(&with_password(server, "not-the-password")).await,
+            Expected::Config,
+            &["password"],
+        ),
+        ErrorRow::new(
+            "database that does not exist",
+            idempotency_postgres::connect(&with_database(server, "no_such_db")).await,
+            Expected::Config,
+            &["database", "does not exist"],
+        ),
+    ];
+    if !cfg!(feature = "tls") {
+        rows.push(ErrorRow::new(
+            "`sslmode=require` without the `tls` feature",
+            idempotency_postgres::connect(&with_query(server, "sslmode=require")).await,
+            Expected::Config,
+            &["sslmode=require", "`tls`"],
+        ));
+    }
+    rows
+}
+
+/// A closed port is refused at once, not after the acquire timeout.
+async fn refused_row(server: &str) -> ErrorRow {
+    let mut url = url::Url::parse(server).unwrap();
+    url.set_port(Some(closed_port())).unwrap();
+    let started = Instant::now();
+    let got = idempotency_postgres::connect(&with_query(url.as_str(), "acquire_timeout=60s")).await;
+    let waited = started.elapsed();
+    let cause = if waited < Duration::from_secs(30) {
+        "closed port".to_owned()
+    } else {
+        format!("closed port (waited {waited:?}: the acquire timeout, not the refusal)")
+    };
+    ErrorRow::new(cause, got, Expected::Unavailable, &["refused"])
+}
+
+/// Another service (HTTP) at the URL's port.
+async fn foreign_row(server: &str) -> ErrorRow {
+    let mut url = url::Url::parse(server).unwrap();
+    url.set_port(Some(foreign_service().await.unwrap()))
+        .unwrap();
+    ErrorRow::new(
+        "another service at that port",
+        idempotency_postgres::connect(url.as_str()).await,
+        Expected::Unavailable,
+        &["connect"],
+    )
+}
+
+/// A table that was never migrated.
+async fn unmigrated_row(server: &str) -> ErrorRow {
+    let table = common::unique("never_migrated");
+    let repo =
+        idempotency_postgres::connect(&with_query(server, &format!("table={table}&migrate=false")))
+            .await
+            .unwrap();
+    ErrorRow::new(
+        "table never migrated (`migrate=false`)",
+        reserve(&repo, "x").await,
+        Expected::Config,
+        &[&table, "migrate()"],
+    )
+}
+
+/// A role without the privilege to create the schema.
+async fn privilege_row(server: &str) -> ErrorRow {
+    let admin = common::repository(&common::unique("errors_admin")).await;
+    let role = common::unique("errors_role");
+    sqlx::query(&format!("CREATE ROLE {role} LOGIN PASSWORD 'pw'"))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    let mut url = url::Url::parse(server).unwrap();
+    url.set_username(&role).unwrap();
+    url.set_password(Some("pw")).unwrap();
+    let schema = common::unique("errors_schema");
+    let repo = PgRepository::builder()
+        .schema(&schema)
+        .connect(url.as_str())
+        .await
+        .unwrap();
+    let got = repo.migrate().await;
+    repo.pool().close().await;
+    sqlx::query(&format!("DROP ROLE {role}"))
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    ErrorRow::new(
+        "role without the privilege to migrate",
+        got,
+        Expected::Config,
+        &["privilege"],
+    )
+}
+
+/// A server that stops answering: each call fails after the default operation
+/// timeout, however long the outage lasts.
+async fn black_hole_row(server: &str) -> ErrorRow {
+    let proxy = FaultProxy::start(server).await.expect("a fault proxy");
+    let repo = idempotency_postgres::connect(&with_query(
+        proxy.url(),
+        &format!("table={}&migrate=true", common::unique("black_hole")),
+    ))
+    .await
+    .unwrap();
+    reserve(&repo, "warm").await.unwrap();
+    proxy.cut();
+    let started = Instant::now();
+    let got = reserve(&repo, "cut").await;
+    let waited = started.elapsed();
+    proxy.heal();
+    let bound = idempotency_postgres::DEFAULT_OPERATION_TIMEOUT + Duration::from_secs(5);
+    let cause = if waited <= bound {
+        "server stops answering (default operation timeout)".to_owned()
+    } else {
+        format!("server stops answering: the call waited {waited:?}, over {bound:?}")
+    };
+    ErrorRow::new(cause, got, Expected::Timeout, &["postgres"])
+}
+
+#[tokio::test]
+async fn every_cause_has_its_error_and_message() {
+    let server = common::server_url().await;
+    let mut rows = connection_rows(&server).await;
+    rows.push(refused_row(&server).await);
+    rows.push(foreign_row(&server).await);
+    rows.push(unmigrated_row(&server).await);
+    rows.push(privilege_row(&server).await);
+    rows.push(black_hole_row(&server).await);
+    assert_error_table("postgres", &rows);
+}
+
+#[tokio::test]
+async fn builders_refuse_zero_timeouts() {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy("postgres://h/db")
+        .unwrap();
+    for builder in [
+        PgRepository::builder().operation_timeout(Duration::ZERO),
+        PgRepository::builder().acquire_timeout(Duration::ZERO),
+    ] {
+        match builder.build_with_pool(pool.clone()) {
+            Err(Error::Config { message }) => assert!(message.contains("timeout"), "{message}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
