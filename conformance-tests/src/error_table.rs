@@ -12,7 +12,7 @@
 //!
 //! let rows = vec![ErrorRow::new(
 //!     "a zero timeout",
-//!     Err(Error::config("timeout must be positive")),
+//!     Err::<(), _>(Error::config("timeout must be positive")),
 //!     Expected::Config,
 //!     &["timeout"],
 //! )];

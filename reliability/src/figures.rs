@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::time::Duration;
 
 use crate::run::{FiguresInput, Plan};
-use crate::scenario::Scenario;
+use crate::scenario::{Bound, Scenario};
 use crate::target::Backend;
 
 /// The figures of one run.
@@ -56,10 +56,15 @@ impl Figures {
     ) -> Figures {
         let effects = |k: &usize| input.effects.get(k).map_or(0, Vec::len);
         let keys: Vec<usize> = (0..plan.keys).collect();
+        let limit = |k: &usize| match scenario.bound() {
+            Bound::One => 1,
+            Bound::OnePlusCrashed => 1 + input.crashed_effects.get(k).copied().unwrap_or(0),
+            Bound::PerDelivery => input.deliveries.get(k).copied().unwrap_or(0),
+        };
         let over_bound: Vec<usize> = keys
             .iter()
             .copied()
-            .filter(|k| effects(k) > scenario.effects_bound())
+            .filter(|k| effects(k) > limit(k))
             .collect();
         let without_effect: Vec<usize> = keys
             .iter()
@@ -140,8 +145,8 @@ impl Figures {
         let mut broken = Vec::new();
         if !self.over_bound.is_empty() {
             broken.push(format!(
-                "keys with more than {} effect(s): {:?}",
-                self.scenario.effects_bound(),
+                "keys with more effects than the bound ({}): {:?}",
+                self.scenario.bound(),
                 self.over_bound
             ));
         }
@@ -198,7 +203,7 @@ impl Figures {
             self.executions,
             self.faults,
             self.max_effects,
-            self.scenario.effects_bound(),
+            self.scenario.bound(),
             self.unanswered.len(),
             self.panics,
             self.slowest.as_millis(),
@@ -242,6 +247,8 @@ mod tests {
             answered: &answered,
             history: &history,
             executions: 6,
+            deliveries: &HashMap::new(),
+            crashed_effects: &HashMap::new(),
             retryable: 0,
             wrong_class: &wrong,
             slowest: Duration::from_millis(5),
@@ -265,7 +272,7 @@ mod tests {
         let doubled = figures(&[(0, 1), (1, 2), (2, 1)], &[0, 1, 2], &[]);
         let e = doubled.verdict().unwrap_err();
         assert!(
-            e.contains("more than 1 effect") && e.contains("history of evt-1"),
+            e.contains("more effects than the bound (1)") && e.contains("history of evt-1"),
             "{e}"
         );
         let lost = figures(&[(0, 1), (2, 1)], &[0, 1, 2], &[])
@@ -281,5 +288,50 @@ mod tests {
         let mut slow = figures(&[(0, 1), (1, 1), (2, 1)], &[0, 1, 2], &[]);
         slow.slowest = slow.call_bound() + Duration::from_millis(1);
         assert!(slow.verdict().unwrap_err().contains("more than the bound"));
+    }
+
+    /// The bounds other than "one": each crashed consumer's effect is allowed
+    /// once more; "per delivery" allows as many effects as `execute` calls.
+    #[test]
+    fn stated_bounds_allow_exactly_what_they_state() {
+        let effects: HashMap<usize, Vec<(u32, usize)>> =
+            HashMap::from([(0, vec![(1, 0), (2, 1)]), (1, vec![(1, 0), (2, 1)])]);
+        let answered = HashMap::from([(0, "executed"), (1, "executed")]);
+        let crashed = HashMap::from([(0, 1)]);
+        let deliveries = HashMap::from([(0, 2), (1, 1)]);
+        let history = HashMap::new();
+        let input = FiguresInput {
+            effects: &effects,
+            answered: &answered,
+            history: &history,
+            executions: 3,
+            deliveries: &deliveries,
+            crashed_effects: &crashed,
+            retryable: 0,
+            wrong_class: &[],
+            slowest: Duration::from_millis(5),
+            panics: 0,
+            faults: 0,
+            lost_replies: 0,
+            took: Duration::from_secs(1),
+        };
+        let plan = Plan {
+            keys: 2,
+            ..Plan::short(7)
+        };
+        let crash = Figures::collect(Backend::Memory, Scenario::ConsumerCrash, plan, &input);
+        assert_eq!(
+            crash.over_bound,
+            vec![1],
+            "key 0 had a crash after its effect"
+        );
+        let per = Figures::collect(Backend::Memory, Scenario::ClockBeyondSkew, plan, &input);
+        assert_eq!(
+            per.over_bound,
+            vec![1],
+            "key 1 had one delivery, two effects"
+        );
+        let one = Figures::collect(Backend::Memory, Scenario::Baseline, plan, &input);
+        assert_eq!(one.over_bound, vec![0, 1]);
     }
 }

@@ -22,17 +22,24 @@ mod target;
 
 pub use figures::Figures;
 pub use run::{run, Plan};
-pub use scenario::Scenario;
+pub use scenario::{Bound, Scenario};
 pub use target::{Backend, Target};
 
-/// The scenarios that apply to `backend` (the in-memory store has no network).
-/// The in-memory store has no network and no server; a restart applies to
-/// PostgreSQL only (the moto server and the test Redis keep records in memory:
-/// a restart loses them, a documented limit, not a scenario with a bound).
+/// The scenarios that apply to `backend`: the in-memory store has no network
+/// and no server; a durable restart applies to PostgreSQL and to Redis with an
+/// append-only file, a forgetful one to Redis without persistence (its stated
+/// bound: one effect per delivery).
 pub fn scenarios_for(backend: Backend) -> Vec<Scenario> {
     Scenario::ALL
         .into_iter()
         .filter(|s| backend != Backend::Memory || !(s.needs_network() || s.needs_own_server()))
-        .filter(|s| *s != Scenario::ServerRestart || backend == Backend::Postgres)
+        // Restarts: PostgreSQL, and Redis with and without persistence (the
+        // DynamoDB emulator keeps its tables in memory: a restart is a store
+        // that forgets, which DynamoDB itself is not).
+        .filter(|s| match s {
+            Scenario::ServerRestart => matches!(backend, Backend::Postgres | Backend::Redis),
+            Scenario::ServerRestartForgetful => backend == Backend::Redis,
+            _ => true,
+        })
         .collect()
 }

@@ -14,6 +14,9 @@ struct Args {
     /// Backends to soak.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Backend::Memory, Backend::Redis, Backend::Postgres, Backend::Dynamodb])]
     backends: Vec<Backend>,
+    /// Scenarios to run (all that apply to each backend by default).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    scenarios: Vec<Scenario>,
     /// Minutes per backend (every scenario in turn until they pass).
     #[arg(long, default_value_t = 10.0)]
     minutes: f64,
@@ -34,7 +37,10 @@ async fn main() -> Result<(), String> {
     for (b, backend) in args.backends.iter().enumerate() {
         let until = Instant::now() + Duration::from_secs_f64(args.minutes * 60.0);
         while Instant::now() < until {
-            for scenario in scenarios_for(*backend) {
+            let chosen = scenarios_for(*backend)
+                .into_iter()
+                .filter(|s| args.scenarios.is_empty() || args.scenarios.contains(s));
+            for scenario in chosen {
                 let figures = run(*backend, scenario, Plan::short(seed)).await?;
                 eprintln!("{}", figures.row());
                 let s = Scenario::ALL

@@ -4,6 +4,7 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -56,8 +57,26 @@ struct Journal {
     wrong_class: Vec<String>,
     slowest: Duration,
     executions: usize,
+    /// Per key: `execute` calls.
+    deliveries: HashMap<usize, usize>,
+    /// Per key: effects applied by consumers that crashed before recording.
+    crashed_effects: HashMap<usize, usize>,
     /// Per key: what each delivery got, in order (for a failing history).
     history: HashMap<usize, Vec<String>>,
+    /// When the run began: history lines carry the time since.
+    started: Option<Instant>,
+}
+
+impl Journal {
+    /// Adds a line to `key`'s history, stamped with the time since the run
+    /// began (a reader can tell a takeover after the lease from one before).
+    fn note(&mut self, key: usize, line: String) {
+        let at = self.started.map_or(0, |s| s.elapsed().as_millis());
+        self.history
+            .entry(key)
+            .or_default()
+            .push(format!("{at:>6} ms {line}"));
+    }
 }
 
 type Shared = Arc<Mutex<Journal>>;
@@ -76,8 +95,7 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
         keys: scenario.keys(plan.keys, plan.consumers),
         ..plan
     };
-    let target =
-        Arc::new(Target::connect(backend, plan.processes, scenario.needs_own_server()).await?);
+    let target = Arc::new(Target::connect(backend, plan.processes, scenario).await?);
     let prefix = format!("rel-{:016x}", rand::random::<u64>());
     let managers = (0..plan.consumers)
         .map(|c| {
@@ -97,6 +115,7 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
     let queue = Arc::new(Mutex::new(VecDeque::from(order)));
 
     let started = Instant::now();
+    journal(&shared).started = Some(started);
     let faults = tokio::spawn(inject(target.clone(), scenario));
     let consumers: Vec<_> = managers
         .into_iter()
@@ -137,6 +156,8 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
             answered: &j.answered,
             history: &j.history,
             executions: j.executions,
+            deliveries: &j.deliveries,
+            crashed_effects: &j.crashed_effects,
             retryable: j.retryable,
             wrong_class: &j.wrong_class,
             slowest: j.slowest,
@@ -154,6 +175,8 @@ pub(crate) struct FiguresInput<'a> {
     pub(crate) answered: &'a HashMap<usize, &'static str>,
     pub(crate) history: &'a HashMap<usize, Vec<String>>,
     pub(crate) executions: usize,
+    pub(crate) deliveries: &'a HashMap<usize, usize>,
+    pub(crate) crashed_effects: &'a HashMap<usize, usize>,
     pub(crate) retryable: usize,
     pub(crate) wrong_class: &'a [String],
     pub(crate) slowest: Duration,
@@ -186,6 +209,10 @@ async fn consume(
     seed: u64,
 ) {
     let mut rng = StdRng::seed_from_u64(seed);
+    // A consumer crashes once, then carries on as the process that replaced
+    // it: every crash leaks what its future held (a pooled connection, a
+    // request in flight), so crashes are bounded by the consumers.
+    let mut crashed = false;
     loop {
         let next = queue
             .lock()
@@ -194,9 +221,14 @@ async fn consume(
         let Some(key) = next else { break };
         let pace_us = u64::try_from(pace.as_micros()).unwrap_or(u64::MAX).max(1);
         tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
-        let give_up = (scenario == Scenario::CallerGivesUp)
-            .then(|| Duration::from_millis(rng.random_range(0..30)));
-        let answer = deliver(&manager, scenario, key, consumer, give_up, &shared).await;
+        let cut_short = match scenario {
+            Scenario::CallerGivesUp => true,
+            Scenario::ConsumerCrash => !crashed && rng.random_bool(0.5),
+            _ => false,
+        }
+        .then(|| Duration::from_millis(rng.random_range(0..30)));
+        let (answer, crash) = deliver(&manager, scenario, key, consumer, cut_short, &shared).await;
+        crashed |= crash;
         if let Some(pause) = answer {
             tokio::time::sleep(pause).await;
             queue
@@ -207,37 +239,66 @@ async fn consume(
     }
 }
 
-/// One delivery of `key`; `Some(pause)` when it must be redelivered after
-/// `pause`.
+/// One delivery of `key`, cut short after `cut_short` when set (the caller
+/// gives up, or the consumer crashes): `Some(pause)` when it must be
+/// redelivered after `pause`, and whether the consumer crashed.
 async fn deliver(
     manager: &IdempotencyManager,
     scenario: Scenario,
     key: usize,
     consumer: usize,
-    give_up: Option<Duration>,
+    cut_short: Option<Duration>,
     shared: &Shared,
-) -> Option<Duration> {
-    let handler = handler(scenario, key, consumer, shared.clone());
+) -> (Option<Duration>, bool) {
+    let applied = Arc::new(AtomicBool::new(false));
+    let handler = handler(scenario, key, consumer, shared.clone(), applied.clone());
     let id = format!("evt-{key}");
     let payload = serde_json::json!({ "event": key });
     let begun = Instant::now();
-    let call = AssertUnwindSafe(manager.execute_detached(&id, &payload, handler));
-    let result = match give_up {
-        Some(limit) => tokio::time::timeout(limit, call).await.ok(),
-        None => Some(call.await),
+    let result = match (scenario, cut_short) {
+        (Scenario::ConsumerCrash, Some(limit)) => {
+            crash_after(manager.execute_with_context(&id, &payload, handler), limit).await
+        }
+        (_, Some(limit)) => {
+            let call = AssertUnwindSafe(manager.execute_detached(&id, &payload, handler));
+            tokio::time::timeout(limit, call).await.ok()
+        }
+        (_, None) => Some(AssertUnwindSafe(manager.execute_detached(&id, &payload, handler)).await),
     };
     let took = begun.elapsed();
     let mut j = journal(shared);
     j.slowest = j.slowest.max(took);
     j.executions += 1;
+    *j.deliveries.entry(key).or_default() += 1;
     let Some(result) = result else {
-        j.history
-            .entry(key)
-            .or_default()
-            .push(format!("c{consumer}: gave up after {took:?}"));
-        return Some(Duration::from_millis(50));
+        let crashed = scenario == Scenario::ConsumerCrash;
+        let note = if crashed {
+            let applied = applied.load(Ordering::SeqCst);
+            if applied {
+                *j.crashed_effects.entry(key).or_default() += 1;
+            }
+            format!("c{consumer}: crashed after {took:?} (effect applied: {applied})")
+        } else {
+            format!("c{consumer}: gave up after {took:?}")
+        };
+        j.note(key, note);
+        return (Some(Duration::from_millis(50)), crashed);
     };
-    record(&mut j, key, consumer, result)
+    (record(&mut j, key, consumer, result), false)
+}
+
+/// Polls `call` for `limit`, then leaks it as a crashed process would leave
+/// it: never polled again and never dropped, so nothing of it cleans up (no
+/// release, no recording, no lease extension). `None` when it crashed.
+async fn crash_after<F: std::future::Future>(call: F, limit: Duration) -> Option<F::Output> {
+    let mut call = Box::pin(call);
+    match tokio::time::timeout(limit, call.as_mut()).await {
+        Ok(output) => Some(output),
+        Err(_) => {
+            std::mem::forget(call);
+            None
+        }
+    }
 }
 
 /// The future of one handler run.
@@ -251,15 +312,22 @@ fn handler(
     key: usize,
     consumer: usize,
     shared: Shared,
+    applied: Arc<AtomicBool>,
 ) -> impl FnOnce(idempotency_core::ExecutionContext) -> HandlerFuture + Send + 'static {
     move |ctx| {
         Box::pin(async move {
             tokio::time::sleep(scenario.handler_time()).await;
-            journal(&shared)
-                .effects
+            let mut j = journal(&shared);
+            j.effects
                 .entry(key)
                 .or_default()
                 .push((ctx.attempt(), consumer));
+            j.note(
+                key,
+                format!("c{consumer}: effect of attempt {}", ctx.attempt()),
+            );
+            drop(j);
+            applied.store(true, Ordering::SeqCst);
             Ok(key as u64)
         })
     }
@@ -294,10 +362,7 @@ fn record(
             )
         }
     };
-    j.history
-        .entry(key)
-        .or_default()
-        .push(format!("c{consumer}: {note}"));
+    j.note(key, format!("c{consumer}: {note}"));
     redeliver
 }
 
@@ -330,7 +395,9 @@ async fn redeliver_unanswered(
             let m = manager.clone();
             let s = shared.clone();
             let delivery = tokio::spawn(async move {
-                deliver(&m, Scenario::Baseline, key, usize::MAX, None, &s).await
+                deliver(&m, Scenario::Baseline, key, usize::MAX, None, &s)
+                    .await
+                    .0
             });
             match delivery.await {
                 Ok(Some(pause)) => tokio::time::sleep(pause).await,
@@ -351,7 +418,7 @@ async fn inject(target: Arc<Target>, scenario: Scenario) -> usize {
     tokio::time::sleep(Duration::from_millis(50)).await;
     if let Some(server) = &target.server {
         let done = match scenario {
-            Scenario::ServerRestart => server.restart().await,
+            Scenario::ServerRestart | Scenario::ServerRestartForgetful => server.restart().await,
             _ => server.pause_for(Duration::from_secs(1)).await,
         };
         if let Err(e) = done {

@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::scenario::Scenario;
 use idempotency_conformance::containers::{
     self, Dedicated, DynamoDbServer, FaultProxy, PostgresServer, RedisServer,
 };
@@ -62,10 +63,22 @@ pub enum OwnServer {
 }
 
 impl OwnServer {
-    async fn start(backend: Backend) -> Result<OwnServer, String> {
+    async fn start(backend: Backend, scenario: Scenario) -> Result<OwnServer, String> {
         let harness = |e: containers::HarnessError| format!("{backend}: {e}");
         Ok(match backend {
-            Backend::Redis => OwnServer::Redis(RedisServer::dedicated().await.map_err(harness)?),
+            Backend::Redis => {
+                // Durable: every write in the append-only file, fsynced before
+                // the reply. Forgetful: no snapshot, no append-only file.
+                let args: &[&str] = match scenario {
+                    Scenario::ServerRestartForgetful => &["--save", "", "--appendonly", "no"],
+                    _ => &["--appendonly", "yes", "--appendfsync", "always"],
+                };
+                OwnServer::Redis(
+                    RedisServer::dedicated_with_args(args)
+                        .await
+                        .map_err(harness)?,
+                )
+            }
             Backend::Postgres => {
                 OwnServer::Postgres(PostgresServer::dedicated().await.map_err(harness)?)
             }
@@ -137,7 +150,7 @@ impl Target {
     pub async fn connect(
         backend: Backend,
         processes: usize,
-        own_server: bool,
+        scenario: Scenario,
     ) -> Result<Target, String> {
         if backend == Backend::Memory {
             let shared: SharedRepository = Arc::new(MemoryRepository::new());
@@ -147,8 +160,8 @@ impl Target {
                 repos: vec![shared; processes],
             });
         }
-        let server = match own_server {
-            true => Some(OwnServer::start(backend).await?),
+        let server = match scenario.needs_own_server() {
+            true => Some(OwnServer::start(backend, scenario).await?),
             false => None,
         };
         let (direct, proxy) = proxied_urls(backend, server.as_ref()).await?;

@@ -107,10 +107,24 @@ impl RedisServer {
     ///
     /// [`HarnessError`] when Docker is unavailable or the server does not answer.
     pub async fn dedicated() -> Result<Dedicated<RedisServer>, HarnessError> {
-        on_harness(async {
+        RedisServer::dedicated_with_args(&[]).await
+    }
+
+    /// Like [`RedisServer::dedicated`], with `redis-server` options, e.g.
+    /// `["--appendonly", "yes", "--appendfsync", "always"]` for a server that
+    /// keeps its records through a restart, or `["--save", ""]` for one that
+    /// forgets them.
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError`] when Docker is unavailable or the server does not answer.
+    pub async fn dedicated_with_args(
+        args: &[&str],
+    ) -> Result<Dedicated<RedisServer>, HarnessError> {
+        let cmd: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        on_harness(async move {
             let begun = Instant::now();
-            let (started, probe) =
-                start_dedicated(Kind::Redis, Vec::new(), Vec::new(), probe).await?;
+            let (started, probe) = start_dedicated(Kind::Redis, Vec::new(), cmd, probe).await?;
             let server = RedisServer::local(started.port, started.origin.clone());
             announce(
                 Kind::Redis,
