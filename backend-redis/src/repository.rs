@@ -116,6 +116,11 @@ impl RedisRepository {
     /// As [`RedisRepository::connect`].
     pub async fn connect_with(url: &str, options: RedisOptions) -> Result<Self, Error> {
         let (target, options) = parse_url_with(url, options)?;
+        if options.connect_timeout.is_zero() || options.response_timeout.is_zero() {
+            return Err(Error::config(
+                "Redis connect_timeout and response_timeout must be positive",
+            ));
+        }
         let repo = match target {
             Target::Standalone(url) => {
                 let client = open_client(&url)?;

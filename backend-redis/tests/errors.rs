@@ -64,6 +64,14 @@ async fn url_rows(server: &RedisServer) -> Vec<ErrorRow> {
             &["connect_timeout=0ms"],
         ),
     ];
+    let mut zero = idempotency_redis::RedisOptions::default();
+    zero.response_timeout = Duration::ZERO;
+    rows.push(ErrorRow::new(
+        "zero timeout in `RedisOptions`",
+        RedisRepository::connect_with(url, zero).await,
+        Expected::Config,
+        &["response_timeout"],
+    ));
     if !cfg!(feature = "cluster") {
         rows.push(ErrorRow::new(
             "`redis+cluster://` without the `cluster` feature",

@@ -26,13 +26,16 @@ pub use scenario::{Bound, Scenario};
 pub use target::{Backend, Target};
 
 /// The scenarios that apply to `backend`: the in-memory store has no network
-/// and no server; a durable restart applies to PostgreSQL and to Redis with an
+/// and no server, the Redis Cluster no proxy (in-process faults only); a durable restart applies to PostgreSQL and to Redis with an
 /// append-only file, a forgetful one to Redis without persistence (its stated
 /// bound: one effect per delivery).
 pub fn scenarios_for(backend: Backend) -> Vec<Scenario> {
     Scenario::ALL
         .into_iter()
-        .filter(|s| backend != Backend::Memory || !(s.needs_network() || s.needs_own_server()))
+        .filter(|s| {
+            let in_process = matches!(backend, Backend::Memory | Backend::RedisCluster);
+            !in_process || !(s.needs_network() || s.needs_own_server())
+        })
         // Restarts: PostgreSQL, and Redis with and without persistence (the
         // DynamoDB emulator keeps its tables in memory: a restart is a store
         // that forgets, which DynamoDB itself is not).

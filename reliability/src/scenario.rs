@@ -23,8 +23,9 @@ pub enum Scenario {
     /// One reply in five is lost after the store applied the request (the
     /// connection closes).
     LostReplies,
-    /// Callers give up at random points (before, during and after the
-    /// handler's effect); executions are detached, so the handler finishes.
+    /// Half the callers give up at random points (before, during and after
+    /// the handler's effect); executions are detached, so the handler
+    /// finishes.
     CallerGivesUp,
     /// Handlers take 1.5 leases; lease extension keeps them.
     SlowHandlerExtended,

@@ -21,6 +21,9 @@ pub enum Backend {
     Memory,
     /// Redis, standalone.
     Redis,
+    /// Redis Cluster, three masters (in-process faults only: the cluster
+    /// announces its nodes' own addresses, so one proxy cannot stand in front).
+    RedisCluster,
     /// PostgreSQL.
     Postgres,
     /// DynamoDB (the harness's moto server offline).
@@ -32,6 +35,7 @@ impl fmt::Display for Backend {
         f.write_str(match self {
             Backend::Memory => "memory",
             Backend::Redis => "redis",
+            Backend::RedisCluster => "redis cluster",
             Backend::Postgres => "postgres",
             Backend::Dynamodb => "dynamodb",
         })
@@ -85,7 +89,9 @@ impl OwnServer {
             Backend::Dynamodb => {
                 OwnServer::Dynamodb(DynamoDbServer::dedicated().await.map_err(harness)?)
             }
-            Backend::Memory => return Err("the in-memory store has no server".to_owned()),
+            Backend::Memory | Backend::RedisCluster => {
+                return Err(format!("{backend}: no server of a run's own"))
+            }
         })
     }
 
@@ -160,6 +166,9 @@ impl Target {
                 repos: vec![shared; processes],
             });
         }
+        if backend == Backend::RedisCluster {
+            return Target::cluster(processes).await;
+        }
         let server = match scenario.needs_own_server() {
             true => Some(OwnServer::start(backend, scenario).await?),
             false => None,
@@ -170,18 +179,33 @@ impl Target {
             .await
             .map_err(|e| format!("{backend}: {e}"))?;
         let proxied = proxy_url(backend, &direct, proxy.url());
-        let mut repos = Vec::new();
-        for _ in 0..processes {
-            repos.push(
-                idempotency::connect(&proxied)
-                    .await
-                    .map_err(|e| format!("{backend} through the proxy: {e}"))?,
-            );
-        }
         Ok(Target {
+            repos: connect_each(&proxied, processes, &format!("{backend} through the proxy"))
+                .await?,
             proxy: Some(proxy),
             server,
-            repos,
+        })
+    }
+
+    /// `processes` repositories on the harness's Redis Cluster, each with its
+    /// own connections, without a proxy.
+    async fn cluster(processes: usize) -> Result<Target, String> {
+        let cluster = containers::redis_cluster()
+            .await
+            .map_err(|e| format!("redis cluster: {e}"))?;
+        let hosts: Vec<String> = cluster
+            .nodes()
+            .iter()
+            .map(|n| format!("{}:{}", n.host(), n.port()))
+            .collect();
+        let url = format!(
+            "redis+cluster://{}?response_timeout=500ms&connect_timeout=500ms",
+            hosts.join(",")
+        );
+        Ok(Target {
+            repos: connect_each(&url, processes, "redis cluster").await?,
+            proxy: None,
+            server: None,
         })
     }
 
@@ -199,6 +223,23 @@ impl Target {
         IdempotencyManager::with_parts(repo, config, Arc::new(AheadClock(offset)), JsonCodec)
             .map_err(|e| e.to_string())
     }
+}
+
+/// `processes` repositories on `url`, each with connections of its own (a
+/// simulated process); `what` names them in errors.
+async fn connect_each(
+    url: &str,
+    processes: usize,
+    what: &str,
+) -> Result<Vec<SharedRepository>, String> {
+    let mut repos = Vec::with_capacity(processes);
+    for _ in 0..processes {
+        let repo = idempotency::connect(url)
+            .await
+            .map_err(|e| format!("{what}: {e}"))?;
+        repos.push(repo);
+    }
+    Ok(repos)
 }
 
 /// The direct URL of the server (with its options) and a proxy in front of it:
@@ -239,7 +280,9 @@ async fn shared_urls(backend: Backend) -> Result<(String, String), String> {
             let direct = dynamodb_url(server.region(), server.endpoint());
             (direct, server.endpoint().to_owned())
         }
-        Backend::Memory => return Err("the in-memory store has no server".to_owned()),
+        Backend::Memory | Backend::RedisCluster => {
+            return Err(format!("{backend}: not behind a proxy"))
+        }
     })
 }
 
@@ -262,7 +305,7 @@ fn proxy_url(backend: Backend, direct: &str, via: &str) -> String {
                 })
                 .unwrap_or_else(|| direct.to_owned())
         }
-        Backend::Memory => direct.to_owned(),
+        Backend::Memory | Backend::RedisCluster => direct.to_owned(),
     }
 }
 

@@ -38,6 +38,11 @@ async fn redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_cluster() {
+    every_scenario(Backend::RedisCluster).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres() {
     every_scenario(Backend::Postgres).await;
 }
