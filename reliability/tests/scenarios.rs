@@ -20,9 +20,20 @@ async fn every_scenario(backend: Backend) {
             failures.push(e);
         }
     }
-    assert!(
-        failures.is_empty(),
-        "replay with IDEMPOTENCY_RELIABILITY_SEED={seed}:\n{}",
+    if failures.is_empty() {
+        return;
+    }
+    // The failing histories, ordered events per key, kept for reading.
+    let path = std::env::temp_dir().join(format!(
+        "idempotency-reliability-{}-{seed}.txt",
+        backend.to_string().replace(' ', "-")
+    ));
+    let written = std::fs::write(&path, failures.join("\n\n")).map_or_else(
+        |e| format!("(not written: {e})"),
+        |()| path.display().to_string(),
+    );
+    panic!(
+        "replay with IDEMPOTENCY_RELIABILITY_SEED={seed}; histories in {written}:\n{}",
         failures.join("\n")
     );
 }
