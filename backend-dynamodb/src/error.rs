@@ -150,7 +150,11 @@ where
             let code = service.err().code().unwrap_or_default();
             let message = service.err().message().unwrap_or_default().to_owned();
             let http_status = service.raw().status().as_u16();
-            if RETRYABLE_CODES.contains(&code) || http_status >= 500 {
+            // 408 and 429 say "later" whoever sends them (a proxy, a gateway).
+            if RETRYABLE_CODES.contains(&code)
+                || http_status >= 500
+                || matches!(http_status, 408 | 429)
+            {
                 unavailable(
                     format!(
                         "{operation} on table `{table}`: {code} (HTTP {http_status}) {message}"
@@ -364,7 +368,10 @@ mod tests {
             service("SomethingNew", 400),
             Error::Backend { .. }
         ));
-        // A 4xx without a DynamoDB error code: not a DynamoDB endpoint.
+        // A 4xx without a DynamoDB error code: not a DynamoDB endpoint; but a
+        // 429 or 408 (a proxy's or gateway's "later") stays retryable.
+        assert!(matches!(service("", 429), Error::Unavailable { .. }));
+        assert!(matches!(service("", 408), Error::Unavailable { .. }));
         match service("", 404) {
             Error::Config { message } => {
                 assert!(message.contains("DynamoDB endpoint"), "{message}")

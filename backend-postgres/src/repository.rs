@@ -37,8 +37,13 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct PgRepository {
     pool: PgPool,
     sql: Arc<Statements>,
-    /// The client-side bound on each operation.
+    /// The client-side bound on each operation on the pool.
     operation_timeout: Duration,
+    /// The bound on operations on a caller's connection (in a transaction):
+    /// only an explicitly configured `operation_timeout`. A timer that drops a
+    /// statement still waiting on the server would leave the caller's
+    /// connection busy behind the row lock it waits for.
+    transaction_timeout: Option<Duration>,
 }
 
 impl fmt::Debug for PgRepository {
@@ -97,6 +102,7 @@ impl PgRepository {
             pool,
             sql: Arc::new(Statements::defaults()),
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
+            transaction_timeout: None,
         }
     }
 
@@ -153,6 +159,19 @@ impl PgRepository {
         &self.sql
     }
 
+    /// Runs `fut`, on a caller's connection, under an explicitly configured
+    /// operation timeout only.
+    pub(crate) async fn timed_in_transaction<T>(
+        &self,
+        operation: &'static str,
+        fut: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        match self.transaction_timeout {
+            None => fut.await,
+            Some(_) => self.timed(operation, fut).await,
+        }
+    }
+
     /// Runs `fut` under the operation timeout.
     pub(crate) async fn timed<T>(
         &self,
@@ -191,6 +210,9 @@ pub struct PgRepositoryBuilder {
     max_connections: u32,
     acquire_timeout: Duration,
     operation_timeout: Duration,
+    /// Whether `operation_timeout` was set (builder or URL), which also bounds
+    /// operations in a caller's transaction.
+    explicit_timeout: bool,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -201,6 +223,7 @@ impl Default for PgRepositoryBuilder {
             max_connections: DEFAULT_MAX_CONNECTIONS,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
+            explicit_timeout: false,
         }
     }
 }
@@ -238,11 +261,15 @@ impl PgRepositoryBuilder {
     /// An upper bound on each of this crate's operations, after which it fails
     /// with [`Error::Timeout`] (default 5 s, as the manager's `store_timeout`;
     /// zero is refused when the repository is built). A paused or black-holed
-    /// server fails each call after this long, never after the outage. It also
-    /// bounds how long a reservation waits for the row lock of a transactional
-    /// handler's open transaction ([`PgTransactionalManager`](crate::PgTransactionalManager)):
-    /// raise it above your longest transactional handler if duplicates should
-    /// wait rather than get a retryable `Timeout`.
+    /// server fails each call after this long, never after the outage.
+    ///
+    /// Operations on your own connection ([`PgRepository::in_transaction`], the
+    /// [`PgTransactionalManager`](crate::PgTransactionalManager)) are bounded
+    /// only when you set this explicitly: the default leaves a duplicate
+    /// waiting on a transactional handler's row lock until that transaction
+    /// ends (bound it server-side with `lock_timeout`), because a timer that
+    /// gives up on a statement still waiting on the server leaves your
+    /// connection busy behind that lock.
     ///
     /// It is a client-side timer around this crate's statements only — never a
     /// connection's `statement_timeout`, which would also cut the business
@@ -252,6 +279,7 @@ impl PgRepositoryBuilder {
     /// the same owner token, which the contract makes safe.
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
+        self.explicit_timeout = true;
         self
     }
 
@@ -270,7 +298,12 @@ impl PgRepositoryBuilder {
         }
         if let Some(timeout) = options.operation_timeout {
             self.operation_timeout = timeout;
+            self.explicit_timeout = true;
         }
+    }
+
+    fn transaction_timeout(&self) -> Option<Duration> {
+        self.explicit_timeout.then_some(self.operation_timeout)
     }
 
     /// Refuses settings no repository can work with.
@@ -324,6 +357,7 @@ impl PgRepositoryBuilder {
                 pool,
                 sql: Arc::new(sql),
                 operation_timeout: self.operation_timeout,
+                transaction_timeout: self.transaction_timeout(),
             },
             options.migrate,
         ))
@@ -365,6 +399,7 @@ impl PgRepositoryBuilder {
             pool: self.pool_options().connect_lazy_with(connect),
             sql: Arc::new(sql),
             operation_timeout: self.operation_timeout,
+            transaction_timeout: self.transaction_timeout(),
         })
     }
 
@@ -378,6 +413,7 @@ impl PgRepositoryBuilder {
             pool,
             sql: Arc::new(self.validate()?),
             operation_timeout: self.operation_timeout,
+            transaction_timeout: self.transaction_timeout(),
         })
     }
 

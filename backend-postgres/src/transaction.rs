@@ -86,12 +86,12 @@ impl<'a> PgTransactionRepository<'a> {
     ///
     /// # Errors
     /// As [`Repository::reserve`]; waiting for another transaction's row lock
-    /// longer than the operation timeout (default 5 s) or a `lock_timeout` is
+    /// longer than a `lock_timeout`, or an explicitly set operation timeout, is
     /// [`Error::Timeout`].
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let sql = self.repo.statements();
         let fut = ops::reserve(sql, &mut *self.conn, &request);
-        self.repo.timed("reserve", fut).await
+        self.repo.timed_in_transaction("reserve", fut).await
     }
 
     /// [`Repository::complete`] on the caller's connection.
@@ -118,7 +118,7 @@ impl<'a> PgTransactionRepository<'a> {
             expires_at,
             now,
         );
-        self.repo.timed("complete", fut).await
+        self.repo.timed_in_transaction("complete", fut).await
     }
 
     /// [`Repository::fail`] on the caller's connection.
@@ -146,7 +146,7 @@ impl<'a> PgTransactionRepository<'a> {
             expires_at,
             now,
         );
-        self.repo.timed("fail", fut).await
+        self.repo.timed_in_transaction("fail", fut).await
     }
 
     /// [`Repository::release`] on the caller's connection.
@@ -161,7 +161,7 @@ impl<'a> PgTransactionRepository<'a> {
     ) -> Result<(), Error> {
         let sql = self.repo.statements();
         let fut = ops::release(sql, &mut *self.conn, key, owner, now);
-        self.repo.timed("release", fut).await
+        self.repo.timed_in_transaction("release", fut).await
     }
 
     /// [`Repository::extend`] on the caller's connection.
@@ -186,7 +186,7 @@ impl<'a> PgTransactionRepository<'a> {
             expires_at,
             now,
         );
-        self.repo.timed("extend", fut).await
+        self.repo.timed_in_transaction("extend", fut).await
     }
 
     /// [`Repository::get`] on the caller's connection (sees the transaction's
@@ -197,7 +197,7 @@ impl<'a> PgTransactionRepository<'a> {
     pub async fn get(&mut self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
         let sql = self.repo.statements();
         let fut = ops::get(sql, &mut *self.conn, key, now);
-        self.repo.timed("get", fut).await
+        self.repo.timed_in_transaction("get", fut).await
     }
 
     /// [`Repository::purge_expired`] on the caller's connection.
@@ -207,7 +207,7 @@ impl<'a> PgTransactionRepository<'a> {
     pub async fn purge_expired(&mut self, now: Timestamp, limit: usize) -> Result<usize, Error> {
         let sql = self.repo.statements();
         let fut = ops::purge(sql, &mut *self.conn, now, limit);
-        self.repo.timed("purge_expired", fut).await
+        self.repo.timed_in_transaction("purge_expired", fut).await
     }
 
     /// [`Repository::delete`] on the caller's connection.
@@ -217,7 +217,7 @@ impl<'a> PgTransactionRepository<'a> {
     pub async fn delete(&mut self, key: &RecordKey) -> Result<bool, Error> {
         let sql = self.repo.statements();
         let fut = ops::delete(sql, &mut *self.conn, key);
-        self.repo.timed("delete", fut).await
+        self.repo.timed_in_transaction("delete", fut).await
     }
 }
 
@@ -235,12 +235,14 @@ impl<'a> PgTransactionRepository<'a> {
 /// `SELECT … FOR UPDATE` for the lock): when the first transaction commits they
 /// see `Completed` and get [`Outcome::Cached`]; when it rolls back they acquire
 /// the key and run. They never see `Processing` and never get
-/// [`Error::InProgress`] from another transactional attempt. The wait is bounded
-/// by the repository's [`operation_timeout`](crate::PgRepositoryBuilder::operation_timeout)
-/// (default 5 s; raise it above your longest transactional handler if
-/// duplicates should wait it out) and by a server-side `lock_timeout` if you set
-/// one: an exceeded wait is [`Error::Timeout`], retryable. Keep handlers short:
-/// the transaction holds a pooled connection and the row lock while it runs.
+/// [`Error::InProgress`] from another transactional attempt. To bound the wait,
+/// set `lock_timeout` for the role or connection (`ALTER ROLE … SET lock_timeout
+/// = '5s'`): an exceeded wait is [`Error::Timeout`], retryable, and the
+/// connection stays clean (an explicitly set
+/// [`operation_timeout`](crate::PgRepositoryBuilder::operation_timeout) bounds it
+/// too, on the client, leaving the connection busy until the lock is released).
+/// Keep handlers short: the transaction holds a pooled connection and the row
+/// lock while it runs.
 ///
 /// It shares the [`Config`] of the [`IdempotencyManager`](idempotency_core::IdempotencyManager)
 /// (namespace from `key_prefix`, `ttl`, `processing_timeout`, `validate_payload`,

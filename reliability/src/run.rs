@@ -356,12 +356,12 @@ fn record(
             j.retryable += 1;
             (format!("retryable: {e}"), Some(Duration::from_millis(50)))
         }
+        // Not retryable under a transient fault: reported, and not redelivered
+        // (a permanent error would go round forever).
         Err(e) => {
             j.wrong_class.push(format!("evt-{key}: {e}"));
-            (
-                format!("not retryable: {e}"),
-                Some(Duration::from_millis(50)),
-            )
+            j.answered.entry(key).or_insert("wrong-class error");
+            (format!("not retryable: {e}"), None)
         }
     };
     j.note(key, format!("c{consumer}: {note}"));
