@@ -1,10 +1,10 @@
 //! The in-memory repository: the embedded default.
 
-use std::collections::HashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
+use hashbrown::HashTable;
 use parking_lot::Mutex;
 
 use crate::decision::{reserve_transition, reserved_record, ReserveTransition};
@@ -16,10 +16,57 @@ use crate::time::Timestamp;
 
 const DEFAULT_SHARDS: usize = 64;
 
-/// One shard's records. foldhash (randomly seeded per map) instead of SipHash:
-/// several times faster on short keys, and still seeded, so keys an attacker
-/// chooses cannot be aimed at one bucket ahead of time.
-type Shard = HashMap<RecordKey, Record, foldhash::fast::RandomState>;
+/// One record in a shard's table, with its key's hash: a growing table moves
+/// slots of a few words and never hashes a key again (a fresh key per execution grows
+/// the tables all the time; moving whole records and rehashing every key was
+/// half of an execution's cost).
+#[derive(Debug)]
+struct Slot {
+    hash: u64,
+    key: RecordKey,
+    record: Box<Record>,
+}
+
+/// One shard's records, found by the hash [`MemoryRepository::locate`] computes.
+#[derive(Debug, Default)]
+struct Shard(HashTable<Slot>);
+
+impl Shard {
+    fn get(&self, hash: u64, key: &RecordKey) -> Option<&Record> {
+        self.0.find(hash, |s| s.key == *key).map(|s| &*s.record)
+    }
+
+    fn get_mut(&mut self, hash: u64, key: &RecordKey) -> Option<&mut Record> {
+        self.0
+            .find_mut(hash, |s| s.key == *key)
+            .map(|s| &mut *s.record)
+    }
+
+    /// Stores `record` under `key`, replacing the record held there.
+    fn insert(&mut self, hash: u64, key: &RecordKey, record: Record) {
+        match self.get_mut(hash, key) {
+            Some(held) => *held = record,
+            None => {
+                let slot = Slot {
+                    hash,
+                    key: key.clone(),
+                    record: Box::new(record),
+                };
+                self.0.insert_unique(hash, slot, |s| s.hash);
+            }
+        }
+    }
+
+    fn remove(&mut self, hash: u64, key: &RecordKey) -> bool {
+        match self.0.find_entry(hash, |s| s.key == *key) {
+            Ok(slot) => {
+                slot.remove();
+                true
+            }
+            Err(_) => false,
+        }
+    }
+}
 
 /// A process-local repository: sharded hash maps, each operation atomic under its
 /// shard's lock (held for a few hundred nanoseconds, never across an `.await`).
@@ -50,8 +97,9 @@ type Shard = HashMap<RecordKey, Record, foldhash::fast::RandomState>;
 #[derive(Debug)]
 pub struct MemoryRepository {
     shards: Box<[Mutex<Shard>]>,
-    /// Picks the shard. Seeded independently of the shards' own hashers, so the
-    /// keys of one shard still spread over its table.
+    /// foldhash (randomly seeded per repository) instead of SipHash: several
+    /// times faster on short keys, and still seeded, so keys an attacker chooses
+    /// cannot be aimed at one bucket ahead of time.
     hasher: foldhash::fast::RandomState,
     max_result_bytes: Option<usize>,
     /// Round-robin cursor for `purge_expired`, so repeated calls make progress.
@@ -91,7 +139,7 @@ impl MemoryRepository {
 
     /// The number of records physically held (live or expired).
     pub fn len(&self) -> usize {
-        self.shards.iter().map(|s| s.lock().len()).sum()
+        self.shards.iter().map(|s| s.lock().0.len()).sum()
     }
 
     /// Whether no record is held.
@@ -99,10 +147,14 @@ impl MemoryRepository {
         self.len() == 0
     }
 
-    fn shard(&self, key: &RecordKey) -> &Mutex<Shard> {
-        let h = self.hasher.hash_one(key);
-        let i = usize::try_from(h % self.shards.len() as u64).unwrap_or(0);
-        &self.shards[i]
+    /// The key's hash and its shard. The shard comes from bits 32 and up, which
+    /// a table uses neither for its bucket index (the low bits) nor for its tags
+    /// (the top 7) until it holds billions of slots: the keys of one shard still
+    /// spread over its table.
+    fn locate(&self, key: &RecordKey) -> (u64, &Mutex<Shard>) {
+        let hash = self.hasher.hash_one(key);
+        let i = usize::try_from((hash >> 32) % self.shards.len() as u64).unwrap_or(0);
+        (hash, &self.shards[i])
     }
 
     fn check_size(&self, what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
@@ -125,11 +177,12 @@ impl MemoryRepository {
         now: Timestamp,
         f: impl FnOnce(&mut Record) -> bool,
     ) -> Result<(), Error> {
-        let mut shard = self.shard(key).lock();
-        match shard.get_mut(key) {
+        let (hash, shard) = self.locate(key);
+        let mut shard = shard.lock();
+        match shard.get_mut(hash, key) {
             Some(r) if !r.is_expired(now) && r.status == Status::Processing && r.owner == owner => {
                 if !f(r) {
-                    shard.remove(key);
+                    shard.remove(hash, key);
                 }
                 Ok(())
             }
@@ -181,16 +234,17 @@ impl Repository for MemoryRepository {
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let mut shard = self.shard(req.key).lock();
-        let existing = shard.get(req.key);
+        let (hash, shard) = self.locate(req.key);
+        let mut shard = shard.lock();
+        let existing = shard.get(hash, req.key);
         match reserve_transition(existing, &req) {
             ReserveTransition::Create => {
-                shard.insert(req.key.clone(), reserved_record(None, &req, 1));
+                shard.insert(hash, req.key, reserved_record(None, &req, 1));
                 Ok(Reservation::Acquired { attempt: 1 })
             }
             ReserveTransition::Takeover { attempt } => {
                 let record = reserved_record(existing, &req, attempt);
-                shard.insert(req.key.clone(), record);
+                shard.insert(hash, req.key, record);
                 Ok(Reservation::Acquired { attempt })
             }
             ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
@@ -266,10 +320,11 @@ impl Repository for MemoryRepository {
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
-        let mut shard = self.shard(key).lock();
-        match shard.get(key) {
+        let (hash, shard) = self.locate(key);
+        let mut shard = shard.lock();
+        match shard.get(hash, key) {
             Some(r) if r.is_expired(now) => {
-                shard.remove(key);
+                shard.remove(hash, key);
                 Ok(None)
             }
             other => Ok(other.cloned()),
@@ -277,7 +332,8 @@ impl Repository for MemoryRepository {
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
-        Ok(self.shard(key).lock().remove(key).is_some())
+        let (hash, shard) = self.locate(key);
+        Ok(shard.lock().remove(hash, key))
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
@@ -289,16 +345,13 @@ impl Repository for MemoryRepository {
                 break;
             }
             let mut shard = self.shards[(start + i) % n].lock();
-            let expired: Vec<RecordKey> = shard
-                .iter()
-                .filter(|(_, r)| r.is_expired(now))
-                .map(|(k, _)| k.clone())
-                .take(limit - removed)
-                .collect();
-            for k in expired {
-                shard.remove(&k);
-                removed += 1;
-            }
+            let mut budget = limit - removed;
+            shard.0.retain(|s| {
+                let purge = budget > 0 && s.record.is_expired(now);
+                budget -= usize::from(purge);
+                !purge
+            });
+            removed = limit - budget;
         }
         Ok(removed)
     }
