@@ -215,6 +215,39 @@ async fn a_detached_execution_finishes_and_the_retry_replays_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// 4. Detached on the current thread (a handler that is not `Send`, as in
+///    actix-web): the same, on a `LocalSet`.
+#[tokio::test(start_paused = true)]
+async fn a_detached_local_execution_finishes_and_the_retry_replays_it() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = Arc::new(AtomicU32::new(0));
+    let local = tokio::task::LocalSet::new();
+    local
+        .run_until(async {
+            let not_send = std::rc::Rc::new(());
+            let handler = {
+                let runs = runs.clone();
+                move |_ctx: ExecutionContext| async move {
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                    drop(not_send);
+                    charge(&runs)
+                }
+            };
+            let gave_up = tokio::time::timeout(
+                Duration::from_secs(1),
+                m.execute_detached_local("k", &(), handler),
+            )
+            .await;
+            assert!(gave_up.is_err());
+            tokio::time::sleep(Duration::from_secs(10)).await;
+        })
+        .await;
+    let retry = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(matches!(retry, Ok(Outcome::Cached(1))), "{retry:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// 4. A drop after the handler returned, while its completion is retried,
 ///    still records the completion (in the background).
 #[tokio::test(start_paused = true)]

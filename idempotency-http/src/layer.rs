@@ -16,6 +16,7 @@ use tower::{Layer, Service};
 
 use crate::body::IdempotencyBody;
 use crate::fingerprint::RequestFingerprint;
+use crate::grpc::Dialect;
 use crate::key::{caller_from_header, CallerFn, DEFAULT_MAX_KEY_LENGTH};
 use crate::problem::{Problem, DEFAULT_PROBLEM_TYPE_BASE};
 use crate::stored::RawBytesCodec;
@@ -181,6 +182,7 @@ pub(crate) struct Settings {
     pub(crate) problem_type_base: String,
     pub(crate) outage_retry_after: Duration,
     pub(crate) in_progress_retry_after: Duration,
+    pub(crate) dialect: Dialect,
 }
 
 impl fmt::Debug for Settings {
@@ -204,14 +206,24 @@ impl fmt::Debug for Settings {
             .field("problem_type_base", &self.problem_type_base)
             .field("outage_retry_after", &self.outage_retry_after)
             .field("in_progress_retry_after", &self.in_progress_retry_after)
+            .field("dialect", &self.dialect)
             .finish()
     }
 }
+
+/// The route template a framework matched (actix-web's `match_pattern`),
+/// carried to [`Settings::route_of`] in the request's extensions.
+#[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "actix"), allow(dead_code))]
+pub(crate) struct MatchedRoute(pub(crate) String);
 
 impl Settings {
     pub(crate) fn route_of(&self, parts: &Parts) -> String {
         if let Some(route) = self.route_fn.as_ref().and_then(|f| f(parts)) {
             return route;
+        }
+        if let Some(MatchedRoute(route)) = parts.extensions.get::<MatchedRoute>() {
+            return route.clone();
         }
         #[cfg(feature = "axum")]
         if let Some(matched) = parts.extensions.get::<axum::extract::MatchedPath>() {
@@ -248,7 +260,10 @@ impl Settings {
     }
 
     pub(crate) fn problem<B>(&self, problem: Problem) -> Response<IdempotencyBody<B>> {
-        problem.into_response(&self.problem_type_base)
+        match self.dialect {
+            Dialect::Http => problem.into_response(&self.problem_type_base),
+            Dialect::Grpc => problem.into_grpc_response(),
+        }
     }
 }
 
@@ -352,8 +367,52 @@ impl IdempotencyLayer {
                 problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
                 outage_retry_after: Duration::from_secs(1),
                 in_progress_retry_after: Duration::from_secs(1),
+                dialect: Dialect::Http,
             }),
         }
+    }
+
+    /// A layer for gRPC services over `manager` (see [`crate::grpc`]): the key
+    /// from the `idempotency-key` metadata entry, answers as gRPC statuses,
+    /// `OK` and the deterministic client errors stored, caller identity from
+    /// the `authorization` metadata entry; no method is protected until it is
+    /// named with [`unary`](Self::unary). With the feature `tonic`, hand it to
+    /// tonic's server with [`tonic`](Self::tonic).
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use http::Method;
+    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_http::{IdempotencyLayer, Protection};
+    ///
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?
+    ///     .scoped("grpc")?;
+    /// let layer = IdempotencyLayer::grpc(manager).unary("/shop.Orders/Create");
+    /// assert_eq!(layer.protection(&Method::POST, "/shop.Orders/Create"), Protection::Required);
+    /// assert_eq!(layer.protection(&Method::POST, "/shop.Orders/Watch"), Protection::Skip);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn grpc<C: Codec + Clone>(manager: IdempotencyManager<C>) -> Self {
+        IdempotencyLayer::new(manager)
+            .methods([Method::POST])
+            .default_protection(Protection::Skip)
+            .store_response_if(crate::grpc::grpc_head_stored)
+            .edit(|s| s.dialect = Dialect::Grpc)
+    }
+
+    /// Protects the unary gRPC method at `path` (`/package.Service/Method`):
+    /// calls without an `idempotency-key` are refused with `INVALID_ARGUMENT`.
+    /// Use [`route`](Self::route) with [`Protection::Optional`] to protect
+    /// only the calls that carry a key.
+    pub fn unary(self, path: impl Into<String>) -> Self {
+        self.route(path, Protection::Required)
+    }
+
+    /// The layer for `tonic::transport::Server::layer` (feature `tonic`).
+    #[cfg(feature = "tonic")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "tonic")))]
+    pub fn tonic(self) -> crate::grpc::TonicLayer {
+        crate::grpc::TonicLayer(self)
     }
 
     fn edit(mut self, f: impl FnOnce(&mut Settings)) -> Self {
@@ -574,6 +633,11 @@ impl IdempotencyLayer {
     pub fn protection(&self, method: &Method, route: &str) -> Protection {
         self.settings.protection(method, route)
     }
+
+    #[cfg_attr(not(feature = "actix"), allow(dead_code))]
+    pub(crate) fn settings(&self) -> Arc<Settings> {
+        self.settings.clone()
+    }
 }
 
 impl<S> Layer<S> for IdempotencyLayer {
@@ -642,7 +706,7 @@ where
         // call (tower's usual pattern).
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
-        Box::pin(crate::service::handle(
+        Box::pin(crate::service::handle::<crate::service::Threaded, _, _, _>(
             self.settings.clone(),
             inner,
             request,

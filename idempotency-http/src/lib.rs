@@ -114,12 +114,28 @@
 //!   it, and retries get `409 response-not-retained`, so the handler still
 //!   runs once. Responses that are not stored release the key.
 //!
+//! # Frameworks
+//!
+//! One [`IdempotencyLayer`], one behaviour, in every framework:
+//!
+//! | framework | setup | example server |
+//! |---|---|---|
+//! | axum, hyper, any tower HTTP service | `Router::new().route(…).layer(IdempotencyLayer::new(manager))` | `examples/http-server` |
+//! | actix-web (feature `actix`) | `App::new().wrap(IdempotencyLayer::new(manager)).route(…)` (see [`actix`]) | `examples/actix-server` |
+//! | tonic, gRPC (feature `tonic`) | `Server::builder().layer(IdempotencyLayer::grpc(manager).unary("/shop.Orders/Create").tonic())` (see [`grpc`]) | `examples/grpc-server` |
+//!
+//! actix-web's services are not `Send`; its middleware runs the same code as
+//! the tower layer, with the handler detached on the worker's thread instead
+//! of a task of its own. gRPC answers with gRPC statuses instead of problem
+//! documents and protects only the unary methods it is told about.
+//!
 //! # Services
 //!
 //! The layer works with any `tower::Service<http::Request<B>>` whose body has
 //! [`Bytes`](bytes::Bytes) data — axum routers (`Router::layer` puts it behind
-//! routing, where `MatchedPath` is known), hyper services, tonic-style
-//! services. The inner service receives `Request<IdempotencyBody<B>>`.
+//! routing, where `MatchedPath` is known), hyper services, tonic services
+//! (through [`IdempotencyLayer::tonic`], which hands them their own body
+//! type). The inner service receives `Request<IdempotencyBody<B>>`.
 //!
 //! ```
 //! use std::convert::Infallible;
@@ -156,10 +172,16 @@
 //! | feature | effect |
 //! |---|---|
 //! | `axum` | without a custom route extractor, scope records by axum's `MatchedPath` (the route template) when the request carries it |
+//! | `actix` | [`IdempotencyLayer`] is actix-web middleware ([`actix`]); the route is actix's matched pattern |
+//! | `tonic` | [`IdempotencyLayer::tonic`]: the gRPC layer for `tonic::transport::Server::layer` ([`grpc`]) |
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+#[cfg(feature = "actix")]
+#[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
+pub mod actix;
 mod body;
 mod fingerprint;
+pub mod grpc;
 mod key;
 mod layer;
 mod problem;
@@ -168,6 +190,9 @@ mod stored;
 
 pub use body::IdempotencyBody;
 pub use fingerprint::{FingerprintFn, RequestFingerprint};
+/// The `http` crate (1.x) the layer's types come from: actix-web users, whose
+/// framework uses `http` 0.2, name headers for the layer with it.
+pub use http;
 pub use key::{caller_from_header, record_id, CallerFn, KeyError, DEFAULT_MAX_KEY_LENGTH};
 pub use layer::{
     is_stored_by_default, HeaderSelection, Idempotency, IdempotencyLayer, KeyValidator, Protection,

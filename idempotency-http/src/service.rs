@@ -1,28 +1,30 @@
 //! One request through the layer: decide, reserve, run, store, answer.
 
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
+use futures::future::{BoxFuture, LocalBoxFuture};
 use http::header::HeaderValue;
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body::Body;
-use idempotency_core::{BoxError, Error, ExecuteError, HandlerError, Outcome};
+use idempotency_core::{BoxError, Error, ExecuteError, HandlerError, IdempotencyManager, Outcome};
 use tower::Service;
 
 use crate::body::{collect_up_to, Collected, IdempotencyBody};
 use crate::key::{parse_key, record_id, KeyError};
 use crate::layer::{Protection, Settings};
 use crate::problem::{Problem, ProblemKind};
-use crate::stored::StoredResponse;
+use crate::stored::{RawBytesCodec, StoredResponse};
 
 /// Room left in the stored record for trailers when capping the body.
 const TRAILER_ALLOWANCE: usize = 256;
 
 /// Why the "handler" (the inner service and reading its body) did not produce a
 /// response to store. Every variant releases the key.
-enum Failure<E> {
+pub(crate) enum Failure<E> {
     /// The inner service returned an error. (In a mutex only to make the
     /// failure `Sync`, which the manager needs while it releases the key,
     /// without asking the same of every service error type.)
@@ -50,18 +52,120 @@ type Answer<B, E> = Result<Response<IdempotencyBody<B>>, E>;
 /// Where the handler leaves the response it produced for this call's client.
 type Slot<B> = Arc<Mutex<Option<Response<IdempotencyBody<B>>>>>;
 
-pub(crate) async fn handle<S, ReqB, ResB>(
+/// What an execution of the inner service answers the manager.
+pub(crate) type Executed<E> = Result<Outcome<StoredResponse>, ExecuteError<Failure<E>>>;
+
+/// One call of the inner service, as the manager runs it: once per key.
+pub(crate) struct Job<S, ReqB, ResB> {
+    shared: Arc<Settings>,
+    inner: S,
+    request: Request<IdempotencyBody<ReqB>>,
+    slot: Slot<ResB>,
+}
+
+impl<S, ReqB, ResB> Job<S, ReqB, ResB>
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes>,
+    ResB::Error: Into<BoxError>,
+{
+    pub(crate) async fn run(self) -> Result<StoredResponse, HandlerError<Failure<S::Error>>> {
+        run(&self.shared, self.inner, self.request, &self.slot).await
+    }
+}
+
+/// How a job is detached from the request, so that a request future that is
+/// dropped (a client that disconnects, a server that shuts down) does not
+/// undo the protection: the inner service runs to completion and its response
+/// is stored, so the client's retry gets it instead of running the handler
+/// again. Tower services are `Send` and run on a task of their own
+/// ([`Threaded`]); actix-web's are not and run on a task of the worker's
+/// thread ([`Local`]).
+pub(crate) trait Detach<S, ReqB, ResB>
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
+{
+    /// The execution's future.
+    type Future: Future<Output = Executed<S::Error>>;
+
+    fn execute(
+        manager: IdempotencyManager<RawBytesCodec>,
+        id: String,
+        fingerprint: Option<String>,
+        job: Job<S, ReqB, ResB>,
+    ) -> Self::Future;
+}
+
+/// Detached on a task of the runtime ([`IdempotencyManager::execute_detached`]).
+#[derive(Debug)]
+pub(crate) struct Threaded;
+
+impl<S, ReqB, ResB> Detach<S, ReqB, ResB> for Threaded
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send,
+    S::Error: Send + 'static,
+    ReqB: Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Future = BoxFuture<'static, Executed<S::Error>>;
+
+    fn execute(
+        manager: IdempotencyManager<RawBytesCodec>,
+        id: String,
+        fingerprint: Option<String>,
+        job: Job<S, ReqB, ResB>,
+    ) -> Self::Future {
+        Box::pin(async move {
+            manager
+                .execute_detached(&id, &fingerprint, move |_ctx| job.run())
+                .await
+        })
+    }
+}
+
+/// Detached on a task of the current thread's `LocalSet`
+/// ([`IdempotencyManager::execute_detached_local`]).
+#[derive(Debug)]
+#[cfg_attr(not(feature = "actix"), allow(dead_code))]
+pub(crate) struct Local;
+
+impl<S, ReqB, ResB> Detach<S, ReqB, ResB> for Local
+where
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + 'static,
+    S::Error: 'static,
+    ReqB: 'static,
+    ResB: Body<Data = Bytes> + 'static,
+    ResB::Error: Into<BoxError>,
+{
+    type Future = LocalBoxFuture<'static, Executed<S::Error>>;
+
+    fn execute(
+        manager: IdempotencyManager<RawBytesCodec>,
+        id: String,
+        fingerprint: Option<String>,
+        job: Job<S, ReqB, ResB>,
+    ) -> Self::Future {
+        Box::pin(async move {
+            manager
+                .execute_detached_local(&id, &fingerprint, move |_ctx| job.run())
+                .await
+        })
+    }
+}
+
+pub(crate) async fn handle<D, S, ReqB, ResB>(
     shared: Arc<Settings>,
     inner: S,
     request: Request<ReqB>,
 ) -> Answer<ResB, S::Error>
 where
-    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>> + Send + 'static,
-    S::Future: Send,
-    S::Error: Send + 'static,
-    ReqB: Body<Data = Bytes> + Send + 'static,
+    D: Detach<S, ReqB, ResB>,
+    S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
+    ReqB: Body<Data = Bytes>,
     ReqB::Error: Into<BoxError>,
-    ResB: Body<Data = Bytes> + Send + 'static,
+    ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
     let settings = &*shared;
@@ -122,17 +226,13 @@ where
     // must get it (all headers, streaming rest of an oversized body); the
     // manager only sees its stored form.
     let slot: Slot<ResB> = Arc::new(Mutex::new(None));
-    // Detached: a client that disconnects does not undo the protection. The
-    // inner service runs to completion and its response is stored, so the
-    // client's retry gets it instead of running the handler again.
-    let handler = {
-        let (shared, slot) = (shared.clone(), slot.clone());
-        move |_ctx| async move { run(&shared, inner, request, &slot).await }
+    let job = Job {
+        shared: shared.clone(),
+        inner,
+        request,
+        slot: slot.clone(),
     };
-    let outcome = settings
-        .manager
-        .execute_detached(&id, &fingerprint, handler)
-        .await;
+    let outcome = D::execute(settings.manager.clone(), id, fingerprint, job).await;
     let mut produced = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
 
     match outcome {
@@ -224,6 +324,16 @@ where
     let cap = settings.max_cached_body.min(room);
     match collect_up_to(body, cap).await {
         Collected::Complete { data, trailers } => {
+            if !settings
+                .dialect
+                .stores_complete(&head.headers, trailers.as_ref())
+            {
+                *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
+                    head,
+                    IdempotencyBody::full(data, trailers),
+                ));
+                return Err(HandlerError::transient(Failure::NotStored(status)));
+            }
             let stored = StoredResponse {
                 status,
                 headers,

@@ -338,6 +338,65 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         let this = self.clone();
         let task =
             tokio::spawn(async move { this.run_instrumented(key, fingerprint, handler).await });
+        self.join_detached(task).await
+    }
+
+    /// [`execute_detached`](Self::execute_detached) for a handler that is not
+    /// `Send` (actix-web's services, anything holding an `Rc`): the execution
+    /// runs on a task of the current thread's [`tokio::task::LocalSet`]
+    /// (actix-web runs every worker in one).
+    ///
+    /// ```
+    /// use std::rc::Rc;
+    /// use std::sync::Arc;
+    /// use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository, Outcome};
+    ///
+    /// # let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let local = tokio::task::LocalSet::new();
+    /// let outcome = local.block_on(&runtime, async {
+    ///     let state = Rc::new(7); // not Send
+    ///     manager
+    ///         .execute_detached_local("order-1", &(), move |_ctx| async move {
+    ///             Ok::<_, HandlerError<String>>(*state)
+    ///         })
+    ///         .await
+    /// })?;
+    /// assert!(matches!(outcome, Outcome::Executed(7)));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Panics
+    /// Outside a `LocalSet` (Tokio's `spawn_local` panics there).
+    ///
+    /// # Errors
+    /// As [`execute_detached`](Self::execute_detached).
+    pub async fn execute_detached_local<P, T, E, F, Fut>(
+        &self,
+        key: &str,
+        payload: &P,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        P: Serialize + ?Sized,
+        T: Serialize + DeserializeOwned + 'static,
+        E: fmt::Display + 'static,
+        F: FnOnce(ExecutionContext) -> Fut + 'static,
+        Fut: Future<Output = Result<T, HandlerError<E>>> + 'static,
+    {
+        let (key, fingerprint) = self.prepare(key, payload)?;
+        let this = self.clone();
+        let task = tokio::task::spawn_local(async move {
+            this.run_instrumented(key, fingerprint, handler).await
+        });
+        self.join_detached(task).await
+    }
+
+    /// The result of a detached execution's task; its panic continues here.
+    async fn join_detached<T, E>(
+        &self,
+        task: tokio::task::JoinHandle<Result<Outcome<T>, ExecuteError<E>>>,
+    ) -> Result<Outcome<T>, ExecuteError<E>> {
         match task.await {
             Ok(result) => result,
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),

@@ -1,0 +1,229 @@
+//! gRPC: the same layer for gRPC services, unary methods replayed from their
+//! stored response message and trailers.
+//!
+//! [`IdempotencyLayer::grpc`](crate::IdempotencyLayer::grpc) makes a layer that speaks gRPC instead of HTTP
+//! problem documents: the key comes from the `idempotency-key` metadata entry,
+//! answers are gRPC statuses (trailers-only responses), a response is stored
+//! when its `grpc-status` says a retry should see it again, and no method is
+//! protected until it is named with [`IdempotencyLayer::unary`](crate::IdempotencyLayer::unary). With the
+//! feature `tonic`, [`IdempotencyLayer::tonic`](crate::IdempotencyLayer::tonic) turns it into a layer for
+//! `tonic::transport::Server::layer`.
+//!
+//! | case | gRPC status | `idempotency-problem` |
+//! |---|---|---|
+//! | first call | the method's own | – |
+//! | retry after a stored answer | the stored one, replayed (message and trailers), with `idempotency-replayed: true` | – |
+//! | missing or malformed key | `INVALID_ARGUMENT` | `missing-key`, `invalid-key` |
+//! | same key, another request message | `FAILED_PRECONDITION` | `key-reused` |
+//! | same key, first call still running | `ABORTED`, with `retry-after` and `grpc-retry-pushback-ms` | `in-progress` |
+//! | key used, answer too large to keep | `FAILED_PRECONDITION` | `response-not-retained` |
+//! | request message over the read limit | `RESOURCE_EXHAUSTED` | `body-too-large` |
+//! | store unreachable (fail-closed) | `UNAVAILABLE`, with `retry-after` | `store-unavailable` |
+//! | store failure, unreadable record | `INTERNAL` | `store-error`, `stored-response-unreadable` |
+//!
+//! Stored answers: `OK` and the deterministic client errors `INVALID_ARGUMENT`,
+//! `FAILED_PRECONDITION` and `OUT_OF_RANGE` (the same request fails the same
+//! way again). Every other status (`UNAVAILABLE`, `INTERNAL`, `UNAUTHENTICATED`,
+//! `NOT_FOUND`, …) leaves the key free for a retry, like 5xx and 401/403/404
+//! in HTTP.
+//!
+//! **Streaming methods are left alone** unless named with
+//! [`IdempotencyLayer::route`](crate::IdempotencyLayer::route): a stream is not one answer. Replaying it
+//! means storing every message (up to the cache cap) before the first replay
+//! can start; fingerprinting a client stream means reading all of it first;
+//! and the key's lease is held for as long as the stream lasts. Protect the
+//! unary call that starts the work instead.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderName, HeaderValue, CONTENT_TYPE};
+use http::{HeaderMap, Response};
+use percent_encoding::{utf8_percent_encode, AsciiSet, CONTROLS};
+
+use crate::body::IdempotencyBody;
+use crate::problem::{retry_after_secs, Problem, ProblemKind};
+
+/// gRPC status codes the layer answers or stores (the numbering of the gRPC
+/// specification, as `tonic::Code` has it).
+pub mod code {
+    /// Success.
+    pub const OK: i32 = 0;
+    /// The request is malformed.
+    pub const INVALID_ARGUMENT: i32 = 3;
+    /// A resource (here: the request's size) is exhausted.
+    pub const RESOURCE_EXHAUSTED: i32 = 8;
+    /// The system is not in the state the request needs.
+    pub const FAILED_PRECONDITION: i32 = 9;
+    /// A concurrency conflict: retry later.
+    pub const ABORTED: i32 = 10;
+    /// Out of the valid range.
+    pub const OUT_OF_RANGE: i32 = 11;
+    /// An internal error.
+    pub const INTERNAL: i32 = 13;
+    /// Transiently unavailable: retry.
+    pub const UNAVAILABLE: i32 = 14;
+}
+
+/// The metadata entry naming the layer's own answers (the problem's slug).
+pub const IDEMPOTENCY_PROBLEM: HeaderName = HeaderName::from_static("idempotency-problem");
+
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+const GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
+/// What gRPC's `grpc-message` must percent-encode: controls, non-ASCII (always
+/// encoded by `utf8_percent_encode`) and `%` itself.
+const GRPC_MESSAGE_SET: &AsciiSet = &CONTROLS.add(b'%');
+
+/// The language a layer answers in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dialect {
+    /// HTTP statuses and problem documents (RFC 9457).
+    Http,
+    /// gRPC statuses in trailers-only responses.
+    Grpc,
+}
+
+impl Dialect {
+    /// Whether a complete response with this head and these trailers is
+    /// stored (gRPC: by its final `grpc-status`, in the trailers or, for a
+    /// trailers-only response, in the head; HTTP: the head already decided).
+    pub(crate) fn stores_complete(self, head: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+        match self {
+            Dialect::Http => true,
+            Dialect::Grpc => grpc_status(trailers)
+                .or_else(|| grpc_status(Some(head)))
+                .is_some_and(is_grpc_stored_by_default),
+        }
+    }
+}
+
+/// The `grpc-status` of a header or trailer map.
+fn grpc_status(map: Option<&HeaderMap>) -> Option<i32> {
+    map?.get(GRPC_STATUS)?.to_str().ok()?.parse().ok()
+}
+
+/// Whether a gRPC status is stored by default: `OK`, `INVALID_ARGUMENT`,
+/// `FAILED_PRECONDITION`, `OUT_OF_RANGE`.
+///
+/// ```
+/// use idempotency_http::grpc::{code, is_grpc_stored_by_default};
+/// assert!(is_grpc_stored_by_default(code::OK));
+/// assert!(is_grpc_stored_by_default(code::INVALID_ARGUMENT));
+/// assert!(!is_grpc_stored_by_default(code::UNAVAILABLE));
+/// ```
+pub fn is_grpc_stored_by_default(code: i32) -> bool {
+    matches!(
+        code,
+        code::OK | code::INVALID_ARGUMENT | code::FAILED_PRECONDITION | code::OUT_OF_RANGE
+    )
+}
+
+/// The head predicate of a gRPC layer: a trailers-only response (an error
+/// before any message) by its status; any other is decided by its trailers.
+pub(crate) fn grpc_head_stored(head: &http::response::Parts) -> bool {
+    grpc_status(Some(&head.headers)).is_none_or(is_grpc_stored_by_default)
+}
+
+impl ProblemKind {
+    /// The gRPC status code of the answer (see the [module docs](self)).
+    ///
+    /// ```
+    /// use idempotency_http::{grpc::code, ProblemKind};
+    /// assert_eq!(ProblemKind::InProgress.grpc_code(), code::ABORTED);
+    /// ```
+    pub fn grpc_code(self) -> i32 {
+        match self {
+            ProblemKind::MissingKey | ProblemKind::InvalidKey | ProblemKind::UnreadableBody => {
+                code::INVALID_ARGUMENT
+            }
+            ProblemKind::InProgress => code::ABORTED,
+            ProblemKind::KeyReused | ProblemKind::ResponseNotRetained => code::FAILED_PRECONDITION,
+            ProblemKind::BodyTooLarge => code::RESOURCE_EXHAUSTED,
+            ProblemKind::StoredResponseUnreadable | ProblemKind::StoreError => code::INTERNAL,
+            ProblemKind::StoreUnavailable => code::UNAVAILABLE,
+        }
+    }
+}
+
+impl Problem {
+    /// The problem as a trailers-only gRPC response.
+    pub(crate) fn into_grpc_response<B>(self) -> Response<IdempotencyBody<B>> {
+        let mut response = Response::new(IdempotencyBody::full(Bytes::new(), None));
+        let headers = response.headers_mut();
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(GRPC_STATUS, HeaderValue::from(self.kind.grpc_code()));
+        let message = utf8_percent_encode(&self.detail, GRPC_MESSAGE_SET).to_string();
+        if let Ok(message) = HeaderValue::from_str(&message) {
+            headers.insert(GRPC_MESSAGE, message);
+        }
+        headers.insert(
+            IDEMPOTENCY_PROBLEM,
+            HeaderValue::from_static(self.kind.slug()),
+        );
+        if let Some(after) = self.retry_after {
+            headers.insert(
+                http::header::RETRY_AFTER,
+                HeaderValue::from(retry_after_secs(after)),
+            );
+            headers.insert(GRPC_PUSHBACK, HeaderValue::from(pushback_ms(after)));
+        }
+        response
+    }
+}
+
+fn pushback_ms(after: Duration) -> u64 {
+    u64::try_from(after.as_millis()).unwrap_or(u64::MAX).max(1)
+}
+
+#[cfg(feature = "tonic")]
+pub use self::tonic_layer::{TonicIdempotency, TonicLayer};
+
+#[cfg(feature = "tonic")]
+mod tonic_layer {
+    use std::task::{Context, Poll};
+
+    use http::Request;
+    use tower::{Layer, Service};
+
+    use crate::body::IdempotencyBody;
+    use crate::layer::{Idempotency, IdempotencyLayer};
+
+    /// [`IdempotencyLayer`] for `tonic::transport::Server::layer`: tonic's
+    /// services take `tonic::body::Body`, so the layer's request body is
+    /// handed to them as one. Made by [`IdempotencyLayer::tonic`](crate::IdempotencyLayer::tonic).
+    #[derive(Debug, Clone)]
+    pub struct TonicLayer(pub(crate) IdempotencyLayer);
+
+    impl<S> Layer<S> for TonicLayer {
+        type Service = Idempotency<TonicIdempotency<S>>;
+
+        fn layer(&self, inner: S) -> Self::Service {
+            self.0.layer(TonicIdempotency(inner))
+        }
+    }
+
+    /// A tonic service behind the layer (see [`TonicLayer`]).
+    #[derive(Debug, Clone)]
+    pub struct TonicIdempotency<S>(S);
+
+    impl<S, B> Service<Request<IdempotencyBody<B>>> for TonicIdempotency<S>
+    where
+        S: Service<Request<tonic::body::Body>>,
+        B: http_body::Body<Data = bytes::Bytes> + Send + 'static,
+        B::Error: Into<idempotency_core::BoxError>,
+    {
+        type Response = S::Response;
+        type Error = S::Error;
+        type Future = S::Future;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+            self.0.poll_ready(cx)
+        }
+
+        fn call(&mut self, request: Request<IdempotencyBody<B>>) -> Self::Future {
+            self.0.call(request.map(tonic::body::Body::new))
+        }
+    }
+}
