@@ -4,6 +4,7 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
+use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
@@ -40,21 +41,6 @@ impl Shard {
         self.0
             .find_mut(hash, |s| s.key == *key)
             .map(|s| &mut *s.record)
-    }
-
-    /// Stores `record` under `key`, replacing the record held there.
-    fn insert(&mut self, hash: u64, key: &RecordKey, record: Record) {
-        match self.get_mut(hash, key) {
-            Some(held) => *held = record,
-            None => {
-                let slot = Slot {
-                    hash,
-                    key: key.clone(),
-                    record: Box::new(record),
-                };
-                self.0.insert_unique(hash, slot, |s| s.hash);
-            }
-        }
     }
 
     fn remove(&mut self, hash: u64, key: &RecordKey) -> bool {
@@ -236,23 +222,39 @@ impl Repository for MemoryRepository {
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let (hash, shard) = self.locate(req.key);
         let mut shard = shard.lock();
-        let existing = shard.get(hash, req.key);
-        match reserve_transition(existing, &req) {
-            ReserveTransition::Create => {
-                shard.insert(hash, req.key, reserved_record(None, &req, 1));
-                Ok(Reservation::Acquired { attempt: 1 })
-            }
-            ReserveTransition::Takeover { attempt } => {
-                let record = reserved_record(existing, &req, attempt);
-                shard.insert(hash, req.key, record);
-                Ok(Reservation::Acquired { attempt })
-            }
-            ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
+        // One probe decides and writes: a fresh key's slot is found once.
+        let entry = shard.0.entry(hash, |s| s.key == *req.key, |s| s.hash);
+        let existing = match &entry {
+            Entry::Occupied(slot) => Some(&*slot.get().record),
+            Entry::Vacant(_) => None,
+        };
+        let (replacement, answer) = match reserve_transition(existing, &req) {
+            ReserveTransition::Create => (
+                Some(reserved_record(None, &req, 1)),
+                Reservation::Acquired { attempt: 1 },
+            ),
+            ReserveTransition::Takeover { attempt } => (
+                Some(reserved_record(existing, &req, attempt)),
+                Reservation::Acquired { attempt },
+            ),
+            ReserveTransition::AlreadyHeld { attempt } => (None, Reservation::Acquired { attempt }),
             ReserveTransition::Existing => match existing {
-                Some(r) => Ok(Reservation::Existing(r.clone())),
-                None => Err(Error::corrupt(req.key, "reserve found no record to return")),
+                Some(r) => (None, Reservation::Existing(r.clone())),
+                None => return Err(Error::corrupt(req.key, "reserve found no record to return")),
             },
+        };
+        match (replacement, entry) {
+            (Some(record), Entry::Occupied(mut slot)) => *slot.get_mut().record = record,
+            (Some(record), Entry::Vacant(slot)) => {
+                slot.insert(Slot {
+                    hash,
+                    key: req.key.clone(),
+                    record: Box::new(record),
+                });
+            }
+            (None, _) => {}
         }
+        Ok(answer)
     }
 
     async fn complete(
