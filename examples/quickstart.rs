@@ -76,11 +76,7 @@ fn next(seed: &mut u64) -> u64 {
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Unset or empty (`IDEMPOTENCY_STORE_URL= cargo run …`): the in-memory store.
-    let url = std::env::var("IDEMPOTENCY_STORE_URL")
-        .ok()
-        .map(|url| url.trim().to_owned())
-        .filter(|url| !url.is_empty())
-        .unwrap_or_else(|| "memory:".to_owned());
+    let url = idempotency::store_url_from_env();
     let store = idempotency::connect(&url).await?;
     let clock = ManualClock::starting_now();
     let config = Config {

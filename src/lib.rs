@@ -17,10 +17,8 @@
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
 //! // `memory:` here; `redis://…`, `postgres://…` or `dynamodb://…` with their features.
-//! let url = std::env::var("IDEMPOTENCY_STORE_URL")
-//!     .ok()
-//!     .filter(|url| !url.trim().is_empty())
-//!     .unwrap_or_else(|| "memory:".into());
+//! // From IDEMPOTENCY_STORE_URL; unset or empty: `memory:`.
+//! let url = idempotency::store_url_from_env();
 //! # let url = "memory:";
 //! let store = idempotency::connect(&url).await?;
 //! let payments = IdempotencyManager::new(store, Config::default())?.scoped("payments")?;
@@ -156,6 +154,25 @@ impl StoreKind {
             StoreKind::DynamoDb => Some("dynamodb"),
         }
     }
+}
+
+/// The environment variable [`store_url_from_env`] reads.
+pub const STORE_URL_ENV: &str = "IDEMPOTENCY_STORE_URL";
+
+/// The store URL from `IDEMPOTENCY_STORE_URL`, trimmed; `memory:` when it is
+/// unset or empty (`IDEMPOTENCY_STORE_URL= cargo run …` means "the default",
+/// not "no store").
+///
+/// ```
+/// # std::env::remove_var(idempotency::STORE_URL_ENV);
+/// assert_eq!(idempotency::store_url_from_env(), "memory:");
+/// ```
+pub fn store_url_from_env() -> String {
+    std::env::var(STORE_URL_ENV)
+        .ok()
+        .map(|url| url.trim().to_owned())
+        .filter(|url| !url.is_empty())
+        .unwrap_or_else(|| "memory:".to_owned())
 }
 
 /// Connects to the store `url` names and returns it as a shared repository.

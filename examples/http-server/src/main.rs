@@ -18,7 +18,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
         )
         .init();
-    let url = std::env::var("IDEMPOTENCY_STORE_URL").unwrap_or_else(|_| "memory:".to_owned());
+    let url = idempotency::store_url_from_env();
     let addr: SocketAddr = std::env::var("BIND")
         .unwrap_or_else(|_| "127.0.0.1:3000".to_owned())
         .parse()?;
