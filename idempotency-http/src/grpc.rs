@@ -227,3 +227,55 @@ mod tonic_layer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(n, v)| (HeaderName::from_static(n), HeaderValue::from_static(v)))
+            .collect()
+    }
+
+    #[test]
+    fn the_final_status_decides_what_is_stored() {
+        let ok = headers(&[("grpc-status", "0")]);
+        let unavailable = headers(&[("grpc-status", "14")]);
+        let invalid = headers(&[("grpc-status", "3")]);
+        let head = headers(&[("content-type", "application/grpc")]);
+        let g = Dialect::Grpc;
+        assert!(g.stores_complete(&head, Some(&ok)));
+        assert!(!g.stores_complete(&head, Some(&unavailable)));
+        // Trailers-only: the status is in the head.
+        assert!(g.stores_complete(&invalid, None));
+        assert!(!g.stores_complete(&unavailable, None));
+        // No status anywhere (a broken stream): not an answer to keep.
+        assert!(!g.stores_complete(&head, None));
+        // The trailers' status wins over a head's.
+        assert!(!g.stores_complete(&ok, Some(&unavailable)));
+        assert!(Dialect::Http.stores_complete(&head, None));
+    }
+
+    #[test]
+    fn problems_are_trailers_only_statuses_with_an_encoded_message() {
+        let problem = Problem::new(ProblemKind::InProgress, "100% busy: «wait»\n")
+            .retry_after(Duration::from_millis(1500));
+        let response = problem.into_grpc_response::<http_body_util::Empty<Bytes>>();
+        let h = response.headers();
+        assert_eq!(response.status(), http::StatusCode::OK);
+        assert_eq!(h["content-type"], "application/grpc");
+        assert_eq!(h["grpc-status"], "10");
+        assert_eq!(
+            h["grpc-message"], "100%25 busy: %C2%ABwait%C2%BB%0A",
+            "controls, non-ASCII and % encoded"
+        );
+        assert_eq!(h["idempotency-problem"], "in-progress");
+        assert_eq!(h["retry-after"], "2");
+        assert_eq!(h["grpc-retry-pushback-ms"], "1500");
+        assert!(http_body::Body::is_end_stream(response.body()));
+    }
+}
