@@ -180,6 +180,7 @@ async fn release_on_cancel_is_opt_in() {
     let gave_up = tokio::time::timeout(
         Duration::from_secs(1),
         m.execute("k", &(), || async {
+            // Paused time (start_paused): advances at once, no real wait.
             tokio::time::sleep(Duration::from_secs(10)).await;
             Ok::<_, HandlerError<String>>(())
         }),
@@ -199,6 +200,7 @@ async fn a_detached_execution_finishes_and_the_retry_replays_it() {
     let handler = {
         let runs = runs.clone();
         move |_ctx: ExecutionContext| async move {
+            // Paused time (start_paused): advances at once, no real wait.
             tokio::time::sleep(Duration::from_secs(10)).await;
             charge(&runs)
         }
@@ -240,6 +242,7 @@ async fn a_detached_local_execution_finishes_and_the_retry_replays_it() {
             )
             .await;
             assert!(gave_up.is_err());
+            // Paused time (start_paused): advances at once, no real wait.
             tokio::time::sleep(Duration::from_secs(10)).await;
         })
         .await;

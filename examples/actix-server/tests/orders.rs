@@ -193,6 +193,8 @@ async fn a_client_that_gives_up_does_not_undo_the_protection() {
             started.elapsed() < PATIENCE,
             "the first execution never ended"
         );
+        // Polling a real server over a socket (its handler runs in real time,
+        // which paused Tokio time cannot drive); bounded by PATIENCE above.
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     assert_eq!(status, StatusCode::CREATED, "{order}");
