@@ -30,13 +30,37 @@
 //! # }
 //! ```
 //!
+//! Requests the layer does not protect (other methods, routes set to
+//! [`Protection::Skip`](crate::Protection::Skip)) go to the app untouched, unconverted; with a
+//! [`route_extractor`](crate::IdempotencyLayer::route_extractor), which reads
+//! the converted request, every request is converted first.
+//!
+//! **Caller identity.** The default (a digest of `Authorization`) and
+//! [`caller_from_header`](crate::caller_from_header) read headers, which cross over. actix's request
+//! extensions do not (actix keeps them in its own type, which cannot be
+//! copied): to name the caller from what an authentication middleware
+//! established, use [`IdempotencyLayer::actix_caller_identity`], which reads
+//! actix's `HttpRequest`. Register that middleware with a later `.wrap` than
+//! this one, so that it runs first.
+//!
 //! What is not carried across: response extensions set by the app (actix
 //! keeps them on its own response type) and trailers (actix-web's HTTP/1 and
 //! HTTP/2 responses carry none).
+//!
+//! Two things to know:
+//! - The middleware runs the execution on the current thread's `LocalSet`,
+//!   which every actix-web worker (and `#[actix_web::main]`,
+//!   `#[actix_web::test]`) provides; calling the middleware's service on a
+//!   thread without one panics, as `tokio::task::spawn_local` does.
+//! - An `Err` from the wrapped service (an inner middleware that fails rather
+//!   than answering) releases the key like a `5xx`: the retry runs the
+//!   handler again. Errors a handler returns are answers (actix turns them
+//!   into responses) and are stored or not by their status.
 
 use std::cell::RefCell;
 use std::pin::Pin;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use actix_web::body::{BodySize, BoxBody, MessageBody};
@@ -55,7 +79,7 @@ use idempotency_core::BoxError;
 use pin_project_lite::pin_project;
 
 use crate::body::IdempotencyBody;
-use crate::layer::{IdempotencyLayer, MatchedRoute};
+use crate::layer::{IdempotencyLayer, MatchedRoute, Settings};
 use crate::service::{handle, Local};
 
 /// The request body as the layer reads it: actix's payload stream.
@@ -103,8 +127,16 @@ where
     fn call(&self, request: ServiceRequest) -> Self::Future {
         let (service, settings) = (self.service.clone(), self.layer.settings());
         Box::pin(async move {
+            if skips(&settings, request.request()) {
+                return Ok(service.call(request).await?.map_into_boxed_body());
+            }
             let (head, payload) = request.into_parts();
-            let converted = to_http_request(&head, payload)?;
+            let mut converted = to_http_request(&head, payload)?;
+            if let Some(caller) = &settings.actix_caller {
+                converted
+                    .extensions_mut()
+                    .insert(ActixCaller(caller(&head)));
+            }
             // The app's request: actix needs it unshared while it routes, so it
             // lives in this cell, taken by the app's call and put back with
             // its response.
@@ -120,6 +152,65 @@ where
             Ok(ServiceResponse::new(head, to_actix_response(response)?))
         })
     }
+}
+
+/// Names the caller from actix's request (see
+/// [`IdempotencyLayer::actix_caller_identity`]).
+pub(crate) type ActixCallerFn = Arc<dyn Fn(&HttpRequest) -> Option<String> + Send + Sync>;
+
+/// The caller [`ActixCallerFn`] named, carried to the layer's caller policy.
+#[derive(Debug, Clone)]
+struct ActixCaller(Option<String>);
+
+impl IdempotencyLayer {
+    /// Names the caller from actix-web's own request, where the app's
+    /// authentication middleware left what it established (actix's request
+    /// extensions do not cross over to the `http` request other caller
+    /// functions read): records are scoped by it, like
+    /// [`caller_identity`](Self::caller_identity), which it replaces. Only for
+    /// actix-web apps; `None` is the anonymous caller.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use actix_web::HttpMessage;
+    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_http::IdempotencyLayer;
+    ///
+    /// /// What the app's authentication middleware inserts.
+    /// #[derive(Clone)]
+    /// struct UserId(u64);
+    ///
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let layer = IdempotencyLayer::new(manager).actix_caller_identity(|request| {
+    ///     request.extensions().get::<UserId>().map(|user| user.0.to_string())
+    /// });
+    /// # let _ = layer;
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn actix_caller_identity(
+        self,
+        f: impl Fn(&HttpRequest) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|s| {
+            s.set_caller(Some(Arc::new(|parts: &http::request::Parts| {
+                parts
+                    .extensions
+                    .get::<ActixCaller>()
+                    .and_then(|caller| caller.0.clone())
+            })));
+            s.actix_caller = Some(Arc::new(f));
+        })
+    }
+}
+
+/// Whether the layer surely leaves this request alone, judged on actix's
+/// request without converting it.
+fn skips(settings: &Settings, request: &HttpRequest) -> bool {
+    let Ok(method) = http::Method::from_bytes(request.method().as_str().as_bytes()) else {
+        return false;
+    };
+    let route = request.match_pattern();
+    settings.skips(&method, route.as_deref().unwrap_or(request.path()))
 }
 
 /// The wrapped app as a tower service of `http` 1 requests and responses.

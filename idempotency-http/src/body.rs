@@ -267,6 +267,47 @@ where
     }
 }
 
+/// The whole of a body read by [`drain`].
+pub(crate) struct Drained {
+    /// Every frame read, in order (trailers included).
+    pub(crate) frames: VecDeque<Frame<Bytes>>,
+    /// The trailers, merged.
+    pub(crate) trailers: Option<HeaderMap>,
+    /// Why the body ended early, if it failed.
+    pub(crate) error: Option<BoxError>,
+}
+
+/// Reads the `rest` of an overflowing body to its end after the `frames`
+/// already read, keeping every frame: for answers that can only be judged at
+/// their end (gRPC's final status). No cap: the caller holds what it reads.
+pub(crate) async fn drain<B>(mut frames: VecDeque<Frame<Bytes>>, mut rest: Pin<Box<B>>) -> Drained
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    let mut error = None;
+    while let Some(frame) = rest.frame().await {
+        match frame {
+            Ok(frame) => frames.push_back(frame),
+            Err(e) => {
+                error = Some(e.into());
+                break;
+            }
+        }
+    }
+    let mut trailers: Option<HeaderMap> = None;
+    for t in frames.iter().filter_map(Frame::trailers_ref) {
+        trailers
+            .get_or_insert_with(HeaderMap::new)
+            .extend(t.clone());
+    }
+    Drained {
+        frames,
+        trailers,
+        error,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]

@@ -25,14 +25,20 @@
 //! `FAILED_PRECONDITION` and `OUT_OF_RANGE` (the same request fails the same
 //! way again). Every other status (`UNAVAILABLE`, `INTERNAL`, `UNAUTHENTICATED`,
 //! `NOT_FOUND`, …) leaves the key free for a retry, like 5xx and 401/403/404
-//! in HTTP.
+//! in HTTP. Widen or narrow the list with
+//! [`IdempotencyLayer::store_grpc_status_if`](crate::IdempotencyLayer::store_grpc_status_if).
+//! The status is only known at the end of the answer: an answer larger than
+//! the cache cap is read to its trailers (in memory, as tonic already holds a
+//! unary message) before the layer decides, and a stored one is then kept
+//! without its message (a retry gets `response-not-retained`).
 //!
 //! **Streaming methods are left alone** unless named with
 //! [`IdempotencyLayer::route`](crate::IdempotencyLayer::route): a stream is not one answer. Replaying it
 //! means storing every message (up to the cache cap) before the first replay
 //! can start; fingerprinting a client stream means reading all of it first;
-//! and the key's lease is held for as long as the stream lasts. Protect the
-//! unary call that starts the work instead.
+//! and the key's lease is held for as long as the stream lasts; an opted-in
+//! stream is read to its end (its final status decides) before the client
+//! sees it. Protect the unary call that starts the work instead.
 
 use std::time::Duration;
 
@@ -86,22 +92,80 @@ pub(crate) enum Dialect {
 }
 
 impl Dialect {
-    /// Whether a complete response with this head and these trailers is
-    /// stored (gRPC: by its final `grpc-status`, in the trailers or, for a
-    /// trailers-only response, in the head; HTTP: the head already decided).
-    pub(crate) fn stores_complete(self, head: &HeaderMap, trailers: Option<&HeaderMap>) -> bool {
+    /// Whether a response with this head may still be stored once its body is
+    /// read (HTTP: the head predicate already decided; gRPC: a trailers-only
+    /// answer carries its final status in the head, anything else waits for
+    /// its trailers).
+    pub(crate) fn may_store_head(self, head: &HeaderMap, stored: &GrpcStatusFilter) -> bool {
         match self {
             Dialect::Http => true,
-            Dialect::Grpc => grpc_status(trailers)
-                .or_else(|| grpc_status(Some(head)))
-                .is_some_and(is_grpc_stored_by_default),
+            Dialect::Grpc => grpc_status(Some(head)).is_none_or(|code| stored(code)),
+        }
+    }
+
+    /// Whether a complete response with this head and these trailers is
+    /// stored (gRPC: by its final `grpc-status`, in the trailers or, for a
+    /// trailers-only response, in the head; a response without one is a
+    /// broken stream and never stored; HTTP: the head already decided).
+    pub(crate) fn stores_complete(
+        self,
+        head: &HeaderMap,
+        trailers: Option<&HeaderMap>,
+        stored: &GrpcStatusFilter,
+    ) -> bool {
+        match self {
+            Dialect::Http => true,
+            Dialect::Grpc => final_grpc_status(head, trailers).is_some_and(|code| stored(code)),
+        }
+    }
+
+    /// What a record whose response was not retained keeps to name the
+    /// outcome in later answers: nothing in HTTP (the status is kept anyway),
+    /// the final `grpc-status` in gRPC.
+    pub(crate) fn outcome_trailers(
+        self,
+        head: &HeaderMap,
+        trailers: Option<&HeaderMap>,
+    ) -> Option<HeaderMap> {
+        match self {
+            Dialect::Http => None,
+            Dialect::Grpc => final_grpc_status(head, trailers).map(|code| {
+                let mut kept = HeaderMap::new();
+                kept.insert(GRPC_STATUS, HeaderValue::from(code));
+                kept
+            }),
+        }
+    }
+
+    /// The outcome of a processed request, as answers name it: `status 201`,
+    /// or `grpc-status 0`.
+    pub(crate) fn outcome(
+        self,
+        status: http::StatusCode,
+        head: &HeaderMap,
+        trailers: Option<&HeaderMap>,
+    ) -> String {
+        match (self, final_grpc_status(head, trailers)) {
+            (Dialect::Grpc, Some(code)) => format!("grpc-status {code}"),
+            (Dialect::Grpc, None) => "grpc-status unknown".to_owned(),
+            (Dialect::Http, _) => format!("status {}", status.as_u16()),
         }
     }
 }
 
+/// Which final gRPC statuses a gRPC layer stores
+/// ([`IdempotencyLayer::store_grpc_status_if`](crate::IdempotencyLayer::store_grpc_status_if)).
+pub(crate) type GrpcStatusFilter = std::sync::Arc<dyn Fn(i32) -> bool + Send + Sync>;
+
 /// The `grpc-status` of a header or trailer map.
 fn grpc_status(map: Option<&HeaderMap>) -> Option<i32> {
     map?.get(GRPC_STATUS)?.to_str().ok()?.parse().ok()
+}
+
+/// The final status of a response: the trailers', or the head's for a
+/// trailers-only response.
+fn final_grpc_status(head: &HeaderMap, trailers: Option<&HeaderMap>) -> Option<i32> {
+    grpc_status(trailers).or_else(|| grpc_status(Some(head)))
 }
 
 /// Whether a gRPC status is stored by default: `OK`, `INVALID_ARGUMENT`,
@@ -118,12 +182,6 @@ pub fn is_grpc_stored_by_default(code: i32) -> bool {
         code,
         code::OK | code::INVALID_ARGUMENT | code::FAILED_PRECONDITION | code::OUT_OF_RANGE
     )
-}
-
-/// The head predicate of a gRPC layer: a trailers-only response (an error
-/// before any message) by its status; any other is decided by its trailers.
-pub(crate) fn grpc_head_stored(head: &http::response::Parts) -> bool {
-    grpc_status(Some(&head.headers)).is_none_or(is_grpc_stored_by_default)
 }
 
 impl ProblemKind {
@@ -247,17 +305,58 @@ mod tests {
         let unavailable = headers(&[("grpc-status", "14")]);
         let invalid = headers(&[("grpc-status", "3")]);
         let head = headers(&[("content-type", "application/grpc")]);
-        let g = Dialect::Grpc;
-        assert!(g.stores_complete(&head, Some(&ok)));
-        assert!(!g.stores_complete(&head, Some(&unavailable)));
+        let by_default: GrpcStatusFilter = std::sync::Arc::new(is_grpc_stored_by_default);
+        let stores = |head: &HeaderMap, trailers: Option<&HeaderMap>| {
+            Dialect::Grpc.stores_complete(head, trailers, &by_default)
+        };
+        assert!(stores(&head, Some(&ok)));
+        assert!(!stores(&head, Some(&unavailable)));
         // Trailers-only: the status is in the head.
-        assert!(g.stores_complete(&invalid, None));
-        assert!(!g.stores_complete(&unavailable, None));
+        assert!(stores(&invalid, None));
+        assert!(!stores(&unavailable, None));
         // No status anywhere (a broken stream): not an answer to keep.
-        assert!(!g.stores_complete(&head, None));
+        assert!(!stores(&head, None));
         // The trailers' status wins over a head's.
-        assert!(!g.stores_complete(&ok, Some(&unavailable)));
-        assert!(Dialect::Http.stores_complete(&head, None));
+        assert!(!stores(&ok, Some(&unavailable)));
+        assert!(Dialect::Http.stores_complete(&head, None, &by_default));
+        // Before the body: only a trailers-only head can rule storing out.
+        assert!(Dialect::Grpc.may_store_head(&head, &by_default));
+        assert!(!Dialect::Grpc.may_store_head(&unavailable, &by_default));
+    }
+
+    #[test]
+    fn a_wider_filter_stores_more_statuses() {
+        let not_found = headers(&[("grpc-status", "5")]);
+        let head = headers(&[("content-type", "application/grpc")]);
+        let with_not_found: GrpcStatusFilter =
+            std::sync::Arc::new(|code| code == 5 || is_grpc_stored_by_default(code));
+        assert!(Dialect::Grpc.stores_complete(&head, Some(&not_found), &with_not_found));
+        assert!(Dialect::Grpc.may_store_head(&not_found, &with_not_found));
+    }
+
+    #[test]
+    fn outcomes_are_named_in_the_dialect() {
+        let ok = headers(&[("grpc-status", "0")]);
+        let head = headers(&[("content-type", "application/grpc")]);
+        let status = http::StatusCode::OK;
+        assert_eq!(
+            Dialect::Grpc.outcome(status, &head, Some(&ok)),
+            "grpc-status 0"
+        );
+        assert_eq!(
+            Dialect::Grpc.outcome(status, &head, None),
+            "grpc-status unknown"
+        );
+        assert_eq!(
+            Dialect::Http.outcome(status, &head, Some(&ok)),
+            "status 200"
+        );
+        let kept = Dialect::Grpc.outcome_trailers(&head, Some(&ok)).unwrap();
+        assert_eq!(
+            Dialect::Grpc.outcome(status, &HeaderMap::new(), Some(&kept)),
+            "grpc-status 0"
+        );
+        assert!(Dialect::Http.outcome_trailers(&head, Some(&ok)).is_none());
     }
 
     #[test]

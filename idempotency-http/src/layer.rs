@@ -16,7 +16,7 @@ use tower::{Layer, Service};
 
 use crate::body::IdempotencyBody;
 use crate::fingerprint::RequestFingerprint;
-use crate::grpc::Dialect;
+use crate::grpc::{Dialect, GrpcStatusFilter};
 use crate::key::{caller_from_header, CallerFn, DEFAULT_MAX_KEY_LENGTH};
 use crate::problem::{Problem, DEFAULT_PROBLEM_TYPE_BASE};
 use crate::stored::RawBytesCodec;
@@ -172,12 +172,18 @@ pub(crate) struct Settings {
     rules: Vec<RouteRule>,
     route_fn: Option<RouteFn>,
     pub(crate) caller_fn: Option<CallerFn>,
+    /// The caller named from actix's own request, where the app's
+    /// middleware left its extensions (see `actix_caller_identity`).
+    #[cfg(feature = "actix")]
+    pub(crate) actix_caller: Option<crate::actix::ActixCallerFn>,
     pub(crate) fingerprint: RequestFingerprint,
     pub(crate) max_key_length: usize,
     pub(crate) key_validator: Option<KeyValidator>,
     pub(crate) max_request_body: usize,
     pub(crate) max_cached_body: usize,
     pub(crate) store_if: StorePredicate,
+    /// The final gRPC statuses stored (gRPC layers only).
+    pub(crate) grpc_store_if: GrpcStatusFilter,
     pub(crate) stored_headers: HeaderSelection,
     pub(crate) problem_type_base: String,
     pub(crate) outage_retry_after: Duration,
@@ -230,6 +236,24 @@ impl Settings {
             return matched.as_str().to_owned();
         }
         parts.uri.path().to_owned()
+    }
+
+    /// The one place the caller policy is set: a new one replaces any other,
+    /// the actix-side one included.
+    pub(crate) fn set_caller(&mut self, caller: Option<CallerFn>) {
+        self.caller_fn = caller;
+        #[cfg(feature = "actix")]
+        {
+            self.actix_caller = None;
+        }
+    }
+
+    /// Whether a request is surely unprotected, judged on its method and a
+    /// route found without its `http` parts (a framework's matched pattern,
+    /// or its path): only when no route extractor is set.
+    #[cfg_attr(not(feature = "actix"), allow(dead_code))]
+    pub(crate) fn skips(&self, method: &Method, route: &str) -> bool {
+        self.route_fn.is_none() && self.protection(method, route) == Protection::Skip
     }
 
     pub(crate) fn protection(&self, method: &Method, route: &str) -> Protection {
@@ -355,6 +379,8 @@ impl IdempotencyLayer {
                 rules: Vec::new(),
                 route_fn: None,
                 caller_fn: Some(Arc::new(caller_from_header(http::header::AUTHORIZATION))),
+                #[cfg(feature = "actix")]
+                actix_caller: None,
                 fingerprint: RequestFingerprint::default(),
                 max_key_length: DEFAULT_MAX_KEY_LENGTH,
                 key_validator: None,
@@ -368,6 +394,7 @@ impl IdempotencyLayer {
                 outage_retry_after: Duration::from_secs(1),
                 in_progress_retry_after: Duration::from_secs(1),
                 dialect: Dialect::Http,
+                grpc_store_if: Arc::new(crate::grpc::is_grpc_stored_by_default),
             }),
         }
     }
@@ -396,7 +423,9 @@ impl IdempotencyLayer {
         IdempotencyLayer::new(manager)
             .methods([Method::POST])
             .default_protection(Protection::Skip)
-            .store_response_if(crate::grpc::grpc_head_stored)
+            // gRPC answers HTTP 200; anything else is a proxy's or the
+            // transport's error. The final `grpc-status` decides the rest.
+            .store_response_if(|head| head.status == http::StatusCode::OK)
             .edit(|s| s.dialect = Dialect::Grpc)
     }
 
@@ -415,7 +444,7 @@ impl IdempotencyLayer {
         crate::grpc::TonicLayer(self)
     }
 
-    fn edit(mut self, f: impl FnOnce(&mut Settings)) -> Self {
+    pub(crate) fn edit(mut self, f: impl FnOnce(&mut Settings)) -> Self {
         f(Arc::make_mut(&mut self.settings));
         self
     }
@@ -517,7 +546,7 @@ impl IdempotencyLayer {
         self,
         f: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     ) -> Self {
-        self.edit(|s| s.caller_fn = Some(Arc::new(f)))
+        self.edit(|s| s.set_caller(Some(Arc::new(f))))
     }
 
     /// Every client shares one key space: two clients sending the same key to
@@ -525,7 +554,7 @@ impl IdempotencyLayer {
     /// receives the first's stored response. Only for a single trusted client
     /// (a backend calling itself); otherwise keep a caller identity.
     pub fn without_caller_identity(self) -> Self {
-        self.edit(|s| s.caller_fn = None)
+        self.edit(|s| s.set_caller(None))
     }
 
     /// Which parts of a request must match when a key is reused (default
@@ -599,6 +628,31 @@ impl IdempotencyLayer {
         f: impl Fn(&http::response::Parts) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.edit(|s| s.store_if = Arc::new(f))
+    }
+
+    /// Which final `grpc-status` codes a gRPC layer ([`grpc`](Self::grpc))
+    /// stores (default [`is_grpc_stored_by_default`](crate::grpc::is_grpc_stored_by_default)):
+    /// judged on the trailers, or on the head of a trailers-only answer; a
+    /// status that is not stored releases the key, so a retry runs the method
+    /// again. HTTP layers decide with [`store_response_if`](Self::store_response_if)
+    /// and ignore this.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_http::grpc::{code, is_grpc_stored_by_default};
+    /// use idempotency_http::IdempotencyLayer;
+    /// # let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// // Also keep ALREADY_EXISTS (6): this service answers it for an order
+    /// // placed before, and a retry should see that answer again.
+    /// let layer = IdempotencyLayer::grpc(manager)
+    ///     .unary("/shop.Orders/Create")
+    ///     .store_grpc_status_if(|status| status == 6 || is_grpc_stored_by_default(status));
+    /// # let _ = (layer, code::OK);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn store_grpc_status_if(self, f: impl Fn(i32) -> bool + Send + Sync + 'static) -> Self {
+        self.edit(|s| s.grpc_store_if = Arc::new(f))
     }
 
     /// Which response headers are stored and replayed (default: all but

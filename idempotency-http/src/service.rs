@@ -1,5 +1,6 @@
 //! One request through the layer: decide, reserve, run, store, answer.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -9,11 +10,12 @@ use futures::future::{BoxFuture, LocalBoxFuture};
 use http::header::HeaderValue;
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
-use http_body::Body;
+use http_body::{Body, Frame};
 use idempotency_core::{BoxError, Error, ExecuteError, HandlerError, IdempotencyManager, Outcome};
 use tower::Service;
 
-use crate::body::{collect_up_to, Collected, IdempotencyBody};
+use crate::body::{collect_up_to, drain, Collected, IdempotencyBody};
+use crate::grpc::Dialect;
 use crate::key::{parse_key, record_id, KeyError};
 use crate::layer::{Protection, Settings};
 use crate::problem::{Problem, ProblemKind};
@@ -312,9 +314,12 @@ where
         .map_err(|e| HandlerError::transient(Failure::Service(Mutex::new(e))))?;
     let (head, body) = response.into_parts();
     let status = head.status;
-    if !(settings.store_if)(&head) {
-        *slot.lock().unwrap_or_else(PoisonError::into_inner) =
-            Some(Response::from_parts(head, IdempotencyBody::new(body)));
+    if !(settings.store_if)(&head)
+        || !settings
+            .dialect
+            .may_store_head(&head.headers, &settings.grpc_store_if)
+    {
+        hand_over(slot, head, IdempotencyBody::new(body));
         return Err(HandlerError::transient(Failure::NotStored(status)));
     }
     let headers = settings.select_headers(&head.headers);
@@ -324,27 +329,40 @@ where
     let cap = settings.max_cached_body.min(room);
     match collect_up_to(body, cap).await {
         Collected::Complete { data, trailers } => {
-            if !settings
-                .dialect
-                .stores_complete(&head.headers, trailers.as_ref())
-            {
-                *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
-                    head,
-                    IdempotencyBody::full(data, trailers),
-                ));
-                return Err(HandlerError::transient(Failure::NotStored(status)));
-            }
-            let stored = StoredResponse {
+            let stores = settings.dialect.stores_complete(
+                &head.headers,
+                trailers.as_ref(),
+                &settings.grpc_store_if,
+            );
+            let stored = stores.then(|| StoredResponse {
                 status,
                 headers,
                 body: Some(data.clone()),
                 trailers: trailers.clone(),
-            };
-            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
+            });
+            hand_over(slot, head, IdempotencyBody::full(data, trailers));
+            stored.ok_or(HandlerError::transient(Failure::NotStored(status)))
+        }
+        Collected::Overflow { frames, rest } if settings.dialect == Dialect::Grpc => {
+            // The final status, which decides, is at the end.
+            let drained = drain(frames, rest).await;
+            if let Some(error) = drained.error {
+                return body_failed(slot, head, drained.frames, error);
+            }
+            let trailers = drained.trailers.as_ref();
+            let stores =
+                settings
+                    .dialect
+                    .stores_complete(&head.headers, trailers, &settings.grpc_store_if);
+            let kept = settings.dialect.outcome_trailers(&head.headers, trailers);
+            hand_over(
+                slot,
                 head,
-                IdempotencyBody::full(data, trailers),
-            ));
-            Ok(stored)
+                IdempotencyBody::buffered(drained.frames, None, None),
+            );
+            stores
+                .then(|| StoredResponse::not_retained(status, kept))
+                .ok_or(HandlerError::transient(Failure::NotStored(status)))
         }
         Collected::Overflow { frames, rest } => {
             tracing::debug!(
@@ -352,37 +370,55 @@ where
                 cap,
                 "response body over the cache cap: streamed through, not retained for replays"
             );
-            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
+            hand_over(
+                slot,
                 head,
                 IdempotencyBody::buffered(frames, Some(rest), None),
-            ));
-            Ok(StoredResponse::not_retained(status))
+            );
+            Ok(StoredResponse::not_retained(status, None))
         }
-        Collected::Failed { frames, error } => {
-            tracing::warn!(%status, error = %error, "the response body failed; releasing the key");
-            *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(
-                head,
-                IdempotencyBody::buffered(frames, None, Some(error)),
-            ));
-            Err(HandlerError::transient(Failure::BodyFailed(status)))
-        }
+        Collected::Failed { frames, error } => body_failed(slot, head, frames, error),
     }
 }
 
-fn not_retained(status: Option<StatusCode>) -> Problem {
-    let detail = match status {
-        Some(status) => format!(
-            "a request with this key was processed (status {}), but its response was too large \
-             to keep and cannot be replayed; send a new request with a new key",
-            status.as_u16()
+/// Leaves the response for this call's client.
+fn hand_over<B>(slot: &Slot<B>, head: http::response::Parts, body: IdempotencyBody<B>) {
+    *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(Response::from_parts(head, body));
+}
+
+/// The response body failed while it was read: the client gets what was read
+/// and the error; the key is released.
+fn body_failed<B, E>(
+    slot: &Slot<B>,
+    head: http::response::Parts,
+    frames: VecDeque<Frame<Bytes>>,
+    error: BoxError,
+) -> Result<StoredResponse, HandlerError<Failure<E>>> {
+    let status = head.status;
+    tracing::warn!(%status, error = %error, "the response body failed; releasing the key");
+    hand_over(
+        slot,
+        head,
+        IdempotencyBody::buffered(frames, None, Some(error)),
+    );
+    Err(HandlerError::transient(Failure::BodyFailed(status)))
+}
+
+/// The answer to a retry whose first response was not kept; `outcome` names
+/// it in the dialect (`status 201`, `grpc-status 0`) when known.
+fn not_retained(outcome: Option<(StatusCode, String)>) -> Problem {
+    let detail = match &outcome {
+        Some((_, outcome)) => format!(
+            "a request with this key was processed ({outcome}), but its response was too large \
+             to keep and cannot be replayed; send a new request with a new key"
         ),
         None => "a request with this key was processed, but its response was not kept and \
                  cannot be replayed; send a new request with a new key"
             .to_owned(),
     };
     let problem = Problem::new(ProblemKind::ResponseNotRetained, detail);
-    match status {
-        Some(s) => problem.original_status(s),
+    match outcome {
+        Some((status, _)) => problem.original_status(status),
         None => problem,
     }
 }
@@ -395,7 +431,10 @@ fn replay<B>(settings: &Settings, stored: StoredResponse) -> Response<Idempotenc
         trailers,
     } = stored;
     let Some(body) = body else {
-        return settings.problem(not_retained(Some(status)));
+        let outcome = settings
+            .dialect
+            .outcome(status, &headers, trailers.as_ref());
+        return settings.problem(not_retained(Some((status, outcome))));
     };
     let mut response = Response::new(IdempotencyBody::full(body, trailers));
     *response.status_mut() = status;

@@ -57,13 +57,14 @@ fn err(msg: impl Into<String>) -> FormatError {
 }
 
 impl StoredResponse {
-    /// A response whose body was not retained: only the status survives.
-    pub(crate) fn not_retained(status: StatusCode) -> Self {
+    /// A response whose body was not retained: only the status survives, and
+    /// whatever `outcome` names it further (gRPC's final status).
+    pub(crate) fn not_retained(status: StatusCode, outcome: Option<HeaderMap>) -> Self {
         StoredResponse {
             status,
             headers: HeaderMap::new(),
             body: None,
-            trailers: None,
+            trailers: outcome,
         }
     }
 
@@ -427,7 +428,7 @@ mod tests {
     fn round_trips_every_part() {
         for stored in [
             sample(),
-            StoredResponse::not_retained(StatusCode::OK),
+            StoredResponse::not_retained(StatusCode::OK, None),
             StoredResponse {
                 body: Some(Bytes::new()),
                 trailers: None,
@@ -448,9 +449,9 @@ mod tests {
     fn empty_body_differs_from_no_body() {
         let empty = StoredResponse {
             body: Some(Bytes::new()),
-            ..StoredResponse::not_retained(StatusCode::OK)
+            ..StoredResponse::not_retained(StatusCode::OK, None)
         };
-        let none = StoredResponse::not_retained(StatusCode::OK);
+        let none = StoredResponse::not_retained(StatusCode::OK, None);
         assert_ne!(empty.encode().unwrap(), none.encode().unwrap());
         assert_eq!(
             StoredResponse::decode(&none.encode().unwrap())

@@ -1,0 +1,232 @@
+//! The gRPC dialect of the layer around a hand-written gRPC-shaped service
+//! (HTTP 200, `application/grpc`, the final status in trailers or, for a
+//! trailers-only answer, in the head), over the in-memory store: what is
+//! stored is decided by the final `grpc-status`, also for answers larger than
+//! the cache cap, and the decision can be widened. The generated tonic
+//! client and server are in `examples/grpc-server`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::stream;
+use http::{HeaderMap, HeaderValue, Request, Response};
+use http_body_util::{BodyExt, Full, StreamBody};
+use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+use idempotency_http::grpc::{code, is_grpc_stored_by_default};
+use idempotency_http::IdempotencyLayer;
+use tower::{Layer, ServiceExt};
+
+const METHOD: &str = "/shop.Orders/Create";
+const CAP: usize = 1024;
+
+type Frames = Vec<Result<http_body::Frame<Bytes>, Infallible>>;
+type GrpcBody =
+    StreamBody<stream::Iter<std::vec::IntoIter<Result<http_body::Frame<Bytes>, Infallible>>>>;
+
+/// How the service answers: a message of `len` bytes then `status` in the
+/// trailers, or (`len == None`) a trailers-only answer with `status`.
+#[derive(Clone, Copy)]
+struct Answer {
+    len: Option<usize>,
+    status: i32,
+}
+
+fn grpc_response(answer: Answer) -> Response<GrpcBody> {
+    let mut frames: Frames = Vec::new();
+    let mut response = Response::builder()
+        .status(200)
+        .header("content-type", "application/grpc");
+    match answer.len {
+        Some(len) => {
+            // Several data frames, as tonic's encoder sends a large message.
+            for chunk in vec![b'm'; len].chunks(300) {
+                frames.push(Ok(http_body::Frame::data(Bytes::copy_from_slice(chunk))));
+            }
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", HeaderValue::from(answer.status));
+            frames.push(Ok(http_body::Frame::trailers(trailers)));
+        }
+        None => response = response.header("grpc-status", answer.status),
+    }
+    response
+        .body(StreamBody::new(stream::iter(frames)))
+        .expect("a valid response")
+}
+
+struct Harness {
+    layer: IdempotencyLayer,
+    runs: Arc<AtomicUsize>,
+    answer: Answer,
+}
+
+/// What a client sees: the HTTP head, the message bytes and the trailers.
+struct Seen {
+    headers: HeaderMap,
+    message: Bytes,
+    trailers: Option<HeaderMap>,
+}
+
+impl Seen {
+    /// The final status, from the trailers or a trailers-only head.
+    fn status(&self) -> i32 {
+        let map = self.trailers.as_ref().unwrap_or(&self.headers);
+        map["grpc-status"].to_str().unwrap().parse().unwrap()
+    }
+}
+
+impl Harness {
+    fn new(answer: Answer, configure: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) -> Self {
+        let manager =
+            IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default()).unwrap();
+        let layer = configure(
+            IdempotencyLayer::grpc(manager)
+                .unary(METHOD)
+                .max_cached_body(CAP),
+        );
+        Harness {
+            layer,
+            runs: Arc::new(AtomicUsize::new(0)),
+            answer,
+        }
+    }
+
+    async fn call(&self, key: &str) -> Seen {
+        let (runs, answer) = (self.runs.clone(), self.answer);
+        let service = self
+            .layer
+            .layer(tower::service_fn(move |_request: Request<_>| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                async move { Ok::<_, Infallible>(grpc_response(answer)) }
+            }));
+        let request = Request::post(METHOD)
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
+            .unwrap();
+        let response = service.oneshot(request).await.unwrap();
+        let (parts, body) = response.into_parts();
+        let collected = body.collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        Seen {
+            headers: parts.headers,
+            message: collected.to_bytes(),
+            trailers,
+        }
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(Ordering::SeqCst)
+    }
+}
+
+#[tokio::test]
+async fn a_small_ok_answer_is_replayed_with_its_trailers() {
+    let h = Harness::new(
+        Answer {
+            len: Some(10),
+            status: code::OK,
+        },
+        |l| l,
+    );
+    let first = h.call("k").await;
+    assert_eq!((first.status(), first.message.len()), (code::OK, 10));
+    let retry = h.call("k").await;
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!((retry.status(), retry.message), (code::OK, first.message));
+    assert_eq!(h.runs(), 1);
+}
+
+/// Over the cap, the final status is still judged at the end: `OK` keeps the
+/// key (the retry learns the answer is gone, with its status) ...
+#[tokio::test]
+async fn a_large_ok_answer_is_passed_whole_and_keeps_the_key() {
+    let h = Harness::new(
+        Answer {
+            len: Some(5 * CAP),
+            status: code::OK,
+        },
+        |l| l,
+    );
+    let first = h.call("k").await;
+    assert_eq!(
+        first.message.len(),
+        5 * CAP,
+        "the client gets the whole message"
+    );
+    assert_eq!(first.status(), code::OK, "and the trailers");
+
+    let retry = h.call("k").await;
+    assert_eq!(retry.status(), code::FAILED_PRECONDITION);
+    assert_eq!(
+        retry.headers["idempotency-problem"],
+        "response-not-retained"
+    );
+    let message = retry.headers["grpc-message"].to_str().unwrap();
+    assert!(message.contains("grpc-status 0"), "{message}");
+    assert_eq!(h.runs(), 1, "the method ran once");
+}
+
+/// ... and a status that is not stored releases it, as it would for a small
+/// answer: the retry runs the method again.
+#[tokio::test]
+async fn a_large_answer_with_a_transient_status_releases_the_key() {
+    let h = Harness::new(
+        Answer {
+            len: Some(5 * CAP),
+            status: code::UNAVAILABLE,
+        },
+        |l| l,
+    );
+    let first = h.call("k").await;
+    assert_eq!(
+        (first.status(), first.message.len()),
+        (code::UNAVAILABLE, 5 * CAP)
+    );
+    let retry = h.call("k").await;
+    assert_eq!(
+        (retry.status(), retry.message.len()),
+        (code::UNAVAILABLE, 5 * CAP)
+    );
+    assert!(retry.headers.get("idempotency-replayed").is_none());
+    assert_eq!(h.runs(), 2, "the retry ran the method again");
+}
+
+#[tokio::test]
+async fn trailers_only_errors_are_released_unless_the_filter_keeps_them() {
+    const NOT_FOUND: i32 = 5;
+    let answer = Answer {
+        len: None,
+        status: NOT_FOUND,
+    };
+    let by_default = Harness::new(answer, |l| l);
+    assert_eq!(by_default.call("k").await.status(), NOT_FOUND);
+    assert_eq!(by_default.call("k").await.status(), NOT_FOUND);
+    assert_eq!(by_default.runs(), 2, "NOT_FOUND is not stored by default");
+
+    let widened = Harness::new(answer, |l| {
+        l.store_grpc_status_if(|s| s == NOT_FOUND || is_grpc_stored_by_default(s))
+    });
+    assert_eq!(widened.call("k").await.status(), NOT_FOUND);
+    let retry = widened.call("k").await;
+    assert_eq!(retry.status(), NOT_FOUND);
+    assert_eq!(retry.headers["idempotency-replayed"], "true");
+    assert_eq!(widened.runs(), 1);
+}
+
+#[tokio::test]
+async fn a_narrowed_filter_releases_what_the_default_keeps() {
+    let answer = Answer {
+        len: Some(10),
+        status: code::INVALID_ARGUMENT,
+    };
+    let h = Harness::new(answer, |l| l.store_grpc_status_if(|s| s == code::OK));
+    h.call("k").await;
+    let retry = h.call("k").await;
+    assert_eq!(retry.status(), code::INVALID_ARGUMENT);
+    assert!(retry.headers.get("idempotency-replayed").is_none());
+    assert_eq!(h.runs(), 2);
+}
