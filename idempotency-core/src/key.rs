@@ -45,7 +45,9 @@ pub const MAX_NAMESPACE_BYTES: usize = 512;
 pub struct RecordKey {
     /// Shared: every key of a manager points at the manager's namespace.
     namespace: Arc<str>,
-    id: String,
+    /// Shared too: a store that keeps the key (the memory store) keeps a
+    /// reference, not a copy.
+    id: Arc<str>,
     digested: bool,
 }
 
@@ -90,13 +92,13 @@ impl RecordKey {
         if digest_needed {
             Ok(RecordKey {
                 namespace,
-                id: digest_id(id),
+                id: Arc::from(digest_id(id)),
                 digested: true,
             })
         } else {
             Ok(RecordKey {
                 namespace,
-                id: id.to_owned(),
+                id: Arc::from(id),
                 digested: false,
             })
         }

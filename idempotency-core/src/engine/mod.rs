@@ -73,7 +73,21 @@ impl Engine {
     where
         F: Future<Output = Result<T, Error>>,
     {
-        let started = Instant::now();
+        self.call_sent_at(op, limit, Instant::now(), call).await
+    }
+
+    /// [`Engine::call`] for a call whose caller already read the clock when
+    /// it built it (`started`), so that it is not read twice.
+    pub(crate) async fn call_sent_at<T, F>(
+        &self,
+        op: Op,
+        limit: Duration,
+        started: Instant,
+        call: F,
+    ) -> Result<T, Error>
+    where
+        F: Future<Output = Result<T, Error>>,
+    {
         let mut call = pin!(call);
         // The timer is armed only when the call does not answer on its first
         // poll (the memory store always does), and boxed: a timer is large,

@@ -152,7 +152,9 @@ impl Engine {
             lease.note_sent(sent.lease_until, sent.sent_at, sent.sent);
             // The answer is not kept across the pause below: it would make
             // every execution's future larger by a record.
-            let e = match self.store(Op::Reserve, self.repo.reserve(request)).await {
+            let call = self.repo.reserve(request);
+            let limit = self.config.store_timeout;
+            let e = match self.call_sent_at(Op::Reserve, limit, sent.sent.into_std(), call).await {
                 Ok(reservation) => return Ok((reservation, sent)),
                 Err(e) => e,
             };
