@@ -318,7 +318,9 @@ impl Engine {
         let call = self
             .repo
             .extend(&lease.key, lease.owner, until, expires_at, now);
-        let r = self.call_sent_at(Op::Extend, limit, sent.into_std(), call).await;
+        let r = self
+            .call_sent_at(Op::Extend, limit, sent.into_std(), call)
+            .await;
         match &r {
             Ok(()) => {
                 lease.confirm(until, now, sent);

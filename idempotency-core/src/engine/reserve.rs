@@ -154,7 +154,10 @@ impl Engine {
             // every execution's future larger by a record.
             let call = self.repo.reserve(request);
             let limit = self.config.store_timeout;
-            let e = match self.call_sent_at(Op::Reserve, limit, sent.sent.into_std(), call).await {
+            let e = match self
+                .call_sent_at(Op::Reserve, limit, sent.sent.into_std(), call)
+                .await
+            {
                 Ok(reservation) => return Ok((reservation, sent)),
                 Err(e) => e,
             };
