@@ -8,7 +8,7 @@
 //!
 //! This crate is the facade: it re-exports [`idempotency_core`] and picks a
 //! store at runtime from a URL with [`connect`], so switching from the embedded
-//! in-memory store to Redis, PostgreSQL or DynamoDB is configuration, not code.
+//! in-memory store to SQLite, Redis, PostgreSQL or DynamoDB is configuration, not code.
 //!
 //! # Example
 //!
@@ -16,7 +16,7 @@
 //! use idempotency::{Config, HandlerError, IdempotencyManager, Outcome};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
-//! // `memory:` here; `redis://…`, `postgres://…` or `dynamodb://…` with their features.
+//! // `memory:` here; `sqlite://…`, `redis://…`, `postgres://…` or `dynamodb://…` with their features.
 //! // From IDEMPOTENCY_STORE_URL; unset or empty: `memory:`.
 //! let url = idempotency::store_url_from_env();
 //! # let url = "memory:";
@@ -38,13 +38,14 @@
 //! | feature | store | URL schemes |
 //! |---|---|---|
 //! | (always) | in-memory, per process | `memory:` |
+//! | `sqlite` | SQLite, one durable file, no server | `sqlite://path/to/file.db` |
 //! | `redis` | Redis ≥ 7 (or Valkey) | `redis://`, `valkey://`; Unix sockets `unix:///path`, `redis+unix://`, `valkey+unix://` |
 //! | `redis-tls` | Redis over TLS | `rediss://`, `valkeys://` |
 //! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2`, `valkey+cluster://…`; with `redis-tls` also `rediss+cluster://…`, `valkeys+cluster://…` |
 //! | `postgres` | PostgreSQL | `postgres://`, `postgresql://` |
 //! | `postgres-tls` | PostgreSQL over TLS | `postgres://…?sslmode=require` (`verify-ca`, `verify-full`) |
 //! | `dynamodb` | DynamoDB | `dynamodb://TABLE?region=…&endpoint=…` |
-//! | `full` | `redis`, `postgres`, `dynamodb` | |
+//! | `full` | `sqlite`, `redis`, `postgres`, `dynamodb` | |
 //! | `full-tls` | `full` with `redis-tls`, `redis-cluster`, `postgres-tls` | |
 //!
 //! A URL whose backend is compiled out returns [`Error::Config`] naming the
@@ -68,6 +69,11 @@ pub use idempotency_redis as redis;
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 #[doc(inline)]
 pub use idempotency_postgres as postgres;
+
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+#[doc(inline)]
+pub use idempotency_sqlite as sqlite;
 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
@@ -106,6 +112,8 @@ pub enum StoreKind {
     Postgres,
     /// `dynamodb://`.
     DynamoDb,
+    /// `sqlite:` (`sqlite://path`).
+    Sqlite,
 }
 
 impl StoreKind {
@@ -118,6 +126,7 @@ impl StoreKind {
     /// assert_eq!(StoreKind::from_url("unix:///run/redis.sock")?, StoreKind::Redis);
     /// assert_eq!(StoreKind::from_url("postgresql://db/app")?, StoreKind::Postgres);
     /// assert_eq!(StoreKind::from_url("dynamodb://idempotency?region=eu-west-1")?, StoreKind::DynamoDb);
+    /// assert_eq!(StoreKind::from_url("sqlite://data/idempotency.db")?, StoreKind::Sqlite);
     /// assert!(StoreKind::from_url("mongodb://x").is_err());
     /// assert!(StoreKind::from_url("no scheme").is_err());
     /// # Ok::<(), idempotency::Error>(())
@@ -136,10 +145,11 @@ impl StoreKind {
             s if REDIS_SCHEMES.contains(&s) => Ok(StoreKind::Redis),
             "postgres" | "postgresql" => Ok(StoreKind::Postgres),
             "dynamodb" => Ok(StoreKind::DynamoDb),
+            "sqlite" => Ok(StoreKind::Sqlite),
             other => Err(Error::config(format!(
                 "unknown store scheme {other:?}: use memory:, redis://, rediss://, \
                  redis+cluster://, unix:// (or another Redis scheme: {}), postgres://, \
-                 postgresql:// or dynamodb://",
+                 postgresql://, dynamodb:// or sqlite://",
                 REDIS_SCHEMES.join(", ")
             ))),
         }
@@ -152,6 +162,7 @@ impl StoreKind {
             StoreKind::Redis => Some("redis"),
             StoreKind::Postgres => Some("postgres"),
             StoreKind::DynamoDb => Some("dynamodb"),
+            StoreKind::Sqlite => Some("sqlite"),
         }
     }
 }
@@ -184,6 +195,9 @@ pub fn store_url_from_env() -> String {
 /// - `postgres://user:pass@host/db?schema=…&table=…&migrate=false` — feature
 ///   `postgres`; applies the embedded migrations unless `migrate=false`.
 /// - `dynamodb://TABLE?region=…&endpoint=…` — feature `dynamodb`.
+/// - `sqlite://path/to/file.db?synchronous=…&busy_timeout=…` — feature
+///   `sqlite`; creates the file and applies the embedded migrations unless
+///   `migrate=false`.
 ///
 /// ```
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
@@ -208,10 +222,16 @@ pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
         StoreKind::Redis => connect_redis(url).await,
         StoreKind::Postgres => connect_postgres(url).await,
         StoreKind::DynamoDb => connect_dynamodb(url).await,
+        StoreKind::Sqlite => connect_sqlite(url).await,
     }
 }
 
-#[cfg(not(all(feature = "redis", feature = "postgres", feature = "dynamodb")))]
+#[cfg(not(all(
+    feature = "redis",
+    feature = "postgres",
+    feature = "dynamodb",
+    feature = "sqlite"
+)))]
 fn feature_off(kind: StoreKind, url: &str) -> Error {
     let scheme = url.split_once(':').map_or(url, |(s, _)| s);
     Error::config(format!(
@@ -250,6 +270,16 @@ async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
 #[cfg(not(feature = "dynamodb"))]
 async fn connect_dynamodb(url: &str) -> Result<SharedRepository, Error> {
     Err(feature_off(StoreKind::DynamoDb, url))
+}
+
+#[cfg(feature = "sqlite")]
+async fn connect_sqlite(url: &str) -> Result<SharedRepository, Error> {
+    Ok(Arc::new(idempotency_sqlite::connect(url).await?))
+}
+
+#[cfg(not(feature = "sqlite"))]
+async fn connect_sqlite(url: &str) -> Result<SharedRepository, Error> {
+    Err(feature_off(StoreKind::Sqlite, url))
 }
 
 #[cfg(test)]

@@ -30,6 +30,11 @@ async fn disabled_backends_name_their_feature() {
             "dynamodb",
             cfg!(feature = "dynamodb"),
         ),
+        (
+            "sqlite://idempotency.db",
+            "sqlite",
+            cfg!(feature = "sqlite"),
+        ),
     ];
     for (url, feature, enabled) in cases {
         if enabled {

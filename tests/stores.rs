@@ -1,6 +1,11 @@
 //! `idempotency::connect` swaps stores by URL alone: the same manager code runs
 //! against every enabled backend, on real servers from the test harness.
-#![cfg(any(feature = "redis", feature = "postgres", feature = "dynamodb"))]
+#![cfg(any(
+    feature = "redis",
+    feature = "postgres",
+    feature = "dynamodb",
+    feature = "sqlite"
+))]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -100,4 +105,13 @@ async fn dynamodb_by_url() {
         server.endpoint()
     );
     exercise(&url, "dynamodb").await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite_by_url() {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("facade-sqlite");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!("{}.db", containers::unique_namespace("facade")));
+    exercise(&format!("sqlite://{}", file.display()), "sqlite").await;
 }

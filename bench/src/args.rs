@@ -12,7 +12,7 @@ idempotency-bench: every store of idempotency-rs against its raw client, interle
 USAGE: cargo run --release -p idempotency-bench -- [OPTIONS]
 
 OPTIONS:
-  --backends LIST         memory,redis,postgres,dynamodb (default: all compiled in)
+  --backends LIST         memory,sqlite,redis,postgres,dynamodb (default: all compiled in)
   --ops N                 measured operations per variant, scenario and concurrency
                           (default 20000; split over the rounds; at least, see
                           --min-round-ms)
@@ -33,6 +33,8 @@ OPTIONS:
   --dynamodb-endpoint URL DynamoDB-compatible endpoint (default
                           $IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT, else the harness)
   --dynamodb-region R     region for the endpoint (default us-east-1)
+  --sqlite-synchronous S  SQLite's synchronous for the SQLite file: full (default, the
+                          library's default) or normal
   --out DIR               where results.{json,md} and chart.svg go (default
                           $CARGO_TARGET_DIR/bench, else target/bench)
   --quick                 a short run (2000 ops, 2 rounds): checks the setup, not speed
@@ -60,6 +62,8 @@ pub struct Args {
     pub dynamodb_endpoint: Option<String>,
     /// DynamoDB region.
     pub dynamodb_region: String,
+    /// SQLite's `synchronous` for the SQLite workload.
+    pub sqlite_synchronous: String,
     /// Output directory.
     pub out: PathBuf,
     /// `--help` was asked for.
@@ -69,6 +73,9 @@ pub struct Args {
 /// Backends compiled into this binary.
 pub fn compiled_backends() -> Vec<String> {
     let mut all = vec!["memory"];
+    if cfg!(feature = "sqlite") {
+        all.push("sqlite");
+    }
     if cfg!(feature = "redis") {
         all.push("redis");
     }
@@ -133,6 +140,7 @@ impl Args {
             postgres_pool: 32,
             dynamodb_endpoint: env("IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT"),
             dynamodb_region: "us-east-1".to_owned(),
+            sqlite_synchronous: "full".to_owned(),
             out: default_out(),
             help: false,
         };
@@ -196,6 +204,7 @@ impl Args {
                 "--postgres-pool" => a.postgres_pool = number(&flag, &value()?)?,
                 "--dynamodb-endpoint" => a.dynamodb_endpoint = Some(value()?),
                 "--dynamodb-region" => a.dynamodb_region = value()?,
+                "--sqlite-synchronous" => a.sqlite_synchronous = value()?,
                 "--out" => a.out = PathBuf::from(value()?),
                 other => return Err(format!("unknown option {other}; see --help").into()),
             }

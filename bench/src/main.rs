@@ -119,7 +119,7 @@ async fn connect(
     args: &Args,
     keep: &mut Keep,
 ) -> Result<Arc<dyn Workload>, BoxError> {
-    #[cfg(not(any(feature = "redis", feature = "postgres", feature = "dynamodb")))]
+    // Unused by some feature sets (the in-process stores need no server).
     let _ = (args, &keep);
     match backend {
         "memory" => Ok(Arc::new(MemoryWorkload::new()?)),
@@ -175,6 +175,14 @@ async fn connect(
                 .await?,
             ))
         }
+        #[cfg(feature = "sqlite")]
+        "sqlite" => Ok(Arc::new(
+            idempotency_bench::workloads::sqlite::SqliteWorkload::connect(
+                &args.out.join("sqlite"),
+                &args.sqlite_synchronous,
+            )
+            .await?,
+        )),
         other => Err(format!("backend {other:?} is not compiled in").into()),
     }
 }

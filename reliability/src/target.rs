@@ -28,6 +28,9 @@ pub enum Backend {
     Postgres,
     /// DynamoDB (the harness's moto server offline).
     Dynamodb,
+    /// SQLite: one file, each process its own connection (in-process faults
+    /// only: there is no network to cut).
+    Sqlite,
 }
 
 impl fmt::Display for Backend {
@@ -38,6 +41,7 @@ impl fmt::Display for Backend {
             Backend::RedisCluster => "redis cluster",
             Backend::Postgres => "postgres",
             Backend::Dynamodb => "dynamodb",
+            Backend::Sqlite => "sqlite",
         })
     }
 }
@@ -89,7 +93,7 @@ impl OwnServer {
             Backend::Dynamodb => {
                 OwnServer::Dynamodb(DynamoDbServer::dedicated().await.map_err(harness)?)
             }
-            Backend::Memory | Backend::RedisCluster => {
+            Backend::Memory | Backend::RedisCluster | Backend::Sqlite => {
                 return Err(format!("{backend}: no server of a run's own"))
             }
         })
@@ -169,6 +173,9 @@ impl Target {
         if backend == Backend::RedisCluster {
             return Target::cluster(processes).await;
         }
+        if backend == Backend::Sqlite {
+            return Target::sqlite(processes).await;
+        }
         let server = match scenario.needs_own_server() {
             true => Some(OwnServer::start(backend, scenario).await?),
             false => None,
@@ -204,6 +211,21 @@ impl Target {
         );
         Ok(Target {
             repos: connect_each(&url, processes, "redis cluster").await?,
+            proxy: None,
+            server: None,
+        })
+    }
+
+    /// `processes` repositories on one new SQLite file, each with its own
+    /// connection (a simulated process sharing the file).
+    async fn sqlite(processes: usize) -> Result<Target, String> {
+        let file = std::env::temp_dir().join(format!(
+            "{}.db",
+            containers::unique_namespace("idempotency-reliability")
+        ));
+        let url = format!("sqlite://{}?busy_timeout=2s", file.display());
+        Ok(Target {
+            repos: connect_each(&url, processes, "sqlite").await?,
             proxy: None,
             server: None,
         })
@@ -280,7 +302,7 @@ async fn shared_urls(backend: Backend) -> Result<(String, String), String> {
             let direct = dynamodb_url(server.region(), server.endpoint());
             (direct, server.endpoint().to_owned())
         }
-        Backend::Memory | Backend::RedisCluster => {
+        Backend::Memory | Backend::RedisCluster | Backend::Sqlite => {
             return Err(format!("{backend}: not behind a proxy"))
         }
     })
@@ -305,7 +327,7 @@ fn proxy_url(backend: Backend, direct: &str, via: &str) -> String {
                 })
                 .unwrap_or_else(|| direct.to_owned())
         }
-        Backend::Memory | Backend::RedisCluster => direct.to_owned(),
+        Backend::Memory | Backend::RedisCluster | Backend::Sqlite => direct.to_owned(),
     }
 }
 

@@ -44,6 +44,11 @@ async fn memory() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlite() {
+    every_scenario(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis() {
     every_scenario(Backend::Redis).await;
 }

@@ -14,6 +14,8 @@ pub mod dynamodb;
 pub mod postgres;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
 
 /// Which connections an operation goes through.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,7 +30,7 @@ pub enum Lane {
 /// server.
 #[async_trait]
 pub trait Workload: Send + Sync + 'static {
-    /// `memory`, `redis`, `postgres` or `dynamodb`.
+    /// `memory`, `sqlite`, `redis`, `postgres` or `dynamodb`.
     fn backend(&self) -> &'static str;
 
     /// What it runs against (server version, pool size …), for the report.

@@ -1,0 +1,283 @@
+//! The repository's statements and how rows decode into records.
+
+use idempotency_core::{Error, Fingerprint, OwnerToken, Record, RecordKey, Status, Timestamp};
+use std::sync::LazyLock;
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::{Row, SqliteExecutor};
+
+use crate::error::map_sqlx;
+
+/// The longest id stored verbatim; longer ids are digested by the manager.
+pub(crate) const MAX_ID_BYTES: usize = 1024;
+
+/// The largest result or stored error accepted (16 MiB). SQLite holds up to
+/// 1 GB in a BLOB, but every duplicate reads the result back in full.
+pub(crate) const MAX_RESULT_BYTES: usize = 16 * 1024 * 1024;
+
+const COLUMNS: &str = "status, owner, attempt, fingerprint, result, error, retryable, \
+                       lease_until, expires_at, created_at, updated_at";
+
+/// The condition every owner-checked write shares: the live `processing`
+/// record `owner` holds (parameters 1 to 4: namespace, id, owner, now).
+const OWNED: &str = "namespace = ?1 AND id = ?2 AND owner = ?3 AND status = 'processing' \
+                     AND expires_at > ?4";
+
+/// A timestamp as the INTEGER the table stores (milliseconds; instants past
+/// `i64::MAX` clamp, which keeps their order).
+pub(crate) fn ts(t: Timestamp) -> i64 {
+    i64::try_from(t.as_millis()).unwrap_or(i64::MAX)
+}
+
+pub(crate) fn check_key(key: &RecordKey) -> Result<(), Error> {
+    if key.id().len() > MAX_ID_BYTES {
+        return Err(Error::InvalidKey {
+            reason: format!(
+                "the id is {} bytes long; the SQLite backend stores at most {MAX_ID_BYTES} \
+                 (build keys with RecordKey::new(.., capabilities().max_id_bytes) to digest longer ids)",
+                key.id().len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_size(what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
+    match value {
+        Some(v) if v.len() > MAX_RESULT_BYTES => Err(Error::TooLarge {
+            what,
+            size: v.len(),
+            max: MAX_RESULT_BYTES,
+        }),
+        _ => Ok(()),
+    }
+}
+
+fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {
+    Error::corrupt(key, e.to_string())
+}
+
+fn timestamp(row: &SqliteRow, index: usize, key: &RecordKey) -> Result<Timestamp, Error> {
+    let raw: i64 = row.try_get(index).map_err(|e| corrupt(e, key))?;
+    u64::try_from(raw)
+        .map(Timestamp::from_millis)
+        .map_err(|_| Error::corrupt(key, format!("negative timestamp {raw} in column {index}")))
+}
+
+/// Decodes a row of [`COLUMNS`]; anything out of shape is `Corrupt` naming
+/// the key, never a panic and never a record made up.
+fn decode(row: &SqliteRow, key: &RecordKey) -> Result<Record, Error> {
+    let status: String = row.try_get(0).map_err(|e| corrupt(e, key))?;
+    let status = Status::parse(&status)
+        .ok_or_else(|| Error::corrupt(key, format!("unknown status {status:?}")))?;
+    let owner: Vec<u8> = row.try_get(1).map_err(|e| corrupt(e, key))?;
+    let owner = <[u8; 16]>::try_from(owner.as_slice())
+        .map(OwnerToken::from_bytes)
+        .map_err(|_| Error::corrupt(key, format!("owner is {} bytes, not 16", owner.len())))?;
+    let attempt: i64 = row.try_get(2).map_err(|e| corrupt(e, key))?;
+    let attempt = u32::try_from(attempt)
+        .ok()
+        .filter(|a| *a >= 1)
+        .ok_or_else(|| Error::corrupt(key, format!("attempt {attempt} out of range")))?;
+    let fingerprint: Option<Vec<u8>> = row.try_get(3).map_err(|e| corrupt(e, key))?;
+    let fingerprint = fingerprint
+        .map(|f| Fingerprint::try_from_slice(&f))
+        .transpose()
+        .map_err(|e| e.with_key(key))?;
+    let retryable: bool = row.try_get(6).map_err(|e| corrupt(e, key))?;
+    Ok(Record {
+        status,
+        owner,
+        attempt,
+        fingerprint,
+        result: row.try_get(4).map_err(|e| corrupt(e, key))?,
+        error: row.try_get(5).map_err(|e| corrupt(e, key))?,
+        retryable: status == Status::Failed && retryable,
+        lease_until: timestamp(row, 7, key)?,
+        expires_at: timestamp(row, 8, key)?,
+        created_at: timestamp(row, 9, key)?,
+        updated_at: timestamp(row, 10, key)?,
+    })
+}
+
+/// The stored record under `key`, expired or not.
+pub(crate) async fn select<'e>(
+    exec: impl SqliteExecutor<'e>,
+    key: &RecordKey,
+    operation: &'static str,
+) -> Result<Option<Record>, Error> {
+    let row = sqlx::query(&STATEMENTS.select)
+        .bind(key.namespace().as_bytes())
+        .bind(key.id().as_bytes())
+        .fetch_optional(exec)
+        .await
+        .map_err(|e| map_sqlx(e, operation, Some(key)))?;
+    row.map(|row| decode(&row, key)).transpose()
+}
+
+/// Writes `record` under `key`, replacing whatever was there.
+pub(crate) async fn put<'e>(
+    exec: impl SqliteExecutor<'e>,
+    key: &RecordKey,
+    record: &Record,
+) -> Result<(), Error> {
+    sqlx::query(&STATEMENTS.put)
+        .bind(key.namespace().as_bytes())
+        .bind(key.id().as_bytes())
+        .bind(record.status.as_str())
+        .bind(record.owner.to_bytes().to_vec())
+        .bind(i64::from(record.attempt))
+        .bind(record.fingerprint.map(|f| f.as_bytes().to_vec()))
+        .bind(record.result.as_deref())
+        .bind(record.error.as_deref())
+        .bind(record.retryable)
+        .bind(ts(record.lease_until))
+        .bind(ts(record.expires_at))
+        .bind(ts(record.created_at))
+        .bind(ts(record.updated_at))
+        .execute(exec)
+        .await
+        .map_err(|e| map_sqlx(e, "reserve", Some(key)))?;
+    Ok(())
+}
+
+/// What an owner-checked write does to the record `owner` holds.
+pub(crate) enum OwnedWrite<'a> {
+    /// `Processing → Completed` or `Failed`, with the value kept.
+    Finish {
+        status: Status,
+        value: Option<&'a [u8]>,
+        retryable: bool,
+        expires_at: Timestamp,
+    },
+    /// A new lease; expiry never moves back.
+    Extend {
+        lease_until: Timestamp,
+        expires_at: Timestamp,
+    },
+    /// The record is removed.
+    Release,
+}
+
+impl OwnedWrite<'_> {
+    fn operation(&self) -> &'static str {
+        match self {
+            OwnedWrite::Finish {
+                status: Status::Completed,
+                ..
+            } => "complete",
+            OwnedWrite::Finish { .. } => "fail",
+            OwnedWrite::Extend { .. } => "extend",
+            OwnedWrite::Release => "release",
+        }
+    }
+}
+
+/// Applies `write` to the live `Processing` record `owner` holds under `key`,
+/// in one statement; `LeaseLost` when there is none.
+pub(crate) async fn write_owned<'e>(
+    exec: impl SqliteExecutor<'e>,
+    key: &RecordKey,
+    owner: OwnerToken,
+    now: Timestamp,
+    write: OwnedWrite<'_>,
+) -> Result<(), Error> {
+    let operation = write.operation();
+    let statements: &'static Statements = &STATEMENTS;
+    let base = |sql: &'static str| {
+        sqlx::query(sql)
+            .bind(key.namespace().as_bytes())
+            .bind(key.id().as_bytes())
+            .bind(owner.to_bytes().to_vec())
+            .bind(ts(now))
+    };
+    let query = match write {
+        OwnedWrite::Finish {
+            status,
+            value,
+            retryable,
+            expires_at,
+        } => {
+            let (result, error) = match status {
+                Status::Completed => (value, None),
+                _ => (None, value),
+            };
+            base(&statements.finish)
+                .bind(status.as_str())
+                .bind(result)
+                .bind(error)
+                .bind(retryable)
+                .bind(ts(expires_at))
+        }
+        OwnedWrite::Extend {
+            lease_until,
+            expires_at,
+        } => base(&statements.extend)
+            .bind(ts(lease_until))
+            .bind(ts(expires_at)),
+        OwnedWrite::Release => base(&statements.release),
+    };
+    let done = query
+        .execute(exec)
+        .await
+        .map_err(|e| map_sqlx(e, operation, Some(key)))?;
+    if done.rows_affected() == 0 {
+        return Err(Error::LeaseLost { key: key.clone() });
+    }
+    Ok(())
+}
+
+/// The statements the repository runs, as text: for benchmarks against raw
+/// sqlx and for operator tools. Built once; the owner-checked ones share one
+/// condition.
+#[derive(Debug)]
+pub struct Statements {
+    select: String,
+    put: String,
+    finish: String,
+    extend: String,
+    release: String,
+}
+
+impl Statements {
+    /// The statements (the same for every repository: the table is fixed).
+    pub fn get() -> &'static Statements {
+        &STATEMENTS
+    }
+
+    /// Reads a record: binds namespace, id; columns status, owner, attempt,
+    /// fingerprint, result, error, retryable, lease_until, expires_at,
+    /// created_at, updated_at.
+    pub fn select(&self) -> &str {
+        &self.select
+    }
+
+    /// Writes a whole record (inside a reservation's transaction): binds
+    /// namespace, id, then the columns of [`select`](Self::select).
+    pub fn put(&self) -> &str {
+        &self.put
+    }
+
+    /// Completes or fails the live record an owner holds: binds namespace,
+    /// id, owner, now, status, result, error, retryable, expires_at.
+    pub fn finish(&self) -> &str {
+        &self.finish
+    }
+}
+
+static STATEMENTS: LazyLock<Statements> = LazyLock::new(|| Statements {
+    select: format!("SELECT {COLUMNS} FROM idempotency_records WHERE namespace = ?1 AND id = ?2"),
+    put: format!(
+        "INSERT OR REPLACE INTO idempotency_records (namespace, id, {COLUMNS}) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)"
+    ),
+    finish: format!(
+        "UPDATE idempotency_records SET status = ?5, result = ?6, error = ?7, retryable = ?8, \
+         expires_at = ?9, updated_at = ?4 WHERE {OWNED}"
+    ),
+    extend: format!(
+        "UPDATE idempotency_records SET lease_until = ?5, expires_at = MAX(expires_at, ?6), \
+         updated_at = ?4 WHERE {OWNED}"
+    ),
+    release: format!("DELETE FROM idempotency_records WHERE {OWNED}"),
+});
