@@ -2,8 +2,8 @@
 //! pool, or a caller's connection or transaction).
 
 use idempotency_core::{
-    Error, Fingerprint, OwnerToken, Record, RecordKey, Reservation, ReserveRequest, Status,
-    Timestamp,
+    Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
+    Status, Timestamp,
 };
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
@@ -27,28 +27,20 @@ fn ts(t: Timestamp) -> i64 {
     i64::try_from(t.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// What this store holds: its name and limits (checked before every write).
+pub(crate) fn capabilities() -> Capabilities {
+    Capabilities::new(crate::error::BACKEND)
+        .with_max_result_bytes(Some(MAX_RESULT_BYTES))
+        .with_max_id_bytes(MAX_ID_BYTES)
+        .with_native_expiry(false)
+}
+
 fn check_key(key: &RecordKey) -> Result<(), Error> {
-    if key.id().len() > MAX_ID_BYTES {
-        return Err(Error::InvalidKey {
-            reason: format!(
-                "the id is {} bytes long; the PostgreSQL backend indexes at most {MAX_ID_BYTES} \
-                 (build keys with RecordKey::new(.., capabilities().max_id_bytes) to digest longer ids)",
-                key.id().len()
-            ),
-        });
-    }
-    Ok(())
+    capabilities().check_id(key)
 }
 
 fn check_size(what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
-    match value {
-        Some(v) if v.len() > MAX_RESULT_BYTES => Err(Error::TooLarge {
-            what,
-            size: v.len(),
-            max: MAX_RESULT_BYTES,
-        }),
-        _ => Ok(()),
-    }
+    capabilities().check_value(what, value)
 }
 
 fn timestamp(row: &PgRow, index: usize, key: &RecordKey) -> Result<Timestamp, Error> {

@@ -15,7 +15,7 @@ use sqlx::{PgConnection, PgPool};
 
 use crate::error::{map_sqlx, BACKEND};
 use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
-use crate::ops::{self, MAX_ID_BYTES, MAX_RESULT_BYTES};
+use crate::ops;
 use crate::options::UrlOptions;
 use crate::transaction::PgTransactionRepository;
 
@@ -441,10 +441,7 @@ impl PgRepositoryBuilder {
 #[async_trait]
 impl Repository for PgRepository {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new(BACKEND)
-            .with_max_result_bytes(Some(MAX_RESULT_BYTES))
-            .with_max_id_bytes(MAX_ID_BYTES)
-            .with_native_expiry(false)
+        ops::capabilities()
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {

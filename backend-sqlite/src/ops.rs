@@ -1,12 +1,14 @@
 //! The repository's statements and how rows decode into records.
 
-use idempotency_core::{Error, Fingerprint, OwnerToken, Record, RecordKey, Status, Timestamp};
 use std::sync::LazyLock;
 
+use idempotency_core::{
+    Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Status, Timestamp,
+};
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteExecutor};
 
-use crate::error::map_sqlx;
+use crate::error::{map_sqlx, BACKEND};
 
 /// The longest id stored verbatim; longer ids are digested by the manager.
 pub(crate) const MAX_ID_BYTES: usize = 1024;
@@ -29,28 +31,19 @@ pub(crate) fn ts(t: Timestamp) -> i64 {
     i64::try_from(t.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// What this store holds: its name and limits (checked before every write).
+pub(crate) fn capabilities() -> Capabilities {
+    Capabilities::new(BACKEND)
+        .with_max_result_bytes(Some(MAX_RESULT_BYTES))
+        .with_max_id_bytes(MAX_ID_BYTES)
+}
+
 pub(crate) fn check_key(key: &RecordKey) -> Result<(), Error> {
-    if key.id().len() > MAX_ID_BYTES {
-        return Err(Error::InvalidKey {
-            reason: format!(
-                "the id is {} bytes long; the SQLite backend stores at most {MAX_ID_BYTES} \
-                 (build keys with RecordKey::new(.., capabilities().max_id_bytes) to digest longer ids)",
-                key.id().len()
-            ),
-        });
-    }
-    Ok(())
+    capabilities().check_id(key)
 }
 
 pub(crate) fn check_size(what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
-    match value {
-        Some(v) if v.len() > MAX_RESULT_BYTES => Err(Error::TooLarge {
-            what,
-            size: v.len(),
-            max: MAX_RESULT_BYTES,
-        }),
-        _ => Ok(()),
-    }
+    capabilities().check_value(what, value)
 }
 
 fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {

@@ -12,7 +12,7 @@ use idempotency_core::{
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
-use crate::error::{map_sqlx, BACKEND};
+use crate::error::map_sqlx;
 use crate::ops::{self, check_key, check_size, OwnedWrite};
 use crate::options::{Durability, UrlOptions};
 
@@ -158,9 +158,7 @@ impl SqliteRepository {
 #[async_trait]
 impl Repository for SqliteRepository {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new(BACKEND)
-            .with_max_result_bytes(Some(ops::MAX_RESULT_BYTES))
-            .with_max_id_bytes(ops::MAX_ID_BYTES)
+        ops::capabilities()
     }
 
     /// Decides and writes in one `BEGIN IMMEDIATE` transaction: the write lock

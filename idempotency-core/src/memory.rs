@@ -143,17 +143,6 @@ impl MemoryRepository {
         (hash, &self.shards[i])
     }
 
-    fn check_size(&self, what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
-        match (self.max_result_bytes, value) {
-            (Some(max), Some(v)) if v.len() > max => Err(Error::TooLarge {
-                what,
-                size: v.len(),
-                max,
-            }),
-            _ => Ok(()),
-        }
-    }
-
     /// Runs `f` on the live `Processing` record `owner` holds; `LeaseLost`
     /// otherwise. `f` returns whether to keep the record.
     fn with_owned(
@@ -187,7 +176,7 @@ impl MemoryRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.check_size(
+        self.capabilities().check_value(
             if status == Status::Completed {
                 "result"
             } else {

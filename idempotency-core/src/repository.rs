@@ -62,6 +62,64 @@ impl Capabilities {
         self.native_expiry = native;
         self
     }
+    /// [`Error::InvalidKey`] when `key`'s id is longer than
+    /// [`max_id_bytes`](Self::max_id_bytes): a store checks before it sends,
+    /// never truncates. Keys built with
+    /// [`RecordKey::new`]`(.., max_id_bytes)` always pass (longer ids are
+    /// digested).
+    ///
+    /// ```
+    /// use idempotency_core::{Capabilities, Error, RecordKey};
+    /// let caps = Capabilities::new("mine").with_max_id_bytes(80);
+    /// assert!(caps.check_id(&RecordKey::new("ns", "order-1", 80)?).is_ok());
+    /// let long = RecordKey::new("ns", &"x".repeat(100), 4096)?;
+    /// assert!(matches!(caps.check_id(&long), Err(Error::InvalidKey { .. })));
+    /// # Ok::<(), Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`], saying how to build keys that fit.
+    pub fn check_id(&self, key: &RecordKey) -> Result<(), Error> {
+        if key.id().len() <= self.max_id_bytes {
+            return Ok(());
+        }
+        Err(Error::InvalidKey {
+            reason: format!(
+                "the id is {} bytes long; the {} backend stores ids of at most {} bytes (build \
+                 keys with RecordKey::new(.., capabilities().max_id_bytes) to digest longer ids)",
+                key.id().len(),
+                self.backend,
+                self.max_id_bytes
+            ),
+        })
+    }
+
+    /// [`Error::TooLarge`] when `value` (a result or a stored error: `what`)
+    /// is larger than [`max_result_bytes`](Self::max_result_bytes).
+    ///
+    /// ```
+    /// use idempotency_core::{Capabilities, Error};
+    /// let caps = Capabilities::new("mine").with_max_result_bytes(Some(4));
+    /// assert!(caps.check_value("result", Some(b"1234")).is_ok());
+    /// assert!(matches!(
+    ///     caps.check_value("result", Some(b"12345")),
+    ///     Err(Error::TooLarge { size: 5, max: 4, .. })
+    /// ));
+    /// assert!(Capabilities::new("unlimited").check_value("error", Some(&[0; 1 << 20])).is_ok());
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`].
+    pub fn check_value(&self, what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
+        match (self.max_result_bytes, value) {
+            (Some(max), Some(v)) if v.len() > max => Err(Error::TooLarge {
+                what,
+                size: v.len(),
+                max,
+            }),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// The arguments of [`Repository::reserve`].

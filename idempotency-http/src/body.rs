@@ -267,29 +267,52 @@ where
     }
 }
 
-/// The whole of a body read by [`drain`].
-pub(crate) struct Drained {
+/// A body read by [`drain`]: to its end, or as far as its bounds allowed.
+pub(crate) struct Drained<B> {
     /// Every frame read, in order (trailers included).
     pub(crate) frames: VecDeque<Frame<Bytes>>,
-    /// The trailers, merged.
+    /// The trailers, merged (none when cut short).
     pub(crate) trailers: Option<HeaderMap>,
     /// Why the body ended early, if it failed.
     pub(crate) error: Option<BoxError>,
+    /// The unread rest, when the bounds were reached first.
+    pub(crate) rest: Option<Pin<Box<B>>>,
 }
 
 /// Reads the `rest` of an overflowing body to its end after the `frames`
 /// already read, keeping every frame: for answers that can only be judged at
-/// their end (gRPC's final status). No cap: the caller holds what it reads.
-pub(crate) async fn drain<B>(mut frames: VecDeque<Frame<Bytes>>, mut rest: Pin<Box<B>>) -> Drained
+/// their end (gRPC's final status). Stops early, leaving the rest unread,
+/// once more than `max_bytes` of data are held or at `deadline`.
+pub(crate) async fn drain<B>(
+    mut frames: VecDeque<Frame<Bytes>>,
+    mut rest: Pin<Box<B>>,
+    max_bytes: usize,
+    deadline: tokio::time::Instant,
+) -> Drained<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    let mut held: usize = frames
+        .iter()
+        .filter_map(Frame::data_ref)
+        .map(Bytes::len)
+        .sum();
     let mut error = None;
-    while let Some(frame) = rest.frame().await {
-        match frame {
-            Ok(frame) => frames.push_back(frame),
-            Err(e) => {
+    loop {
+        if held > max_bytes {
+            return cut_short(frames, rest);
+        }
+        let Ok(next) = tokio::time::timeout_at(deadline, rest.frame()).await else {
+            return cut_short(frames, rest);
+        };
+        match next {
+            None => break,
+            Some(Ok(frame)) => {
+                held = held.saturating_add(frame.data_ref().map_or(0, Bytes::len));
+                frames.push_back(frame);
+            }
+            Some(Err(e)) => {
                 error = Some(e.into());
                 break;
             }
@@ -305,6 +328,16 @@ where
         frames,
         trailers,
         error,
+        rest: None,
+    }
+}
+
+fn cut_short<B>(frames: VecDeque<Frame<Bytes>>, rest: Pin<Box<B>>) -> Drained<B> {
+    Drained {
+        frames,
+        trailers: None,
+        error: None,
+        rest: Some(rest),
     }
 }
 

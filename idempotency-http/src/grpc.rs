@@ -30,7 +30,11 @@
 //! The status is only known at the end of the answer: an answer larger than
 //! the cache cap is read to its trailers (in memory, as tonic already holds a
 //! unary message) before the layer decides, and a stored one is then kept
-//! without its message (a retry gets `response-not-retained`).
+//! without its message (a retry gets `response-not-retained`). That read is
+//! bounded: past 64 MiB, or shortly before the key's lease ends (a tenth of
+//! the processing timeout, at most a second, before it), the layer stops
+//! waiting, passes the rest through, and keeps the key with its status
+//! unknown: the method ran, so a retry is refused rather than run again.
 //!
 //! **Streaming methods are left alone** unless named with
 //! [`IdempotencyLayer::route`](crate::IdempotencyLayer::route): a stream is not one answer. Replaying it

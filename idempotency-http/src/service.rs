@@ -11,7 +11,9 @@ use http::header::HeaderValue;
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
-use idempotency_core::{BoxError, Error, ExecuteError, HandlerError, IdempotencyManager, Outcome};
+use idempotency_core::{
+    BoxError, Error, ExecuteError, ExecutionContext, HandlerError, IdempotencyManager, Outcome,
+};
 use tower::Service;
 
 use crate::body::{collect_up_to, drain, Collected, IdempotencyBody};
@@ -23,6 +25,21 @@ use crate::stored::{RawBytesCodec, StoredResponse};
 
 /// Room left in the stored record for trailers when capping the body.
 const TRAILER_ALLOWANCE: usize = 256;
+
+/// The most of a gRPC answer over the cache cap held in memory while it is
+/// read to its final status (64 MiB; tonic's own default limit for a message
+/// a client decodes is 4 MiB).
+const GRPC_DRAIN_LIMIT: usize = 64 * 1024 * 1024;
+
+/// Until when a gRPC answer is read to its status: a tenth of the processing
+/// timeout (at most a second) before the lease ends, so that its outcome is
+/// recorded while the lease holds.
+fn drain_deadline(settings: &Settings, ctx: &ExecutionContext) -> tokio::time::Instant {
+    let processing = settings.manager.config().processing_timeout;
+    let margin = (processing / 10).min(std::time::Duration::from_secs(1));
+    let left = ctx.lease_until().duration_since(settings.manager.now());
+    tokio::time::Instant::now() + left.saturating_sub(margin)
+}
 
 /// Why the "handler" (the inner service and reading its body) did not produce a
 /// response to store. Every variant releases the key.
@@ -71,8 +88,11 @@ where
     ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
-    pub(crate) async fn run(self) -> Result<StoredResponse, HandlerError<Failure<S::Error>>> {
-        run(&self.shared, self.inner, self.request, &self.slot).await
+    pub(crate) async fn run(
+        self,
+        ctx: ExecutionContext,
+    ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>> {
+        run(&self.shared, self.inner, self.request, &self.slot, &ctx).await
     }
 }
 
@@ -121,7 +141,7 @@ where
     ) -> Self::Future {
         Box::pin(async move {
             manager
-                .execute_detached(&id, &fingerprint, move |_ctx| job.run())
+                .execute_detached(&id, &fingerprint, move |ctx| job.run(ctx))
                 .await
         })
     }
@@ -151,7 +171,7 @@ where
     ) -> Self::Future {
         Box::pin(async move {
             manager
-                .execute_detached_local(&id, &fingerprint, move |_ctx| job.run())
+                .execute_detached_local(&id, &fingerprint, move |ctx| job.run(ctx))
                 .await
         })
     }
@@ -302,6 +322,7 @@ async fn run<S, ReqB, ResB>(
     mut inner: S,
     request: Request<IdempotencyBody<ReqB>>,
     slot: &Slot<ResB>,
+    ctx: &ExecutionContext,
 ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>>
 where
     S: Service<Request<IdempotencyBody<ReqB>>, Response = Response<ResB>>,
@@ -344,10 +365,25 @@ where
             stored.ok_or(HandlerError::transient(Failure::NotStored(status)))
         }
         Collected::Overflow { frames, rest } if settings.dialect == Dialect::Grpc => {
-            // The final status, which decides, is at the end.
-            let drained = drain(frames, rest).await;
+            // The final status, which decides, is at the end: read to it,
+            // within bounds (memory, and the lease: the outcome must be
+            // recorded before the lease ends, or a retry runs again).
+            let deadline = drain_deadline(settings, ctx);
+            let drained = drain(frames, rest, GRPC_DRAIN_LIMIT, deadline).await;
             if let Some(error) = drained.error {
                 return body_failed(slot, head, drained.frames, error);
+            }
+            if let Some(rest) = drained.rest {
+                // Too large or too slow to judge: the method ran, so the key
+                // is kept (a retry is refused, never run again), its answer
+                // not retained and its status unknown.
+                tracing::warn!(%status, "gRPC answer too large or too slow to read to its status; kept as not retained");
+                hand_over(
+                    slot,
+                    head,
+                    IdempotencyBody::buffered(drained.frames, Some(rest), None),
+                );
+                return Ok(StoredResponse::not_retained(status, None));
             }
             let trailers = drained.trailers.as_ref();
             let stores =

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use futures::stream;
+use futures::{stream, StreamExt};
 use http::{HeaderMap, HeaderValue, Request, Response};
 use http_body_util::{BodyExt, Full, StreamBody};
 use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
@@ -229,4 +229,64 @@ async fn a_narrowed_filter_releases_what_the_default_keeps() {
     assert_eq!(retry.status(), code::INVALID_ARGUMENT);
     assert!(retry.headers.get("idempotency-replayed").is_none());
     assert_eq!(h.runs(), 2);
+}
+
+/// An answer over the cap whose end never comes: read until shortly before
+/// the lease ends (paused time gets there at once), then kept as not
+/// retained with its status unknown, the rest streamed through: the method
+/// is never run again, and the call does not wait past the lease.
+#[tokio::test(start_paused = true)]
+async fn an_answer_that_never_ends_keeps_the_key_before_the_lease_ends() {
+    let h = Harness::new(
+        Answer {
+            len: None,
+            status: code::OK,
+        },
+        |l| l,
+    );
+    let runs = h.runs.clone();
+    let service = h
+        .layer
+        .layer(tower::service_fn(move |_request: Request<_>| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                let first: Vec<Result<http_body::Frame<Bytes>, Infallible>> =
+                    vec![Ok(http_body::Frame::data(Bytes::from(vec![b'm'; 3 * CAP])))];
+                let body = StreamBody::new(stream::iter(first).chain(stream::pending()));
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .header("content-type", "application/grpc")
+                        .body(body)
+                        .unwrap(),
+                )
+            }
+        }));
+    let request = || {
+        Request::post(METHOD)
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "k")
+            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
+            .unwrap()
+    };
+    let response = service.clone().oneshot(request()).await.unwrap();
+    let mut body = response.into_body();
+    let first = body.frame().await.unwrap().unwrap();
+    assert_eq!(
+        first.data_ref().map(Bytes::len),
+        Some(3 * CAP),
+        "what was read is passed on"
+    );
+
+    let retry = service.oneshot(request()).await.unwrap();
+    assert_eq!(
+        retry.headers()["grpc-status"],
+        code::FAILED_PRECONDITION.to_string().as_str()
+    );
+    assert_eq!(
+        retry.headers()["idempotency-problem"],
+        "response-not-retained"
+    );
+    let message = retry.headers()["grpc-message"].to_str().unwrap();
+    assert!(message.contains("grpc-status unknown"), "{message}");
+    assert_eq!(h.runs(), 1);
 }
