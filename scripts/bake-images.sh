@@ -6,12 +6,13 @@
 #   scripts/bake-images.sh --print-env  # only print the IDEMPOTENCY_TEST_*_IMAGE lines
 #   scripts/bake-images.sh --force    # rebuild even when up to date
 #
-# Produces (TAG = the Debian suite, `bookworm` by default) three images that
-# share one layer — a debootstrapped root holding all three servers, imported
+# Produces (TAG = the Debian suite, `bookworm` by default) four images that
+# share one layer — a debootstrapped root holding all four servers, imported
 # once — each with its own command, user and port:
 #   idempotency-test/redis:TAG     redis-server on 6379  (drop-in for `redis`)
 #   idempotency-test/postgres:TAG  PostgreSQL on 5432    (drop-in for `postgres`: same env vars)
 #   idempotency-test/dynamodb:TAG  moto's DynamoDB API on 8000 (drop-in for `amazon/dynamodb-local`)
+#   idempotency-test/mariadb:TAG   MariaDB on 3306       (drop-in for `mariadb`: same env vars)
 #
 # The packages come from the mirror the host's apt already uses (asked from
 # `apt-get indextargets`, so sources.list, deb822 .sources files and proxies are
@@ -47,6 +48,7 @@ readonly RECIPE="$({ cat "$SCRIPT_PATH"; echo "suite=$SUITE moto=$MOTO_REQUIREME
 readonly REDIS_IMAGE="$PREFIX/redis:$TAG"
 readonly POSTGRES_IMAGE="$PREFIX/postgres:$TAG"
 readonly DYNAMODB_IMAGE="$PREFIX/dynamodb:$TAG"
+readonly MARIADB_IMAGE="$PREFIX/mariadb:$TAG"
 
 log() { printf '[bake %3ds] %s\n' "$SECONDS" "$*" >&2; }
 die() { printf '[bake] error: %s\n' "$*" >&2; exit 1; }
@@ -55,6 +57,7 @@ print_env() {
     echo "IDEMPOTENCY_TEST_REDIS_IMAGE=$REDIS_IMAGE"
     echo "IDEMPOTENCY_TEST_POSTGRES_IMAGE=$POSTGRES_IMAGE"
     echo "IDEMPOTENCY_TEST_DYNAMODB_IMAGE=$DYNAMODB_IMAGE"
+    echo "IDEMPOTENCY_TEST_MARIADB_IMAGE=$MARIADB_IMAGE"
 }
 
 FORCE=0
@@ -72,8 +75,9 @@ docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is it runnin
 image_recipe() { docker image inspect --format "{{ index .Config.Labels \"$LABEL_KEY\" }}" "$1" 2>/dev/null || true; }
 is_current() { [ "$FORCE" = 0 ] && [ "$(image_recipe "$1")" = "$RECIPE" ]; }
 
-if is_current "$REDIS_IMAGE" && is_current "$POSTGRES_IMAGE" && is_current "$DYNAMODB_IMAGE"; then
-    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE"
+if is_current "$REDIS_IMAGE" && is_current "$POSTGRES_IMAGE" && is_current "$DYNAMODB_IMAGE" &&
+    is_current "$MARIADB_IMAGE"; then
+    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE $MARIADB_IMAGE"
     exit 0
 fi
 
@@ -212,9 +216,9 @@ EOF
         DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 \
         ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} "$@"; }
 
-    log "apt-get install redis-server postgresql python3-venv"
+    log "apt-get install redis-server postgresql mariadb-server python3-venv"
     in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
-    in_root apt-get install -y -qq redis-server postgresql python3-venv >>"$WORK/apt.log" 2>&1 ||
+    in_root apt-get install -y -qq redis-server postgresql mariadb-server python3-venv >>"$WORK/apt.log" 2>&1 ||
         { tail -n 30 "$WORK/apt.log" >&2; die "apt-get install failed"; }
 
     log "python venv with $MOTO_REQUIREMENT"
@@ -235,6 +239,11 @@ EOF
     in_root chown postgres:postgres /var/lib/postgresql/data /run/postgresql
     chmod 700 "$ROOTFS/var/lib/postgresql/data"
     chmod 2775 "$ROOTFS/run/postgresql"
+    # Like PostgreSQL's, MariaDB's data directory is initialised at first start
+    # (the package's post-install may have made one with socket-only root access).
+    rm -rf "$ROOTFS/var/lib/mysql"
+    mkdir -p "$ROOTFS/var/lib/mysql" "$ROOTFS/run/mysqld"
+    in_root chown mysql:mysql /var/lib/mysql /run/mysqld
 
     in_root apt-get clean
     umount "$ROOTFS/proc"
@@ -378,6 +387,49 @@ fi
 exec "$@"
 EOF
 
+    # Same environment as the official mariadb image: MARIADB_ROOT_PASSWORD (or
+    # MYSQL_ROOT_PASSWORD), MARIADB_ALLOW_EMPTY_ROOT_PASSWORD, MARIADB_DATABASE
+    # (or MYSQL_DATABASE); extra arguments (e.g. `--innodb-flush-log-at-trx-commit=0`)
+    # go to the server. Root may connect from anywhere, as in the official image.
+    cat >"$root/usr/local/bin/idem-mariadb-entrypoint" <<'EOF'
+#!/bin/sh
+set -eu
+if [ "${1#-}" != "$1" ]; then
+    set -- mariadbd "$@"
+fi
+if [ "$1" = mariadbd ] || [ "$1" = mysqld ]; then
+    shift
+    datadir=/var/lib/mysql
+    if [ ! -d "$datadir/mysql" ]; then
+        password="${MARIADB_ROOT_PASSWORD:-${MYSQL_ROOT_PASSWORD:-}}"
+        database="${MARIADB_DATABASE:-${MYSQL_DATABASE:-}}"
+        if [ -z "$password" ] && [ -z "${MARIADB_ALLOW_EMPTY_ROOT_PASSWORD:-}" ]; then
+            echo "error: database is uninitialized and MARIADB_ROOT_PASSWORD is not set;" >&2
+            echo "       set MARIADB_ROOT_PASSWORD, or MARIADB_ALLOW_EMPTY_ROOT_PASSWORD=1" >&2
+            exit 1
+        fi
+        mariadb-install-db --datadir="$datadir" --auth-root-authentication-method=normal \
+            --skip-test-db --skip-name-resolve >/dev/null
+        # SQL string literal: backslashes and quotes escaped.
+        literal="$(printf '%s' "$password" | sed -e 's/\\/\\\\/g' -e "s/'/\\\\'/g")"
+        {
+            # Only root@localhost and root@% remain (the install also makes
+            # password-less root@127.0.0.1, ::1 and the host name, which would
+            # match before root@%).
+            echo "DELETE FROM mysql.global_priv WHERE user = '' OR (user = 'root' AND host <> 'localhost');"
+            echo "FLUSH PRIVILEGES;"
+            echo "ALTER USER 'root'@'localhost' IDENTIFIED BY '$literal';"
+            echo "CREATE USER 'root'@'%' IDENTIFIED BY '$literal';"
+            echo "GRANT ALL ON *.* TO 'root'@'%' WITH GRANT OPTION;"
+            if [ -n "$database" ]; then echo "CREATE DATABASE IF NOT EXISTS \`$database\`;"; fi
+        } | mariadbd --bootstrap --datadir="$datadir" --skip-networking --log-error=/dev/null
+        echo "MariaDB init process complete; ready for start up."
+    fi
+    exec mariadbd --datadir="$datadir" --bind-address=0.0.0.0 --skip-name-resolve "$@"
+fi
+exec "$@"
+EOF
+
     # moto's server on 0.0.0.0:8000 (like amazon/dynamodb-local), one request at a time:
     # serialising requests gives conditional writes the per-item atomicity DynamoDB
     # guarantees; moto's threaded server alone could interleave a check and its write.
@@ -417,11 +469,12 @@ if __name__ == "__main__":
     main()
 EOF
     chmod 755 "$root/usr/local/bin/idem-redis-entrypoint" \
-        "$root/usr/local/bin/idem-postgres-entrypoint" "$root/usr/local/bin/idem-dynamodb-server"
+        "$root/usr/local/bin/idem-postgres-entrypoint" "$root/usr/local/bin/idem-dynamodb-server" \
+        "$root/usr/local/bin/idem-mariadb-entrypoint"
 }
 
 old_ids=()
-for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE"; do
+for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE" "$MARIADB_IMAGE"; do
     id="$(docker image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
     if [ -n "$id" ]; then old_ids+=("$id"); fi
 done
@@ -442,7 +495,10 @@ make_image "$POSTGRES_IMAGE" postgres /var/lib/postgresql 5432 \
 make_image "$DYNAMODB_IMAGE" dynamodb /tmp 8000 \
     '["/usr/local/bin/idem-dynamodb-server"]' null
 
-# The bare import (its layer lives on in the three images), and images replaced
+make_image "$MARIADB_IMAGE" mysql /var/lib/mysql 3306 \
+    '["/usr/local/bin/idem-mariadb-entrypoint"]' '["mariadbd"]'
+
+# The bare import (its layer lives on in the four images), and images replaced
 # by this run; ignore those still used by a container.
 for id in "$ROOT_IMAGE_ID" "${old_ids[@]+"${old_ids[@]}"}"; do
     docker image rm "$id" >/dev/null 2>&1 || true

@@ -72,6 +72,7 @@ KINDS=(
     "redis IDEMPOTENCY_TEST_REDIS_IMAGE redis:7 IDEMPOTENCY_TEST_REDIS_URL"
     "postgres IDEMPOTENCY_TEST_POSTGRES_IMAGE postgres:16 IDEMPOTENCY_TEST_POSTGRES_URL"
     "dynamodb IDEMPOTENCY_TEST_DYNAMODB_IMAGE amazon/dynamodb-local:latest IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT"
+    "mariadb IDEMPOTENCY_TEST_MARIADB_IMAGE mariadb:11 IDEMPOTENCY_TEST_MARIADB_URL"
 )
 
 bake() {
@@ -129,7 +130,7 @@ if [ "$DOCKER_OK" = 1 ]; then
     fi
 else
     say "no reachable Docker engine: backend tests fail unless IDEMPOTENCY_TEST_REDIS_URL, \
-IDEMPOTENCY_TEST_POSTGRES_URL and IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT name servers"
+IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT and IDEMPOTENCY_TEST_MARIADB_URL name servers"
 fi
 
 # --- tests ---------------------------------------------------------------------

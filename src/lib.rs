@@ -8,7 +8,8 @@
 //!
 //! This crate is the facade: it re-exports [`idempotency_core`] and picks a
 //! store at runtime from a URL with [`connect`], so switching from the embedded
-//! in-memory store to SQLite, Redis, PostgreSQL or DynamoDB is configuration, not code.
+//! in-memory store to SQLite, Redis, PostgreSQL, MySQL/MariaDB or DynamoDB is configuration,
+//! not code.
 //!
 //! # Example
 //!
@@ -16,7 +17,8 @@
 //! use idempotency::{Config, HandlerError, IdempotencyManager, Outcome};
 //!
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
-//! // `memory:` here; `sqlite://…`, `redis://…`, `postgres://…` or `dynamodb://…` with their features.
+//! // `memory:` here; `sqlite://…`, `redis://…`, `postgres://…`, `mysql://…` or `dynamodb://…`
+//! // with their features.
 //! // From IDEMPOTENCY_STORE_URL; unset or empty: `memory:`.
 //! let url = idempotency::store_url_from_env();
 //! # let url = "memory:";
@@ -44,9 +46,11 @@
 //! | `redis-cluster` | Redis Cluster | `redis+cluster://h1:p1,h2:p2`, `valkey+cluster://…`; with `redis-tls` also `rediss+cluster://…`, `valkeys+cluster://…` |
 //! | `postgres` | PostgreSQL | `postgres://`, `postgresql://` |
 //! | `postgres-tls` | PostgreSQL over TLS | `postgres://…?sslmode=require` (`verify-ca`, `verify-full`) |
+//! | `mysql` | MySQL 5.7+/8, MariaDB 10.5+ | `mysql://`, `mariadb://` |
+//! | `mysql-tls` | MySQL or MariaDB over TLS | `mysql://…?ssl-mode=required` (`verify_ca`, `verify_identity`) |
 //! | `dynamodb` | DynamoDB | `dynamodb://TABLE?region=…&endpoint=…` |
-//! | `full` | `sqlite`, `redis`, `postgres`, `dynamodb` | |
-//! | `full-tls` | `full` with `redis-tls`, `redis-cluster`, `postgres-tls` | |
+//! | `full` | `sqlite`, `redis`, `postgres`, `mysql`, `dynamodb` | |
+//! | `full-tls` | `full` with `redis-tls`, `redis-cluster`, `postgres-tls`, `mysql-tls` | |
 //!
 //! A URL whose backend is compiled out returns [`Error::Config`] naming the
 //! feature to enable.
@@ -74,6 +78,11 @@ pub use idempotency_postgres as postgres;
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 #[doc(inline)]
 pub use idempotency_sqlite as sqlite;
+
+#[cfg(feature = "mysql")]
+#[cfg_attr(docsrs, doc(cfg(feature = "mysql")))]
+#[doc(inline)]
+pub use idempotency_mysql as mysql;
 
 #[cfg(feature = "dynamodb")]
 #[cfg_attr(docsrs, doc(cfg(feature = "dynamodb")))]
@@ -114,6 +123,8 @@ pub enum StoreKind {
     DynamoDb,
     /// `sqlite:` (`sqlite://path`).
     Sqlite,
+    /// `mysql://`, `mariadb://`.
+    MySql,
 }
 
 impl StoreKind {
@@ -127,6 +138,7 @@ impl StoreKind {
     /// assert_eq!(StoreKind::from_url("postgresql://db/app")?, StoreKind::Postgres);
     /// assert_eq!(StoreKind::from_url("dynamodb://idempotency?region=eu-west-1")?, StoreKind::DynamoDb);
     /// assert_eq!(StoreKind::from_url("sqlite://data/idempotency.db")?, StoreKind::Sqlite);
+    /// assert_eq!(StoreKind::from_url("mariadb://db/app")?, StoreKind::MySql);
     /// assert!(StoreKind::from_url("mongodb://x").is_err());
     /// assert!(StoreKind::from_url("no scheme").is_err());
     /// # Ok::<(), idempotency::Error>(())
@@ -146,10 +158,11 @@ impl StoreKind {
             "postgres" | "postgresql" => Ok(StoreKind::Postgres),
             "dynamodb" => Ok(StoreKind::DynamoDb),
             "sqlite" => Ok(StoreKind::Sqlite),
+            "mysql" | "mariadb" => Ok(StoreKind::MySql),
             other => Err(Error::config(format!(
                 "unknown store scheme {other:?}: use memory:, redis://, rediss://, \
                  redis+cluster://, unix:// (or another Redis scheme: {}), postgres://, \
-                 postgresql://, dynamodb:// or sqlite://",
+                 postgresql://, mysql://, mariadb://, dynamodb:// or sqlite://",
                 REDIS_SCHEMES.join(", ")
             ))),
         }
@@ -163,6 +176,7 @@ impl StoreKind {
             StoreKind::Postgres => Some("postgres"),
             StoreKind::DynamoDb => Some("dynamodb"),
             StoreKind::Sqlite => Some("sqlite"),
+            StoreKind::MySql => Some("mysql"),
         }
     }
 }
@@ -198,6 +212,8 @@ pub fn store_url_from_env() -> String {
 /// - `sqlite://path/to/file.db?synchronous=…&busy_timeout=…` — feature
 ///   `sqlite`; creates the file and applies the embedded migrations unless
 ///   `migrate=false`.
+/// - `mysql://user:pass@host/db?table=…&migrate=false` (also `mariadb://`) —
+///   feature `mysql`; applies the embedded migrations unless `migrate=false`.
 ///
 /// ```
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
@@ -223,6 +239,7 @@ pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
         StoreKind::Postgres => connect_postgres(url).await,
         StoreKind::DynamoDb => connect_dynamodb(url).await,
         StoreKind::Sqlite => connect_sqlite(url).await,
+        StoreKind::MySql => connect_mysql(url).await,
     }
 }
 
@@ -230,7 +247,8 @@ pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
     feature = "redis",
     feature = "postgres",
     feature = "dynamodb",
-    feature = "sqlite"
+    feature = "sqlite",
+    feature = "mysql"
 )))]
 fn feature_off(kind: StoreKind, url: &str) -> Error {
     let scheme = url.split_once(':').map_or(url, |(s, _)| s);
@@ -280,6 +298,16 @@ async fn connect_sqlite(url: &str) -> Result<SharedRepository, Error> {
 #[cfg(not(feature = "sqlite"))]
 async fn connect_sqlite(url: &str) -> Result<SharedRepository, Error> {
     Err(feature_off(StoreKind::Sqlite, url))
+}
+
+#[cfg(feature = "mysql")]
+async fn connect_mysql(url: &str) -> Result<SharedRepository, Error> {
+    Ok(Arc::new(idempotency_mysql::connect(url).await?))
+}
+
+#[cfg(not(feature = "mysql"))]
+async fn connect_mysql(url: &str) -> Result<SharedRepository, Error> {
+    Err(feature_off(StoreKind::MySql, url))
 }
 
 #[cfg(test)]

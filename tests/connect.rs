@@ -35,6 +35,12 @@ async fn disabled_backends_name_their_feature() {
             "sqlite",
             cfg!(feature = "sqlite"),
         ),
+        ("mysql://u@127.0.0.1:1/db", "mysql", cfg!(feature = "mysql")),
+        (
+            "mariadb://u@127.0.0.1:1/db",
+            "mysql",
+            cfg!(feature = "mysql"),
+        ),
     ];
     for (url, feature, enabled) in cases {
         if enabled {

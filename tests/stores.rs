@@ -4,7 +4,8 @@
     feature = "redis",
     feature = "postgres",
     feature = "dynamodb",
-    feature = "sqlite"
+    feature = "sqlite",
+    feature = "mysql"
 ))]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -114,4 +115,17 @@ async fn sqlite_by_url() {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("{}.db", containers::unique_namespace("facade")));
     exercise(&format!("sqlite://{}", file.display()), "sqlite").await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql_by_url() {
+    let server = containers::mariadb()
+        .await
+        .expect("a MariaDB server for the tests");
+    exercise(&server.url_with("table=idem_facade"), "mysql").await;
+    let mariadb = server
+        .url_with("table=idem_facade")
+        .replacen("mysql://", "mariadb://", 1);
+    exercise(&mariadb, "mysql").await;
 }

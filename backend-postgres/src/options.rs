@@ -138,11 +138,7 @@ fn positive_duration(name: &str, value: &str) -> Result<Duration, Error> {
 }
 
 fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
-    match value.to_ascii_lowercase().as_str() {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(invalid(name, value, "true or false")),
-    }
+    idempotency_core::parse_bool(value).ok_or_else(|| invalid(name, value, "true or false"))
 }
 
 fn invalid(name: &str, value: &str, expected: &str) -> Error {

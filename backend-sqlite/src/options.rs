@@ -101,11 +101,7 @@ fn invalid(name: &str, value: &str, expected: &str) -> Error {
 }
 
 fn parse_bool(name: &str, value: &str) -> Result<bool, Error> {
-    match value {
-        "true" | "1" | "yes" | "on" => Ok(true),
-        "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(invalid(name, value, "true or false")),
-    }
+    idempotency_core::parse_bool(value).ok_or_else(|| invalid(name, value, "true or false"))
 }
 
 #[cfg(test)]

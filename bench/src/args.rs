@@ -12,7 +12,7 @@ idempotency-bench: every store of idempotency-rs against its raw client, interle
 USAGE: cargo run --release -p idempotency-bench -- [OPTIONS]
 
 OPTIONS:
-  --backends LIST         memory,sqlite,redis,postgres,dynamodb (default: all compiled in)
+  --backends LIST         memory,sqlite,redis,postgres,mysql,dynamodb (default: all compiled in)
   --ops N                 measured operations per variant, scenario and concurrency
                           (default 20000; split over the rounds; at least, see
                           --min-round-ms)
@@ -30,6 +30,9 @@ OPTIONS:
   --postgres-url URL      PostgreSQL server (default $IDEMPOTENCY_BENCH_POSTGRES_URL, else
                           the harness)
   --postgres-pool N       connections in the pool shared by library and raw (default 32)
+  --mysql-url URL         MySQL or MariaDB server, a database in the path (default
+                          $IDEMPOTENCY_BENCH_MYSQL_URL, else the harness's MariaDB)
+  --mysql-pool N          connections in the pool shared by library and raw (default 32)
   --dynamodb-endpoint URL DynamoDB-compatible endpoint (default
                           $IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT, else the harness)
   --dynamodb-region R     region for the endpoint (default us-east-1)
@@ -58,6 +61,10 @@ pub struct Args {
     pub postgres_url: Option<String>,
     /// Pool size for PostgreSQL.
     pub postgres_pool: u32,
+    /// MySQL URL, if given.
+    pub mysql_url: Option<String>,
+    /// Pool size for MySQL.
+    pub mysql_pool: u32,
     /// DynamoDB endpoint, if given.
     pub dynamodb_endpoint: Option<String>,
     /// DynamoDB region.
@@ -81,6 +88,9 @@ pub fn compiled_backends() -> Vec<String> {
     }
     if cfg!(feature = "postgres") {
         all.push("postgres");
+    }
+    if cfg!(feature = "mysql") {
+        all.push("mysql");
     }
     if cfg!(feature = "dynamodb") {
         all.push("dynamodb");
@@ -138,6 +148,8 @@ impl Args {
             redis_url: env("IDEMPOTENCY_BENCH_REDIS_URL"),
             postgres_url: env("IDEMPOTENCY_BENCH_POSTGRES_URL"),
             postgres_pool: 32,
+            mysql_url: env("IDEMPOTENCY_BENCH_MYSQL_URL"),
+            mysql_pool: 32,
             dynamodb_endpoint: env("IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT"),
             dynamodb_region: "us-east-1".to_owned(),
             sqlite_synchronous: "full".to_owned(),
@@ -202,6 +214,8 @@ impl Args {
                 "--redis-url" => a.redis_url = Some(value()?),
                 "--postgres-url" => a.postgres_url = Some(value()?),
                 "--postgres-pool" => a.postgres_pool = number(&flag, &value()?)?,
+                "--mysql-url" => a.mysql_url = Some(value()?),
+                "--mysql-pool" => a.mysql_pool = number(&flag, &value()?)?,
                 "--dynamodb-endpoint" => a.dynamodb_endpoint = Some(value()?),
                 "--dynamodb-region" => a.dynamodb_region = value()?,
                 "--sqlite-synchronous" => a.sqlite_synchronous = value()?,

@@ -157,6 +157,22 @@ async fn connect(
                 .await?,
             ))
         }
+        #[cfg(feature = "mysql")]
+        "mysql" => {
+            let url = match &args.mysql_url {
+                Some(url) => url.clone(),
+                None => {
+                    let server = idempotency_conformance::containers::mariadb().await?;
+                    let url = server.url().to_owned();
+                    keep.push(Box::new(server));
+                    url
+                }
+            };
+            Ok(Arc::new(
+                idempotency_bench::workloads::mysql::MySqlWorkload::connect(&url, args.mysql_pool)
+                    .await?,
+            ))
+        }
         #[cfg(feature = "dynamodb")]
         "dynamodb" => {
             let (endpoint, region) = match &args.dynamodb_endpoint {

@@ -251,6 +251,23 @@ pub fn parse_duration(s: &str) -> Option<Duration> {
     Some(Duration::from_millis(ms))
 }
 
+/// Parses a URL option's boolean: `true`/`1`/`yes`/`on` or
+/// `false`/`0`/`no`/`off`, in any case.
+///
+/// ```
+/// use idempotency_core::parse_bool;
+/// assert_eq!(parse_bool("ON"), Some(true));
+/// assert_eq!(parse_bool("0"), Some(false));
+/// assert_eq!(parse_bool("maybe"), None);
+/// ```
+pub fn parse_bool(s: &str) -> Option<bool> {
+    match s.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "yes" | "on" => Some(true),
+        "false" | "0" | "no" | "off" => Some(false),
+        _ => None,
+    }
+}
+
 fn format_duration(d: &Duration) -> String {
     let ms = d.as_millis();
     if ms.is_multiple_of(1000) {

@@ -69,7 +69,7 @@ mod time;
 
 pub use codec::{Codec, JsonCodec};
 pub use config::{
-    parse_duration, CancelPolicy, Config, FailurePolicy, InProgressPolicy, OutagePolicy,
+    parse_bool, parse_duration, CancelPolicy, Config, FailurePolicy, InProgressPolicy, OutagePolicy,
 };
 pub use decision::FailureKind;
 pub use engine::lease::ExecutionContext;

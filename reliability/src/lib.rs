@@ -26,7 +26,7 @@ pub use scenario::{Bound, Scenario};
 pub use target::{Backend, Target};
 
 /// The scenarios that apply to `backend`: the in-memory store and SQLite have
-/// no network and no server, the Redis Cluster no proxy (in-process faults only); a durable restart applies to PostgreSQL and to Redis with an
+/// no network and no server, the Redis Cluster no proxy (in-process faults only); a durable restart applies to PostgreSQL, MySQL and to Redis with an
 /// append-only file, a forgetful one to Redis without persistence (its stated
 /// bound: one effect per delivery).
 pub fn scenarios_for(backend: Backend) -> Vec<Scenario> {
@@ -46,11 +46,13 @@ pub fn scenarios_for(backend: Backend) -> Vec<Scenario> {
         // transaction back). Takeovers after a holder stops answering are
         // checked for SQLite by the conformance suite.
         .filter(|s| !(backend == Backend::Sqlite && *s == Scenario::ConsumerCrash))
-        // Restarts: PostgreSQL, and Redis with and without persistence (the
+        // Restarts: PostgreSQL, MySQL, and Redis with and without persistence (the
         // DynamoDB emulator keeps its tables in memory: a restart is a store
         // that forgets, which DynamoDB itself is not).
         .filter(|s| match s {
-            Scenario::ServerRestart => matches!(backend, Backend::Postgres | Backend::Redis),
+            Scenario::ServerRestart => {
+                matches!(backend, Backend::Postgres | Backend::Mysql | Backend::Redis)
+            }
             Scenario::ServerRestartForgetful => backend == Backend::Redis,
             _ => true,
         })

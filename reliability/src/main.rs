@@ -12,7 +12,7 @@ use idempotency_reliability::{run, scenarios_for, Backend, Figures, Plan, Scenar
 #[derive(Debug, Parser)]
 struct Args {
     /// Backends to soak.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Backend::Memory, Backend::Sqlite, Backend::Redis, Backend::RedisCluster, Backend::Postgres, Backend::Dynamodb])]
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [Backend::Memory, Backend::Sqlite, Backend::Redis, Backend::RedisCluster, Backend::Postgres, Backend::Mysql, Backend::Dynamodb])]
     backends: Vec<Backend>,
     /// Scenarios to run (all that apply to each backend by default).
     #[arg(long, value_enum, value_delimiter = ',')]

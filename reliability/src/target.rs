@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::scenario::Scenario;
 use idempotency_conformance::containers::{
-    self, Dedicated, DynamoDbServer, FaultProxy, PostgresServer, RedisServer,
+    self, Dedicated, DynamoDbServer, FaultProxy, MariaDbServer, PostgresServer, RedisServer,
 };
 use idempotency_core::{
     Clock, Config, IdempotencyManager, JsonCodec, MemoryRepository, SharedRepository, SystemClock,
@@ -31,6 +31,8 @@ pub enum Backend {
     /// SQLite: one file, each process its own connection (in-process faults
     /// only: there is no network to cut).
     Sqlite,
+    /// MySQL protocol: the harness's MariaDB.
+    Mysql,
 }
 
 impl fmt::Display for Backend {
@@ -42,6 +44,7 @@ impl fmt::Display for Backend {
             Backend::Postgres => "postgres",
             Backend::Dynamodb => "dynamodb",
             Backend::Sqlite => "sqlite",
+            Backend::Mysql => "mysql",
         })
     }
 }
@@ -68,6 +71,8 @@ pub enum OwnServer {
     Postgres(Dedicated<PostgresServer>),
     /// DynamoDB (moto).
     Dynamodb(Dedicated<DynamoDbServer>),
+    /// MariaDB.
+    Mysql(Dedicated<MariaDbServer>),
 }
 
 impl OwnServer {
@@ -93,6 +98,7 @@ impl OwnServer {
             Backend::Dynamodb => {
                 OwnServer::Dynamodb(DynamoDbServer::dedicated().await.map_err(harness)?)
             }
+            Backend::Mysql => OwnServer::Mysql(MariaDbServer::dedicated().await.map_err(harness)?),
             Backend::Memory | Backend::RedisCluster | Backend::Sqlite => {
                 return Err(format!("{backend}: no server of a run's own"))
             }
@@ -104,6 +110,7 @@ impl OwnServer {
             OwnServer::Redis(s) => s.url().to_owned(),
             OwnServer::Postgres(s) => s.url().to_owned(),
             OwnServer::Dynamodb(s) => dynamodb_url(s.region(), s.endpoint()),
+            OwnServer::Mysql(s) => s.url().to_owned(),
         }
     }
 
@@ -123,6 +130,7 @@ impl OwnServer {
             OwnServer::Redis(s) => pause_for(s, d).await,
             OwnServer::Postgres(s) => pause_for(s, d).await,
             OwnServer::Dynamodb(s) => pause_for(s, d).await,
+            OwnServer::Mysql(s) => pause_for(s, d).await,
         };
         r.map_err(|e| e.to_string())
     }
@@ -136,6 +144,7 @@ impl OwnServer {
             OwnServer::Redis(s) => s.restart().await,
             OwnServer::Postgres(s) => s.restart().await,
             OwnServer::Dynamodb(s) => s.restart().await,
+            OwnServer::Mysql(s) => s.restart().await,
         };
         r.map_err(|e| e.to_string())
     }
@@ -277,7 +286,7 @@ async fn proxied_urls(
     };
     let proxy = FaultProxy::start(&server).await.map_err(harness)?;
     let direct = match backend {
-        Backend::Postgres => with_query(&direct, &format!("table={TABLE}")),
+        Backend::Postgres | Backend::Mysql => with_query(&direct, &format!("table={TABLE}")),
         _ => direct,
     };
     Ok((direct, proxy))
@@ -302,6 +311,11 @@ async fn shared_urls(backend: Backend) -> Result<(String, String), String> {
             let direct = dynamodb_url(server.region(), server.endpoint());
             (direct, server.endpoint().to_owned())
         }
+        Backend::Mysql => {
+            let server = containers::mariadb().await.map_err(harness)?;
+            let url = server.url().to_owned();
+            (url.clone(), url)
+        }
         Backend::Memory | Backend::RedisCluster | Backend::Sqlite => {
             return Err(format!("{backend}: not behind a proxy"))
         }
@@ -313,7 +327,7 @@ async fn shared_urls(backend: Backend) -> Result<(String, String), String> {
 fn proxy_url(backend: Backend, direct: &str, via: &str) -> String {
     match backend {
         Backend::Redis => with_query(via, "response_timeout=500ms&connect_timeout=500ms"),
-        Backend::Postgres => with_query(
+        Backend::Postgres | Backend::Mysql => with_query(
             via,
             &format!("table={TABLE}&operation_timeout=500ms&acquire_timeout=2s"),
         ),

@@ -67,3 +67,8 @@ async fn postgres() {
 async fn dynamodb() {
     every_scenario(Backend::Dynamodb).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mysql() {
+    every_scenario(Backend::Mysql).await;
+}

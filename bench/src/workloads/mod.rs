@@ -10,6 +10,8 @@ pub mod memory;
 
 #[cfg(feature = "dynamodb")]
 pub mod dynamodb;
+#[cfg(feature = "mysql")]
+pub mod mysql;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 #[cfg(feature = "redis")]
@@ -30,7 +32,7 @@ pub enum Lane {
 /// server.
 #[async_trait]
 pub trait Workload: Send + Sync + 'static {
-    /// `memory`, `sqlite`, `redis`, `postgres` or `dynamodb`.
+    /// `memory`, `sqlite`, `redis`, `postgres`, `mysql` or `dynamodb`.
     fn backend(&self) -> &'static str;
 
     /// What it runs against (server version, pool size …), for the report.

@@ -62,12 +62,13 @@ const LABEL_RUN: &str = "org.idempotency-rs.run";
 /// How long a server may take to answer its client after its container started.
 const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The three kinds of server, with their images, ports and variables.
+/// The four kinds of server, with their images, ports and variables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Redis,
     Postgres,
     DynamoDb,
+    MariaDb,
 }
 
 impl Kind {
@@ -76,6 +77,7 @@ impl Kind {
             Kind::Redis => "redis",
             Kind::Postgres => "postgres",
             Kind::DynamoDb => "dynamodb",
+            Kind::MariaDb => "mariadb",
         }
     }
 
@@ -84,6 +86,7 @@ impl Kind {
             Kind::Redis => "IDEMPOTENCY_TEST_REDIS_IMAGE",
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_IMAGE",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_IMAGE",
+            Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_IMAGE",
         }
     }
 
@@ -92,6 +95,7 @@ impl Kind {
             Kind::Redis => "redis:7",
             Kind::Postgres => "postgres:16",
             Kind::DynamoDb => "amazon/dynamodb-local:latest",
+            Kind::MariaDb => "mariadb:11",
         }
     }
 
@@ -100,6 +104,7 @@ impl Kind {
             Kind::Redis => "idempotency-test/redis:bookworm",
             Kind::Postgres => "idempotency-test/postgres:bookworm",
             Kind::DynamoDb => "idempotency-test/dynamodb:bookworm",
+            Kind::MariaDb => "idempotency-test/mariadb:bookworm",
         }
     }
 
@@ -108,6 +113,7 @@ impl Kind {
             Kind::Redis => "IDEMPOTENCY_TEST_REDIS_URL",
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_URL",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT",
+            Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_URL",
         }
     }
 
@@ -116,6 +122,7 @@ impl Kind {
             Kind::Redis => "redis://127.0.0.1:6379",
             Kind::Postgres => "postgres://postgres:postgres@127.0.0.1:5432/postgres",
             Kind::DynamoDb => "http://127.0.0.1:8000",
+            Kind::MariaDb => "mysql://root:mariadb@127.0.0.1:3306/idempotency",
         }
     }
 
@@ -124,6 +131,7 @@ impl Kind {
             Kind::Redis => 6379,
             Kind::Postgres => 5432,
             Kind::DynamoDb => 8000,
+            Kind::MariaDb => 3306,
         }
     }
 

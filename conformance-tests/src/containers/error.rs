@@ -111,6 +111,7 @@ fn kind_named(name: &str) -> Kind {
     match name {
         "postgres" => Kind::Postgres,
         "dynamodb" => Kind::DynamoDb,
+        "mariadb" => Kind::MariaDb,
         _ => Kind::Redis,
     }
 }

@@ -43,6 +43,7 @@ impl External {
         let default_port = match kind {
             Kind::Redis => Some(6379),
             Kind::Postgres => Some(5432),
+            Kind::MariaDb => Some(3306),
             Kind::DynamoDb => None,
         };
         let port = url

@@ -1,5 +1,5 @@
 //! Real servers for backend tests (feature `containers`): one shared Redis,
-//! PostgreSQL and DynamoDB-compatible server per test binary, started with
+//! PostgreSQL, DynamoDB-compatible and MariaDB server per test binary, started with
 //! [testcontainers](https://docs.rs/testcontainers), or taken from environment
 //! variables.
 //!
@@ -28,6 +28,7 @@
 //! | Redis | [`redis()`] | `IDEMPOTENCY_TEST_REDIS_IMAGE` (`redis:7`) | `IDEMPOTENCY_TEST_REDIS_URL` |
 //! | PostgreSQL | [`postgres()`] | `IDEMPOTENCY_TEST_POSTGRES_IMAGE` (`postgres:16`) | `IDEMPOTENCY_TEST_POSTGRES_URL` |
 //! | DynamoDB | [`dynamodb()`] | `IDEMPOTENCY_TEST_DYNAMODB_IMAGE` (`amazon/dynamodb-local:latest`) | `IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT` |
+//! | MariaDB (MySQL) | [`mariadb()`] | `IDEMPOTENCY_TEST_MARIADB_IMAGE` (`mariadb:11`) | `IDEMPOTENCY_TEST_MARIADB_URL` |
 //!
 //! A three-master Redis Cluster comes from [`redis_cluster()`] (nodes on the
 //! host network, bound to `127.0.0.1`), or from `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`.
@@ -41,7 +42,7 @@
 //!   pulled.
 //! - Otherwise the image is started with testcontainers, published on
 //!   `127.0.0.1` only. Readiness is checked with the real protocol (`PING`,
-//!   `SELECT 1`, `ListTables`), retried until `IDEMPOTENCY_TEST_READY_TIMEOUT_SECS`
+//!   `SELECT 1`, `ListTables`, MariaDB's handshake), retried until `IDEMPOTENCY_TEST_READY_TIMEOUT_SECS`
 //!   (default 60) — no log-line matching, so locally baked images
 //!   (`scripts/bake-images.sh`) work exactly like the official ones.
 //! - Without Docker and without the variable, every function returns a
@@ -65,6 +66,7 @@ mod dynamodb;
 mod error;
 mod external;
 mod fault_proxy;
+mod mariadb;
 mod postgres;
 mod redis;
 mod redis_cluster;
@@ -75,6 +77,7 @@ pub use docker::{Dedicated, Origin};
 pub use dynamodb::{dynamodb, DynamoDbResponse, DynamoDbServer};
 pub use error::HarnessError;
 pub use fault_proxy::{FaultProxy, ProxyFaults};
+pub use mariadb::{mariadb, MariaDbServer};
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, RedisClusterServer};

@@ -1,5 +1,6 @@
-//! A TCP proxy in front of a PostgreSQL or Redis server that counts what clients
-//! send: PostgreSQL protocol messages by type, or Redis commands. It is how the
+//! A TCP proxy in front of a PostgreSQL, Redis or MySQL server that counts what
+//! clients send: PostgreSQL protocol messages by type, Redis commands, or MySQL
+//! commands by command byte. It is how the
 //! backends' tests prove their round trips and statements, and how the benchmark
 //! counts round trips of the library and of the raw client alike (server-side
 //! counters such as Redis `INFO commandstats` also count the commands scripts run
@@ -15,8 +16,10 @@ use tokio::task::JoinHandle;
 use super::error::HarnessError;
 
 /// Counts by kind: PostgreSQL frontend messages by type byte (`'B'` Bind, `'E'`
-/// Execute, `'P'` Parse, `'Q'` simple Query, `'S'` Sync, …), or Redis commands
-/// under `'*'`. A PostgreSQL `Sync` with nothing before it since the previous
+/// Execute, `'P'` Parse, `'Q'` simple Query, `'S'` Sync, …), Redis commands
+/// under `'*'`, or MySQL commands by command byte (`'\u{3}'` `COM_QUERY`,
+/// `'\u{16}'` `COM_STMT_PREPARE`, `'\u{17}'` `COM_STMT_EXECUTE`, …; a
+/// `COM_PING` under [`PING`]). A PostgreSQL `Sync` with nothing before it since the previous
 /// one is a ping (how a pool checks a connection, sqlx on every return to the
 /// pool) and is counted under [`PING`] instead of `'S'`.
 pub type MessageCounts = BTreeMap<char, u64>;
@@ -30,7 +33,13 @@ pub const PING: char = '~';
 enum Protocol {
     Postgres,
     Resp,
+    MySql,
 }
+
+/// MySQL commands the server does not answer (no round trip).
+const MYSQL_UNANSWERED: [char; 2] = ['\u{1}', '\u{19}']; // COM_QUIT, COM_STMT_CLOSE
+/// MySQL's `COM_PING`.
+const MYSQL_PING: u8 = 0x0e;
 
 /// A counting proxy to one server. Connect through [`url`](Self::url); what a
 /// client sends is counted, then forwarded unchanged. The proxy stops accepting
@@ -81,6 +90,17 @@ impl WireCounter {
         Self::start(url, Protocol::Resp, 6379).await
     }
 
+    /// Starts a proxy on 127.0.0.1 (a free port) to the MySQL or MariaDB
+    /// server of `url` (`mysql://…`). The proxied URL keeps credentials,
+    /// database and options, and adds `ssl-mode=disabled` so packets can be
+    /// read.
+    ///
+    /// # Errors
+    /// As [`postgres`](Self::postgres).
+    pub async fn mysql(url: &str) -> Result<Self, HarnessError> {
+        Self::start(url, Protocol::MySql, 3306).await
+    }
+
     async fn start(url: &str, protocol: Protocol, default_port: u16) -> Result<Self, HarnessError> {
         let parsed =
             url::Url::parse(url).map_err(|e| HarnessError::operation("parse the server URL", e))?;
@@ -90,14 +110,19 @@ impl WireCounter {
             super::fault_proxy::listen_for(&parsed, "the counting proxy").await?;
         let query: Vec<(String, String)> = parsed
             .query_pairs()
-            .filter(|(k, _)| k != "sslmode")
+            .filter(|(k, _)| k != "sslmode" && k != "ssl-mode")
             .map(|(k, v)| (k.into_owned(), v.into_owned()))
             .collect();
-        if protocol == Protocol::Postgres {
+        let plain = match protocol {
+            Protocol::Postgres => Some(("sslmode", "disable")),
+            Protocol::MySql => Some(("ssl-mode", "disabled")),
+            Protocol::Resp => None,
+        };
+        if let Some((name, value)) = plain {
             via.query_pairs_mut()
                 .clear()
                 .extend_pairs(query)
-                .append_pair("sslmode", "disable");
+                .append_pair(name, value);
         }
         let counts = Counts::default();
         let accept = tokio::spawn(accept_loop(
@@ -134,8 +159,8 @@ impl WireCounter {
     }
 
     /// Round trips since `before` that carried statements: PostgreSQL `Sync`
-    /// after extended-protocol messages plus simple `Query` messages, or Redis
-    /// commands. A pool's pings are left out: when sqlx sends them (after the
+    /// after extended-protocol messages plus simple `Query` messages, Redis
+    /// commands, or MySQL commands the server answers. A pool's pings are left out: when sqlx sends them (after the
     /// caller has its answer, from a background task) depends on scheduling, so
     /// counting them made the figure depend on timing; [`pings_since`](Self::pings_since)
     /// counts them.
@@ -145,10 +170,16 @@ impl WireCounter {
         match self.protocol {
             Protocol::Postgres => count('S') + count('Q'),
             Protocol::Resp => count('*'),
+            Protocol::MySql => since
+                .iter()
+                .filter(|(k, _)| **k != PING && !MYSQL_UNANSWERED.contains(k))
+                .map(|(_, v)| v)
+                .sum(),
         }
     }
 
-    /// PostgreSQL pings (lone `Sync`s) since `before`; always 0 for Redis.
+    /// PostgreSQL pings (lone `Sync`s) or MySQL `COM_PING`s since `before`;
+    /// always 0 for Redis.
     pub fn pings_since(&self, before: &MessageCounts) -> u64 {
         self.since(before).get(&PING).copied().unwrap_or(0)
     }
@@ -236,12 +267,16 @@ fn resp_command_len(buf: &[u8]) -> Option<usize> {
 impl Parser {
     fn feed(&mut self, data: &[u8]) {
         self.buf.extend_from_slice(data);
-        if self.protocol == Protocol::Resp {
-            while let Some(len) = resp_command_len(&self.buf) {
-                self.counts.add(b'*');
-                self.buf.drain(..len.max(1));
+        match self.protocol {
+            Protocol::Resp => {
+                while let Some(len) = resp_command_len(&self.buf) {
+                    self.counts.add(b'*');
+                    self.buf.drain(..len.max(1));
+                }
+                return;
             }
-            return;
+            Protocol::MySql => return self.feed_mysql(),
+            Protocol::Postgres => {}
         }
         loop {
             if !self.started {
@@ -274,6 +309,30 @@ impl Parser {
                 }
                 self.buf.drain(..=len);
             }
+        }
+    }
+}
+
+impl Parser {
+    /// MySQL packets: a 3-byte little-endian length, a sequence number, the
+    /// payload. A command starts a new exchange at sequence 0 (the handshake
+    /// response, continuation packets of a large statement and
+    /// authentication packets have other numbers).
+    fn feed_mysql(&mut self) {
+        while self.buf.len() >= 4 {
+            let len = usize::from(self.buf[0])
+                | usize::from(self.buf[1]) << 8
+                | usize::from(self.buf[2]) << 16;
+            if self.buf.len() < 4 + len {
+                return;
+            }
+            if self.buf[3] == 0 && len > 0 {
+                match self.buf[4] {
+                    MYSQL_PING => self.counts.add_kind(PING),
+                    command => self.counts.add(command),
+                }
+            }
+            self.buf.drain(..4 + len);
         }
     }
 }

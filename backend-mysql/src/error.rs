@@ -1,0 +1,198 @@
+//! Mapping sqlx's MySQL/MariaDB errors onto the core [`Error`].
+
+use idempotency_core::{Error, RecordKey};
+use sqlx::mysql::MySqlDatabaseError;
+
+pub(crate) const BACKEND: &str = "mysql";
+
+/// Server error numbers this crate tells apart (the same in MySQL and
+/// MariaDB unless noted).
+pub(crate) mod code {
+    pub(crate) const DUP_ENTRY: u16 = 1062;
+    pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
+    pub(crate) const LOCK_DEADLOCK: u16 = 1213;
+    pub(super) const CON_COUNT: u16 = 1040;
+    pub(super) const DBACCESS_DENIED: u16 = 1044;
+    pub(super) const ACCESS_DENIED: u16 = 1045;
+    pub(super) const BAD_DB: u16 = 1049;
+    pub(super) const SERVER_SHUTDOWN: u16 = 1053;
+    pub(super) const TABLEACCESS_DENIED: u16 = 1142;
+    pub(super) const NO_SUCH_TABLE: u16 = 1146;
+    pub(super) const NET_PACKET_TOO_LARGE: u16 = 1153;
+    pub(super) const NET_READ_INTERRUPTED: u16 = 1159;
+    pub(super) const NET_WRITE_INTERRUPTED: u16 = 1161;
+    pub(super) const OPTION_PREVENTS_STATEMENT: u16 = 1290;
+    pub(super) const CANT_EXECUTE_IN_READ_ONLY_TRANSACTION: u16 = 1792;
+    pub(super) const CONNECTION_KILLED: u16 = 1927;
+    /// A statement interrupted (`KILL QUERY`, a server shutting down).
+    pub(super) const QUERY_INTERRUPTED: u16 = 1317;
+    /// MariaDB 11.6+ snapshot isolation: the row changed since the read.
+    pub(super) const CHECKREAD: u16 = 1020;
+    /// MySQL 8.0.24+ closing a connection idle past `wait_timeout`.
+    pub(super) const CLIENT_INTERACTION_TIMEOUT: u16 = 4031;
+    /// MariaDB's `max_statement_time`.
+    pub(super) const STATEMENT_TIMEOUT: u16 = 1969;
+    /// MySQL's `max_execution_time`.
+    pub(super) const QUERY_TIMEOUT: u16 = 3024;
+}
+
+/// The server's error number of a database error, if it is one.
+pub(crate) fn number(err: &sqlx::Error) -> Option<u16> {
+    match err {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .map(MySqlDatabaseError::number),
+        _ => None,
+    }
+}
+
+/// Whether `err` (as [`map_sqlx`] made it) is InnoDB's deadlock error: the
+/// statement or transaction was rolled back whole, and may simply be run
+/// again.
+pub(crate) fn deadlocked(err: &Error) -> bool {
+    let Error::Unavailable {
+        source: Some(source),
+        ..
+    } = err
+    else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(number)
+        .is_some_and(|n| n == code::LOCK_DEADLOCK)
+}
+
+/// Maps a sqlx error of `operation` (on `key`, when there is one).
+///
+/// - connection problems (I/O, TLS, protocol errors of a connection cut
+///   mid-handshake, a closed or exhausted pool, too many connections, a server
+///   shutting down, a killed connection or statement, a connection the server
+///   closed as idle) and deadlocks and snapshot conflicts (retryable by
+///   definition) → [`Error::Unavailable`];
+/// - a server that refuses writes (`read_only`: e.g. a replica after a
+///   failover) → [`Error::Unavailable`], saying so;
+/// - a lock wait or statement timeout → [`Error::Timeout`];
+/// - a missing table → [`Error::Config`] naming it and `migrate()`; refused
+///   credentials, an unknown database, a missing privilege → [`Error::Config`]
+///   saying what to fix;
+/// - a statement over the server's `max_allowed_packet` → [`Error::Config`]
+///   naming the setting (values are capped below the packet size read at
+///   connect, so this means the server's setting was lowered since);
+/// - undecodable columns → [`Error::Corrupt`] naming the key;
+/// - anything else → [`Error::Backend`].
+pub(crate) fn map_sqlx(
+    err: sqlx::Error,
+    operation: &'static str,
+    key: Option<&RecordKey>,
+    table: &str,
+) -> Error {
+    use sqlx::Error as E;
+    match err {
+        E::Io(_) | E::Tls(_) | E::Protocol(_) | E::PoolClosed | E::WorkerCrashed => {
+            unavailable(operation, err)
+        }
+        E::PoolTimedOut => Error::Unavailable {
+            backend: BACKEND,
+            message: format!(
+                "{operation}: no connection within the pool's acquire timeout (server down or \
+                 pool exhausted)"
+            ),
+            source: Some(Box::new(err)),
+        },
+        E::Configuration(_) => Error::config(format!("MySQL connection options: {err}")),
+        E::ColumnDecode { .. }
+        | E::Decode(_)
+        | E::ColumnNotFound(_)
+        | E::ColumnIndexOutOfBounds { .. } => Error::Corrupt {
+            key: key.cloned(),
+            reason: format!("{operation}: {err}"),
+        },
+        E::Database(_) => map_server(err, operation, table),
+        other => Error::backend(BACKEND, other),
+    }
+}
+
+fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
+    use code::*;
+    let Some(n) = number(&err) else {
+        return Error::backend(BACKEND, err);
+    };
+    match n {
+        CON_COUNT
+        | SERVER_SHUTDOWN
+        | CONNECTION_KILLED
+        | NET_READ_INTERRUPTED
+        | NET_WRITE_INTERRUPTED
+        | LOCK_DEADLOCK
+        | QUERY_INTERRUPTED
+        | CHECKREAD
+        | CLIENT_INTERACTION_TIMEOUT => unavailable(operation, err),
+        OPTION_PREVENTS_STATEMENT | CANT_EXECUTE_IN_READ_ONLY_TRANSACTION => Error::Unavailable {
+            backend: BACKEND,
+            message: format!(
+                "{operation}: the server refuses writes (read-only: a replica, or a primary \
+                 during a failover): {err}"
+            ),
+            source: Some(Box::new(err)),
+        },
+        LOCK_WAIT_TIMEOUT | STATEMENT_TIMEOUT | QUERY_TIMEOUT => Error::Timeout {
+            backend: BACKEND,
+            operation,
+        },
+        NO_SUCH_TABLE => Error::config(format!(
+            "{operation}: the idempotency table {table} does not exist; run \
+             MySqlRepository::migrate() (or connect without migrate=false) ({err})"
+        )),
+        ACCESS_DENIED => Error::config(format!(
+            "{operation}: the server refused the credentials; check the user and password in \
+             the URL ({err})"
+        )),
+        BAD_DB => Error::config(format!(
+            "{operation}: the database in the URL does not exist; create it or fix the URL's \
+             path ({err})"
+        )),
+        DBACCESS_DENIED | TABLEACCESS_DENIED => Error::config(format!(
+            "{operation}: the user lacks a privilege on {table} (grant SELECT, INSERT, UPDATE, \
+             DELETE, and CREATE for migrate()) ({err})"
+        )),
+        NET_PACKET_TOO_LARGE => Error::config(format!(
+            "{operation}: a statement exceeded the server's max_allowed_packet; raise it on the \
+             server, or lower the manager's max_result_bytes ({err})"
+        )),
+        _ => Error::backend(BACKEND, err),
+    }
+}
+
+pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        message: format!("{operation}: {err}"),
+        source: Some(Box::new(err)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn io_pool_and_protocol_errors_are_outages() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(map_sqlx(io, "reserve", None, "t").is_store_outage());
+        assert!(map_sqlx(sqlx::Error::PoolTimedOut, "get", None, "t").is_store_outage());
+        assert!(map_sqlx(sqlx::Error::PoolClosed, "get", None, "t").is_store_outage());
+        let cut = sqlx::Error::Protocol("unexpected end of handshake".into());
+        assert!(map_sqlx(cut, "reserve", None, "t").is_store_outage());
+    }
+
+    #[test]
+    fn decode_errors_name_the_key() {
+        let key = RecordKey::new("ns", "id", 64).unwrap_or_else(|e| panic!("{e}"));
+        let err = sqlx::Error::ColumnNotFound("owner".into());
+        assert!(matches!(
+            map_sqlx(err, "get", Some(&key), "t"),
+            Error::Corrupt { key: Some(k), .. } if k == key
+        ));
+    }
+}
