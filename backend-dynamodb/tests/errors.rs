@@ -13,29 +13,9 @@ use aws_sdk_dynamodb::types::{
 };
 use idempotency_conformance::containers::FaultProxy;
 use idempotency_conformance::error_table::{
-    assert_error_table, foreign_service, ErrorRow, Expected,
-};
-use idempotency_core::{
-    Clock, Error, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock,
+    assert_error_table, foreign_service, reserve_once, ErrorRow, Expected,
 };
 use idempotency_dynamodb::DynamoDbRepository;
-
-async fn reserve(repo: &DynamoDbRepository, id: &str) -> Result<(), Error> {
-    let key = RecordKey::new("errors", id, 511).unwrap();
-    let now = SystemClock.now();
-    repo.reserve(ReserveRequest {
-        key: &key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(60),
-        expires_at: now + Duration::from_secs(120),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    })
-    .await
-    .map(drop)
-}
 
 /// A URL on the shared server's endpoint (or `endpoint`), without creating
 /// the table unless `query` says so.
@@ -84,7 +64,7 @@ async fn table_rows() -> Vec<ErrorRow> {
         .unwrap();
     let missing_row = ErrorRow::new(
         "table that does not exist",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Config,
         &[&missing, "create_table"],
     );
@@ -113,7 +93,7 @@ async fn table_rows() -> Vec<ErrorRow> {
     let wrong = DynamoDbRepository::from_client(repo.client().clone(), other.clone());
     let schema_row = ErrorRow::new(
         "table with another partition key",
-        reserve(&wrong, "x").await,
+        reserve_once(&wrong, "x").await,
         Expected::Config,
         &[&other, "partition key `pk`"],
     );
@@ -129,7 +109,7 @@ async fn no_credentials_row() -> ErrorRow {
             .unwrap();
     ErrorRow::new(
         "no AWS credentials anywhere (`credentials=default`)",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Config,
         &["no AWS credentials"],
     )
@@ -148,7 +128,7 @@ async fn refused_row() -> ErrorRow {
         .unwrap();
     ErrorRow::new(
         "nothing listening at the endpoint",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Outage,
         &["dynamodb"],
     )
@@ -162,7 +142,7 @@ async fn foreign_row() -> ErrorRow {
         .unwrap();
     ErrorRow::new(
         "another service at the endpoint",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Config,
         &["t_foreign", "is it a DynamoDB endpoint"],
     )
@@ -185,10 +165,10 @@ async fn black_hole_row() -> ErrorRow {
     )
     .await
     .unwrap();
-    reserve(&repo, "warm").await.unwrap();
+    reserve_once(&repo, "warm").await.unwrap();
     proxy.cut();
     let started = Instant::now();
-    let got = reserve(&repo, "cut").await;
+    let got = reserve_once(&repo, "cut").await;
     let waited = started.elapsed();
     proxy.heal();
     let bound = idempotency_dynamodb::DEFAULT_OPERATION_TIMEOUT + Duration::from_secs(5);

@@ -3,8 +3,8 @@
 
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
-    Status, Timestamp,
+    Capabilities, Error, Fingerprint, OwnedWrite, OwnerToken, Record, RecordKey, Reservation,
+    ReserveRequest, Status, Timestamp,
 };
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlExecutor, MySqlPool, Row};
@@ -227,16 +227,11 @@ pub(crate) async fn select<'e>(
     row.map(|row| decode(&row, key)).transpose()
 }
 
-/// Inserts `record` for a key that has none; `false` when one exists.
-async fn insert(
-    sql: &Statements,
-    pool: &MySqlPool,
-    key: &RecordKey,
-    r: &Record,
-) -> Result<bool, Error> {
-    let done = sqlx::query(&sql.insert)
-        .bind(key.namespace().as_bytes())
-        .bind(key.id().as_bytes())
+type Query<'q> = sqlx::query::Query<'q, sqlx::MySql, sqlx::mysql::MySqlArguments>;
+
+/// Binds every column of `r`, in the order of [`COLUMNS`].
+fn bind_record<'q>(query: Query<'q>, r: &'q Record) -> Query<'q> {
+    query
         .bind(r.status.as_str())
         .bind(r.owner.to_bytes().to_vec())
         .bind(r.attempt)
@@ -248,8 +243,19 @@ async fn insert(
         .bind(ts(r.expires_at))
         .bind(ts(r.created_at))
         .bind(ts(r.updated_at))
-        .execute(pool)
-        .await;
+}
+
+/// Inserts `record` for a key that has none; `false` when one exists.
+async fn insert(
+    sql: &Statements,
+    pool: &MySqlPool,
+    key: &RecordKey,
+    r: &Record,
+) -> Result<bool, Error> {
+    let query = sqlx::query(&sql.insert)
+        .bind(key.namespace().as_bytes())
+        .bind(key.id().as_bytes());
+    let done = bind_record(query, r).execute(pool).await;
     match done {
         Ok(_) => Ok(true),
         Err(e) if number(&e) == Some(code::DUP_ENTRY) => Ok(false),
@@ -266,18 +272,7 @@ async fn replace_if_unchanged(
     old: &Record,
     new: &Record,
 ) -> Result<bool, Error> {
-    let done = sqlx::query(&sql.replace_if_unchanged)
-        .bind(new.status.as_str())
-        .bind(new.owner.to_bytes().to_vec())
-        .bind(new.attempt)
-        .bind(new.fingerprint.map(|f| f.as_bytes().to_vec()))
-        .bind(new.result.as_deref())
-        .bind(new.error.as_deref())
-        .bind(new.retryable)
-        .bind(ts(new.lease_until))
-        .bind(ts(new.expires_at))
-        .bind(ts(new.created_at))
-        .bind(ts(new.updated_at))
+    let done = bind_record(sqlx::query(&sql.replace_if_unchanged), new)
         .bind(key.namespace().as_bytes())
         .bind(key.id().as_bytes())
         .bind(old.status.as_str())
@@ -366,38 +361,6 @@ async fn reserve_round(
     Ok(taken.then_some(Reservation::Acquired { attempt }))
 }
 
-/// What an owner-checked write does to the record `owner` holds.
-pub(crate) enum OwnedWrite<'a> {
-    /// `Processing → Completed` or `Failed`, with the value kept.
-    Finish {
-        status: Status,
-        value: Option<&'a [u8]>,
-        retryable: bool,
-        expires_at: Timestamp,
-    },
-    /// A new lease; expiry never moves back.
-    Extend {
-        lease_until: Timestamp,
-        expires_at: Timestamp,
-    },
-    /// The record is removed.
-    Release,
-}
-
-impl OwnedWrite<'_> {
-    pub(crate) fn operation(&self) -> &'static str {
-        match self {
-            OwnedWrite::Finish {
-                status: Status::Completed,
-                ..
-            } => "complete",
-            OwnedWrite::Finish { .. } => "fail",
-            OwnedWrite::Extend { .. } => "extend",
-            OwnedWrite::Release => "release",
-        }
-    }
-}
-
 /// Applies `write` to the live `Processing` record `owner` holds under `key`,
 /// in one statement; `LeaseLost` when there is none.
 pub(crate) async fn write_owned(
@@ -412,14 +375,11 @@ pub(crate) async fn write_owned(
     let query = match write {
         OwnedWrite::Finish {
             status,
-            value,
             retryable,
             expires_at,
+            ..
         } => {
-            let (result, error) = match status {
-                Status::Completed => (value, None),
-                _ => (None, value),
-            };
+            let (result, error) = write.columns();
             sqlx::query(&sql.finish)
                 .bind(status.as_str())
                 .bind(result)

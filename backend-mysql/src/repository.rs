@@ -7,14 +7,14 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::{
-    Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
-    Status, Timestamp,
+    Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, Repository, Reservation,
+    ReserveRequest, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection, MySqlPool, Row};
 
 use crate::error::{map_sqlx, BACKEND};
-use crate::ops::{self, OwnedWrite, Statements};
+use crate::ops::{self, Statements};
 use crate::options::UrlOptions;
 
 /// The table used unless the URL's `table` option names another.
@@ -293,13 +293,8 @@ impl Repository for MySqlRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.capabilities().check_value("result", result)?;
-        let write = OwnedWrite::Finish {
-            status: Status::Completed,
-            value: result,
-            retryable: false,
-            expires_at,
-        };
-        self.write_owned(key, owner, now, write).await
+        self.write_owned(key, owner, now, OwnedWrite::complete(result, expires_at))
+            .await
     }
 
     async fn fail(
@@ -312,12 +307,7 @@ impl Repository for MySqlRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.capabilities().check_value("error", error)?;
-        let write = OwnedWrite::Finish {
-            status: Status::Failed,
-            value: error,
-            retryable,
-            expires_at,
-        };
+        let write = OwnedWrite::fail(error, retryable, expires_at);
         self.write_owned(key, owner, now, write).await
     }
 

@@ -9,88 +9,40 @@ use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::FaultProxy;
 use idempotency_conformance::error_table::{
-    assert_error_table, foreign_service, ErrorRow, Expected,
-};
-use idempotency_core::{
-    Clock, Error, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock,
+    assert_error_table, closed_port, foreign_service, reserve_once, url_with, ErrorRow, Expected,
 };
 use idempotency_mysql::{sqlx, MySqlRepository};
-
-fn with_password(url: &str, password: &str) -> String {
-    let mut url = url::Url::parse(url).unwrap();
-    url.set_password(Some(password)).unwrap();
-    url.into()
-}
-
-fn with_database(url: &str, database: &str) -> String {
-    let mut url = url::Url::parse(url).unwrap();
-    url.set_path(database);
-    url.into()
-}
-
-fn with_query(url: &str, query: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}{query}")
-}
-
-fn with_port(url: &str, port: u16) -> String {
-    let mut url = url::Url::parse(url).unwrap();
-    url.set_port(Some(port)).unwrap();
-    url.into()
-}
-
-fn closed_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
-async fn reserve(repo: &MySqlRepository, id: &str) -> Result<(), Error> {
-    let key = RecordKey::new("errors", id, 1024).unwrap();
-    let now = SystemClock.now();
-    repo.reserve(ReserveRequest {
-        key: &key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(60),
-        expires_at: now + Duration::from_secs(120),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    })
-    .await
-    .map(drop)
-}
 
 /// The rows a URL alone decides.
 async fn connection_rows(server: &str) -> Vec<ErrorRow> {
     let mut rows = vec![
         ErrorRow::new(
             "unknown URL option (`?tabel=idem`)",
-            idempotency_mysql::connect(&with_query(server, "tabel=idem")).await,
+            idempotency_mysql::connect(&url_with::query(server, "tabel=idem")).await,
             Expected::Config,
             &["tabel"],
         ),
         ErrorRow::new(
             "zero timeout (`?operation_timeout=0s`)",
-            idempotency_mysql::connect(&with_query(server, "operation_timeout=0s")).await,
+            idempotency_mysql::connect(&url_with::query(server, "operation_timeout=0s")).await,
             Expected::Config,
             &["operation_timeout"],
         ),
         ErrorRow::new(
             "wrong password",
-            idempotency_mysql::connect(&with_password(server, "not-the-password")).await,
+            idempotency_mysql::connect(&url_with::password(server, "not-the-password")).await,
             Expected::Config,
             &["password"],
         ),
         ErrorRow::new(
             "database that does not exist",
-            idempotency_mysql::connect(&with_database(server, "no_such_db")).await,
+            idempotency_mysql::connect(&url_with::path(server, "no_such_db")).await,
             Expected::Config,
             &["database", "does not exist"],
         ),
         ErrorRow::new(
             "table name that is not an identifier",
-            idempotency_mysql::connect(&with_query(server, "table=x%60%3B%20DROP")).await,
+            idempotency_mysql::connect(&url_with::query(server, "table=x%60%3B%20DROP")).await,
             Expected::Config,
             &["table name"],
         ),
@@ -98,7 +50,7 @@ async fn connection_rows(server: &str) -> Vec<ErrorRow> {
     if !cfg!(feature = "tls") {
         rows.push(ErrorRow::new(
             "`ssl-mode=required` without the `tls` feature",
-            idempotency_mysql::connect(&with_query(server, "ssl-mode=required")).await,
+            idempotency_mysql::connect(&url_with::query(server, "ssl-mode=required")).await,
             Expected::Config,
             &["ssl-mode=required", "`tls`"],
         ));
@@ -108,7 +60,10 @@ async fn connection_rows(server: &str) -> Vec<ErrorRow> {
 
 /// A closed port is refused at once, not after the acquire timeout.
 async fn refused_row(server: &str) -> ErrorRow {
-    let url = with_query(&with_port(server, closed_port()), "acquire_timeout=60s");
+    let url = url_with::query(
+        &url_with::port(server, closed_port()),
+        "acquire_timeout=60s",
+    );
     let started = Instant::now();
     let got = idempotency_mysql::connect(&url).await;
     let waited = started.elapsed();
@@ -123,8 +78,8 @@ async fn refused_row(server: &str) -> ErrorRow {
 /// Another service (HTTP, which waits for the client to speak first, while a
 /// MySQL client waits for the server's greeting) at the URL's port.
 async fn foreign_row(server: &str) -> ErrorRow {
-    let url = with_query(
-        &with_port(server, foreign_service().await.unwrap()),
+    let url = url_with::query(
+        &url_with::port(server, foreign_service().await.unwrap()),
         "acquire_timeout=1s",
     );
     ErrorRow::new(
@@ -138,22 +93,24 @@ async fn foreign_row(server: &str) -> ErrorRow {
 /// A table that was never migrated.
 async fn unmigrated_row(server: &str) -> ErrorRow {
     let table = common::unique_table("never_migrated");
-    let repo =
-        idempotency_mysql::connect(&with_query(server, &format!("table={table}&migrate=false")))
-            .await
-            .unwrap();
+    let repo = idempotency_mysql::connect(&url_with::query(
+        server,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await
+    .unwrap();
     ErrorRow::new(
         "table never migrated (`migrate=false`)",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Config,
         &[&table, "migrate()"],
     )
 }
 
-/// A user who may read and write but not create tables.
-async fn privilege_row(server: &str) -> ErrorRow {
-    let admin = common::repository("idem_errors_admin", "").await;
-    let user = common::unique_table("errors_user");
+/// A user who may read and write rows but not create tables (nor bypass
+/// `read_only`): its name, and `server` as that user.
+async fn create_writer(admin: &MySqlRepository, server: &str) -> (String, String) {
+    let user = common::unique_table("errors_writer");
     for statement in [
         format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw'"),
         format!("GRANT SELECT, INSERT, UPDATE, DELETE ON *.* TO '{user}'@'%'"),
@@ -163,13 +120,22 @@ async fn privilege_row(server: &str) -> ErrorRow {
     let mut url = url::Url::parse(server).unwrap();
     url.set_username(&user).unwrap();
     url.set_password(Some("pw")).unwrap();
+    (user, url.into())
+}
+
+async fn run_all(admin: &MySqlRepository, statements: &[String]) {
+    for statement in statements {
+        sqlx::query(statement).execute(admin.pool()).await.unwrap();
+    }
+}
+
+/// A user who may read and write but not create tables.
+async fn privilege_row(server: &str) -> ErrorRow {
+    let admin = common::repository("idem_errors_admin", "").await;
+    let (user, url) = create_writer(&admin, server).await;
     let table = common::unique_table("errors_table");
-    let got =
-        idempotency_mysql::connect(&with_query(url.as_str(), &format!("table={table}"))).await;
-    sqlx::query(&format!("DROP USER '{user}'@'%'"))
-        .execute(admin.pool())
-        .await
-        .unwrap();
+    let got = idempotency_mysql::connect(&url_with::query(&url, &format!("table={table}"))).await;
+    run_all(&admin, &[format!("DROP USER '{user}'@'%'")]).await;
     ErrorRow::new(
         "user without the privilege to migrate",
         got,
@@ -178,20 +144,52 @@ async fn privilege_row(server: &str) -> ErrorRow {
     )
 }
 
+/// A server that refuses writes (`read_only`, as a replica or a primary
+/// demoted in a failover), to a user without `SUPER` (which `read_only`
+/// exempts). This test binary has the server to itself, and this is its only
+/// test, so the global setting disturbs no other test.
+async fn read_only_row(server: &str) -> ErrorRow {
+    let table = common::unique_table("read_only");
+    let admin = common::repository(&table, "").await;
+    let (user, url) = create_writer(&admin, server).await;
+    let writer = idempotency_mysql::connect(&url_with::query(
+        &url,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await
+    .unwrap();
+    run_all(&admin, &["SET GLOBAL read_only = ON".to_owned()]).await;
+    let got = reserve_once(&writer, "refused").await;
+    run_all(
+        &admin,
+        &[
+            "SET GLOBAL read_only = OFF".to_owned(),
+            format!("DROP USER '{user}'@'%'"),
+        ],
+    )
+    .await;
+    ErrorRow::new(
+        "server refuses writes (`read_only`)",
+        got,
+        Expected::Unavailable,
+        &["read-only"],
+    )
+}
+
 /// A server that stops answering: each call fails after the default operation
 /// timeout, however long the outage lasts.
 async fn black_hole_row(server: &str) -> ErrorRow {
     let proxy = FaultProxy::start(server).await.expect("a fault proxy");
-    let repo = idempotency_mysql::connect(&with_query(
+    let repo = idempotency_mysql::connect(&url_with::query(
         proxy.url(),
         &format!("table={}", common::unique_table("black_hole")),
     ))
     .await
     .unwrap();
-    reserve(&repo, "warm").await.unwrap();
+    reserve_once(&repo, "warm").await.unwrap();
     proxy.cut();
     let started = Instant::now();
-    let got = reserve(&repo, "cut").await;
+    let got = reserve_once(&repo, "cut").await;
     let waited = started.elapsed();
     proxy.heal();
     let bound = idempotency_mysql::DEFAULT_OPERATION_TIMEOUT + Duration::from_secs(5);
@@ -211,6 +209,7 @@ async fn every_cause_has_its_error_and_message() {
     rows.push(foreign_row(&server).await);
     rows.push(unmigrated_row(&server).await);
     rows.push(privilege_row(&server).await);
+    rows.push(read_only_row(&server).await);
     rows.push(black_hole_row(&server).await);
     assert_error_table("mysql", &rows);
 }

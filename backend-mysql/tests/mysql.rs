@@ -433,3 +433,64 @@ async fn connections_wait_for_row_locks_about_as_long_as_an_operation() {
         .unwrap();
     assert_eq!(wait, 2, "1.5 s rounded up");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_trips_per_execution() {
+    use idempotency_conformance::containers::WireCounter;
+    use idempotency_core::{Config, HandlerError, IdempotencyManager, Outcome};
+
+    let counter = WireCounter::mysql(common::server().await.url())
+        .await
+        .unwrap();
+    // One connection: no statement is prepared mid-count on a new one.
+    let repo = MySqlRepository::connect(&format!(
+        "{}&table=idem_mysql&max_connections=1",
+        counter.url()
+    ))
+    .await
+    .unwrap();
+    let config = Config {
+        key_prefix: namespace("trips"),
+        processing_timeout: Duration::from_secs(30),
+        ..Config::default()
+    };
+    let manager = IdempotencyManager::new(Arc::new(repo.clone()), config.clone()).unwrap();
+    let handler = || async { Ok::<_, HandlerError<String>>(7u32) };
+    // A stale reservation of `key` by another consumer, for the takeover.
+    let stale = |key: &str| {
+        let key = RecordKey::new(config.key_prefix.as_str(), key, 1024).unwrap();
+        let repo = repo.clone();
+        async move {
+            let t = SystemClock.now() - Duration::from_secs(60);
+            repo.reserve(req(&key, t, Duration::from_secs(1)))
+                .await
+                .unwrap();
+        }
+    };
+    // Every statement prepared once on the connection first.
+    stale("warm-takeover").await;
+    for key in ["warm", "warm", "warm-takeover"] {
+        manager.execute(key, &1, handler).await.unwrap();
+    }
+    stale("takeover").await;
+
+    let mut trips = Vec::new();
+    for (key, expected) in [
+        ("fresh", "executed"),
+        ("fresh", "cached"),
+        ("takeover", "executed"),
+    ] {
+        let before = counter.snapshot();
+        let outcome = manager.execute(key, &1, handler).await.unwrap();
+        let got = match outcome {
+            Outcome::Executed(_) => "executed",
+            Outcome::Cached(_) => "cached",
+            _ => "other",
+        };
+        assert_eq!(got, expected, "{key}: {outcome:?}");
+        trips.push(counter.round_trips_since(&before));
+    }
+    // Fresh: INSERT, UPDATE. Duplicate: INSERT (duplicate key), SELECT.
+    // Takeover: INSERT, SELECT, compare-and-set UPDATE, UPDATE.
+    assert_eq!(trips, vec![2, 2, 4]);
+}

@@ -10,7 +10,8 @@ pub(crate) const BACKEND: &str = "postgres";
 ///   handshake, closed or exhausted pool, SQLSTATE class 08,
 ///   `57P01`/`57P02`/`57P03` shutdowns, class 53 insufficient resources) and
 ///   serialization failures / deadlocks (`40001`, `40P01`, retryable by
-///   definition) → [`Error::Unavailable`];
+///   definition) → [`Error::Unavailable`], and so is a server that refuses
+///   writes (`25006`: a standby, or a primary demoted in a failover);
 /// - `statement_timeout` (`57014`) and `lock_timeout` (`55P03`) → [`Error::Timeout`];
 /// - a missing schema, table or function (`3F000`, `42P01`, `42883`) →
 ///   [`Error::Config`] naming the table and `migrate()`;
@@ -59,6 +60,9 @@ pub(crate) fn map_sqlx(
             match code.as_str() {
                 c if c.starts_with("08") || c.starts_with("53") => unavailable(operation, err),
                 "57P01" | "57P02" | "57P03" | "40001" | "40P01" => unavailable(operation, err),
+                // A read-only transaction: a standby (or a primary demoted in a
+                // failover) that the URL still points at.
+                "25006" => unavailable(operation, err),
                 "57014" | "55P03" => Error::Timeout {
                     backend: BACKEND,
                     operation,

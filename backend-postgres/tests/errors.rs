@@ -9,79 +9,35 @@ use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::FaultProxy;
 use idempotency_conformance::error_table::{
-    assert_error_table, foreign_service, ErrorRow, Expected,
+    assert_error_table, closed_port, foreign_service, reserve_once, url_with, ErrorRow, Expected,
 };
-use idempotency_core::{
-    Clock, Error, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock,
-};
+use idempotency_core::Error;
 use idempotency_postgres::PgRepository;
-
-/// `url` with its password replaced.
-fn with_password(url: &str, password: &str) -> String {
-    let mut url = url::Url::parse(url).unwrap();
-    url.set_password(Some(password)).unwrap();
-    url.into()
-}
-
-/// `url` with its database (path) replaced.
-fn with_database(url: &str, database: &str) -> String {
-    let mut url = url::Url::parse(url).unwrap();
-    url.set_path(database);
-    url.into()
-}
-
-/// `url` with `query` appended to its query string.
-fn with_query(url: &str, query: &str) -> String {
-    let separator = if url.contains('?') { '&' } else { '?' };
-    format!("{url}{separator}{query}")
-}
-
-fn closed_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
-}
-
-async fn reserve(repo: &PgRepository, id: &str) -> Result<(), Error> {
-    let key = RecordKey::new("errors", id, 1024).unwrap();
-    let now = SystemClock.now();
-    repo.reserve(ReserveRequest {
-        key: &key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(60),
-        expires_at: now + Duration::from_secs(120),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    })
-    .await
-    .map(drop)
-}
 
 /// The rows a URL alone decides.
 async fn connection_rows(server: &str) -> Vec<ErrorRow> {
     let mut rows = vec![
         ErrorRow::new(
             "unknown URL option (`?tabel=idem`)",
-            idempotency_postgres::connect(&with_query(server, "tabel=idem")).await,
+            idempotency_postgres::connect(&url_with::query(server, "tabel=idem")).await,
             Expected::Config,
             &["tabel"],
         ),
         ErrorRow::new(
             "zero timeout (`?operation_timeout=0s`)",
-            idempotency_postgres::connect(&with_query(server, "operation_timeout=0s")).await,
+            idempotency_postgres::connect(&url_with::query(server, "operation_timeout=0s")).await,
             Expected::Config,
             &["operation_timeout"],
         ),
         ErrorRow::new(
             "wrong password",
-            idempotency_postgres::connect(&with_password(server, "not-the-password")).await,
+            idempotency_postgres::connect(&url_with::password(server, "not-the-password")).await,
             Expected::Config,
             &["password"],
         ),
         ErrorRow::new(
             "database that does not exist",
-            idempotency_postgres::connect(&with_database(server, "no_such_db")).await,
+            idempotency_postgres::connect(&url_with::path(server, "no_such_db")).await,
             Expected::Config,
             &["database", "does not exist"],
         ),
@@ -89,7 +45,7 @@ async fn connection_rows(server: &str) -> Vec<ErrorRow> {
     if !cfg!(feature = "tls") {
         rows.push(ErrorRow::new(
             "`sslmode=require` without the `tls` feature",
-            idempotency_postgres::connect(&with_query(server, "sslmode=require")).await,
+            idempotency_postgres::connect(&url_with::query(server, "sslmode=require")).await,
             Expected::Config,
             &["sslmode=require", "`tls`"],
         ));
@@ -102,7 +58,8 @@ async fn refused_row(server: &str) -> ErrorRow {
     let mut url = url::Url::parse(server).unwrap();
     url.set_port(Some(closed_port())).unwrap();
     let started = Instant::now();
-    let got = idempotency_postgres::connect(&with_query(url.as_str(), "acquire_timeout=60s")).await;
+    let got =
+        idempotency_postgres::connect(&url_with::query(url.as_str(), "acquire_timeout=60s")).await;
     let waited = started.elapsed();
     let cause = if waited < Duration::from_secs(30) {
         "closed port".to_owned()
@@ -128,13 +85,15 @@ async fn foreign_row(server: &str) -> ErrorRow {
 /// A table that was never migrated.
 async fn unmigrated_row(server: &str) -> ErrorRow {
     let table = common::unique("never_migrated");
-    let repo =
-        idempotency_postgres::connect(&with_query(server, &format!("table={table}&migrate=false")))
-            .await
-            .unwrap();
+    let repo = idempotency_postgres::connect(&url_with::query(
+        server,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await
+    .unwrap();
     ErrorRow::new(
         "table never migrated (`migrate=false`)",
-        reserve(&repo, "x").await,
+        reserve_once(&repo, "x").await,
         Expected::Config,
         &[&table, "migrate()"],
     )
@@ -175,16 +134,16 @@ async fn privilege_row(server: &str) -> ErrorRow {
 /// timeout, however long the outage lasts.
 async fn black_hole_row(server: &str) -> ErrorRow {
     let proxy = FaultProxy::start(server).await.expect("a fault proxy");
-    let repo = idempotency_postgres::connect(&with_query(
+    let repo = idempotency_postgres::connect(&url_with::query(
         proxy.url(),
         &format!("table={}&migrate=true", common::unique("black_hole")),
     ))
     .await
     .unwrap();
-    reserve(&repo, "warm").await.unwrap();
+    reserve_once(&repo, "warm").await.unwrap();
     proxy.cut();
     let started = Instant::now();
-    let got = reserve(&repo, "cut").await;
+    let got = reserve_once(&repo, "cut").await;
     let waited = started.elapsed();
     proxy.heal();
     let bound = idempotency_postgres::DEFAULT_OPERATION_TIMEOUT + Duration::from_secs(5);

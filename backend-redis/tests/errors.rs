@@ -7,10 +7,7 @@ use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::{self, FaultProxy, RedisServer};
 use idempotency_conformance::error_table::{
-    assert_error_table, foreign_service, ErrorRow, Expected,
-};
-use idempotency_core::{
-    Clock, Error, OwnerToken, RecordKey, Repository, ReserveRequest, SystemClock,
+    assert_error_table, closed_port, foreign_service, reserve_once, ErrorRow, Expected,
 };
 use idempotency_redis::RedisRepository;
 
@@ -18,28 +15,6 @@ async fn server() -> RedisServer {
     containers::redis()
         .await
         .expect("a Redis server from the harness (see docs/testing.md)")
-}
-
-async fn reserve(repo: &RedisRepository, id: &str) -> Result<(), Error> {
-    let key = RecordKey::new(containers::unique_namespace("redis-errors"), id, 256).unwrap();
-    let now = SystemClock.now();
-    repo.reserve(ReserveRequest {
-        key: &key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(60),
-        expires_at: now + Duration::from_secs(120),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    })
-    .await
-    .map(drop)
-}
-
-fn closed_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }
 
 async fn url_rows(server: &RedisServer) -> Vec<ErrorRow> {
@@ -151,10 +126,10 @@ async fn black_hole_row(server: &RedisServer) -> ErrorRow {
         .await
         .expect("a fault proxy");
     let repo = RedisRepository::connect(proxy.url()).await.unwrap();
-    reserve(&repo, "warm").await.unwrap();
+    reserve_once(&repo, "warm").await.unwrap();
     proxy.cut();
     let started = Instant::now();
-    let got = reserve(&repo, "cut").await;
+    let got = reserve_once(&repo, "cut").await;
     let waited = started.elapsed();
     proxy.heal();
     let bound = idempotency_redis::DEFAULT_RESPONSE_TIMEOUT + Duration::from_secs(5);

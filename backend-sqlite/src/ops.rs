@@ -3,7 +3,7 @@
 use std::sync::LazyLock;
 
 use idempotency_core::{
-    Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Status, Timestamp,
+    Capabilities, Error, Fingerprint, OwnedWrite, OwnerToken, Record, RecordKey, Status, Timestamp,
 };
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteExecutor};
@@ -134,38 +134,6 @@ pub(crate) async fn put<'e>(
     Ok(())
 }
 
-/// What an owner-checked write does to the record `owner` holds.
-pub(crate) enum OwnedWrite<'a> {
-    /// `Processing → Completed` or `Failed`, with the value kept.
-    Finish {
-        status: Status,
-        value: Option<&'a [u8]>,
-        retryable: bool,
-        expires_at: Timestamp,
-    },
-    /// A new lease; expiry never moves back.
-    Extend {
-        lease_until: Timestamp,
-        expires_at: Timestamp,
-    },
-    /// The record is removed.
-    Release,
-}
-
-impl OwnedWrite<'_> {
-    fn operation(&self) -> &'static str {
-        match self {
-            OwnedWrite::Finish {
-                status: Status::Completed,
-                ..
-            } => "complete",
-            OwnedWrite::Finish { .. } => "fail",
-            OwnedWrite::Extend { .. } => "extend",
-            OwnedWrite::Release => "release",
-        }
-    }
-}
-
 /// Applies `write` to the live `Processing` record `owner` holds under `key`,
 /// in one statement; `LeaseLost` when there is none.
 pub(crate) async fn write_owned<'e>(
@@ -187,14 +155,11 @@ pub(crate) async fn write_owned<'e>(
     let query = match write {
         OwnedWrite::Finish {
             status,
-            value,
             retryable,
             expires_at,
+            ..
         } => {
-            let (result, error) = match status {
-                Status::Completed => (value, None),
-                _ => (None, value),
-            };
+            let (result, error) = write.columns();
             base(&statements.finish)
                 .bind(status.as_str())
                 .bind(result)

@@ -6,14 +6,14 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
-    Status, Timestamp,
+    Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, Repository, Reservation,
+    ReserveRequest, Timestamp,
 };
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
 use crate::error::map_sqlx;
-use crate::ops::{self, check_key, check_size, OwnedWrite};
+use crate::ops::{self, check_key, check_size};
 use crate::options::{Durability, UrlOptions};
 
 /// How long a statement waits for another connection's lock (and a call for
@@ -202,13 +202,8 @@ impl Repository for SqliteRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         check_size("result", result)?;
-        let write = OwnedWrite::Finish {
-            status: Status::Completed,
-            value: result,
-            retryable: false,
-            expires_at,
-        };
-        self.write_owned(key, owner, now, write).await
+        self.write_owned(key, owner, now, OwnedWrite::complete(result, expires_at))
+            .await
     }
 
     async fn fail(
@@ -221,12 +216,7 @@ impl Repository for SqliteRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         check_size("error", error)?;
-        let write = OwnedWrite::Finish {
-            status: Status::Failed,
-            value: error,
-            retryable,
-            expires_at,
-        };
+        let write = OwnedWrite::fail(error, retryable, expires_at);
         self.write_owned(key, owner, now, write).await
     }
 

@@ -153,6 +153,80 @@ pub fn assert_error_table(backend: &str, rows: &[ErrorRow]) {
     );
 }
 
+/// Reserves the key `id` of namespace `errors` (lease 60 s, TTL 120 s) and
+/// drops the answer: the call an error row makes to see how a store fails.
+pub async fn reserve_once<R: idempotency_core::Repository + ?Sized>(
+    repo: &R,
+    id: &str,
+) -> Result<(), Error> {
+    use idempotency_core::{Clock, OwnerToken, RecordKey, ReserveRequest, SystemClock};
+    use std::time::Duration;
+    let key = RecordKey::new("errors", id, 256)?;
+    let now = SystemClock.now();
+    repo.reserve(ReserveRequest {
+        key: &key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + Duration::from_secs(60),
+        expires_at: now + Duration::from_secs(120),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    })
+    .await
+    .map(drop)
+}
+
+/// A local port nobody listens on (bound, then released).
+///
+/// # Panics
+/// When no local port can be bound.
+#[allow(clippy::expect_used)]
+pub fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a local port");
+    listener.local_addr().expect("its address").port()
+}
+
+/// Variations of a server URL for the rows that a URL alone decides.
+#[cfg(feature = "containers")]
+pub mod url_with {
+    /// `url` changed by `change`; `url` itself when it does not parse.
+    fn edit(url: &str, change: impl FnOnce(&mut url::Url)) -> String {
+        match url::Url::parse(url) {
+            Ok(mut parsed) => {
+                change(&mut parsed);
+                parsed.into()
+            }
+            Err(_) => url.to_owned(),
+        }
+    }
+
+    /// `url` with its password replaced.
+    pub fn password(url: &str, password: &str) -> String {
+        edit(url, |u| {
+            let _ = u.set_password(Some(password));
+        })
+    }
+
+    /// `url` with its path (the database) replaced.
+    pub fn path(url: &str, path: &str) -> String {
+        edit(url, |u| u.set_path(path))
+    }
+
+    /// `url` with its port replaced.
+    pub fn port(url: &str, port: u16) -> String {
+        edit(url, |u| {
+            let _ = u.set_port(Some(port));
+        })
+    }
+
+    /// `url` with `query` appended to its query string.
+    pub fn query(url: &str, query: &str) -> String {
+        let separator = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{separator}{query}")
+    }
+}
+
 /// A local server at `127.0.0.1` that answers every connection as an HTTP
 /// server would (`400 Bad Request`): a URL pointing at the wrong service.
 /// Returns its port; it serves at most 64 connections, then stops.

@@ -83,7 +83,8 @@ pub use memory::MemoryRepository;
 pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
 pub use record::{Record, Status};
 pub use repository::{
-    Capabilities, Repository, RepositoryExt, Reservation, ReserveRequest, SharedRepository,
+    Capabilities, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
+    SharedRepository,
 };
 pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};
 pub use time::{Clock, ManualClock, SystemClock, Timestamp};

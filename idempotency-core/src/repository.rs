@@ -14,6 +14,90 @@ use crate::time::Timestamp;
 /// A repository shared between tasks and managers.
 pub type SharedRepository = Arc<dyn Repository>;
 
+/// One of the owner-checked writes of the contract (`complete`, `fail`,
+/// `extend`, `release`), as data: for stores that apply all four with one
+/// conditional statement ("the live `Processing` record this owner holds"),
+/// such as the SQL backends.
+///
+/// ```
+/// use idempotency_core::{OwnedWrite, Timestamp};
+/// let done = OwnedWrite::complete(Some(b"receipt"), Timestamp::from_millis(60_000));
+/// assert_eq!(done.operation(), "complete");
+/// assert_eq!(done.columns(), (Some(&b"receipt"[..]), None));
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OwnedWrite<'a> {
+    /// `Processing → Completed` or `Failed`, with the value kept.
+    Finish {
+        /// `Completed` or `Failed`.
+        status: crate::record::Status,
+        /// The result (completed) or the stored error (failed).
+        value: Option<&'a [u8]>,
+        /// Whether a failure may be retried (`retry_failed` takes it over).
+        retryable: bool,
+        /// The record's new expiry.
+        expires_at: Timestamp,
+    },
+    /// A new lease; the expiry never moves back.
+    Extend {
+        /// The new end of the lease.
+        lease_until: Timestamp,
+        /// The expiry to move to, if later than the stored one.
+        expires_at: Timestamp,
+    },
+    /// The record is removed.
+    Release,
+}
+
+impl<'a> OwnedWrite<'a> {
+    /// [`Repository::complete`] as data.
+    pub fn complete(result: Option<&'a [u8]>, expires_at: Timestamp) -> Self {
+        OwnedWrite::Finish {
+            status: crate::record::Status::Completed,
+            value: result,
+            retryable: false,
+            expires_at,
+        }
+    }
+
+    /// [`Repository::fail`] as data.
+    pub fn fail(error: Option<&'a [u8]>, retryable: bool, expires_at: Timestamp) -> Self {
+        OwnedWrite::Finish {
+            status: crate::record::Status::Failed,
+            value: error,
+            retryable,
+            expires_at,
+        }
+    }
+
+    /// The trait method's name, for errors and metrics.
+    pub fn operation(&self) -> &'static str {
+        match self {
+            OwnedWrite::Finish {
+                status: crate::record::Status::Completed,
+                ..
+            } => "complete",
+            OwnedWrite::Finish { .. } => "fail",
+            OwnedWrite::Extend { .. } => "extend",
+            OwnedWrite::Release => "release",
+        }
+    }
+
+    /// A finish's `(result, error)` columns: the value goes to the one its
+    /// status names. `(None, None)` for the other writes.
+    pub fn columns(&self) -> (Option<&'a [u8]>, Option<&'a [u8]>) {
+        match *self {
+            OwnedWrite::Finish {
+                status: crate::record::Status::Completed,
+                value,
+                ..
+            } => (value, None),
+            OwnedWrite::Finish { value, .. } => (None, value),
+            _ => (None, None),
+        }
+    }
+}
+
 /// What a backend can and cannot do; the manager adapts to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
