@@ -141,6 +141,7 @@
 #![doc = include_str!("../docs/table-setup.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
 mod connect;
 mod counter;
 mod error;

@@ -487,6 +487,10 @@ impl Repository for DynamoDbRepository {
             .with_native_expiry(true)
     }
 
+    fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
+        Some(self)
+    }
+
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let pk = self.pk(req.key)?;
         // The record as last seen; `None` first, so the first request is the

@@ -70,6 +70,7 @@
 //! after the table, with their versions in `idempotency_schema_migrations`
 //! (why not sqlx's migrator: see the `migrate` module's source).
 
+mod admin;
 mod error;
 mod migrate;
 mod ops;

@@ -185,3 +185,13 @@ pub(crate) async fn version(pool: &MySqlPool, table: &str) -> Result<u32, Error>
     }
     applied_version(pool, table).await
 }
+
+/// The migrations `table` has not had yet, described (`version N: …`).
+pub(crate) async fn pending(pool: &MySqlPool, table: &str) -> Result<Vec<String>, Error> {
+    let at = version(pool, table).await?;
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| m.version > at)
+        .map(|m| format!("version {}: {}", m.version, m.description))
+        .collect())
+}

@@ -31,7 +31,7 @@ const PACKET_HEADROOM: usize = 64 * 1024;
 /// pathological churn, reported as a retryable [`Error::Unavailable`].
 const RESERVE_ROUNDS: usize = 4;
 
-const COLUMNS: &str = "status, owner, attempt, fingerprint, result, error, retryable, \
+pub(crate) const COLUMNS: &str = "status, owner, attempt, fingerprint, result, error, retryable, \
                        lease_until, expires_at, created_at, updated_at";
 
 /// The condition every owner-checked write shares: the live `processing`
@@ -172,7 +172,7 @@ fn timestamp(row: &MySqlRow, index: usize, key: &RecordKey) -> Result<Timestamp,
 
 /// Decodes a row of [`COLUMNS`]; anything out of shape is `Corrupt` naming
 /// the key, never a panic and never a record made up.
-fn decode(row: &MySqlRow, key: &RecordKey) -> Result<Record, Error> {
+pub(crate) fn decode(row: &MySqlRow, key: &RecordKey) -> Result<Record, Error> {
     // An `ascii_bin` column reaches sqlx as binary: decoded as bytes.
     let status: Vec<u8> = row.try_get(0).map_err(|e| corrupt(e, key))?;
     let status = std::str::from_utf8(&status)

@@ -276,6 +276,10 @@ impl Repository for MySqlRepository {
         ops::capabilities(self.max_allowed_packet)
     }
 
+    fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
+        Some(self)
+    }
+
     /// One `INSERT` for a fresh key; a plain read for a duplicate; a row lock
     /// only to take a key over (see the crate docs).
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {

@@ -213,6 +213,7 @@
 //! transaction.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
 mod error;
 mod migrate;
 mod names;

@@ -134,6 +134,37 @@ async fn apply(conn: &mut PgConnection, names: &Statements) -> Result<(), Error>
     Ok(())
 }
 
+/// The version the table is at (0: never migrated).
+pub(crate) async fn version(pool: &PgPool, names: &Statements) -> Result<i32, Error> {
+    let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
+    let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+        .bind(&names.migrations)
+        .fetch_one(pool)
+        .await
+        .map_err(map)?;
+    if !exists {
+        return Ok(0);
+    }
+    sqlx::query_scalar(&format!(
+        "SELECT COALESCE(MAX(version), 0) FROM {}",
+        names.migrations
+    ))
+    .persistent(false)
+    .fetch_one(pool)
+    .await
+    .map_err(map)
+}
+
+/// The migrations the table has not had yet, described (`version N: …`).
+pub(crate) async fn pending(pool: &PgPool, names: &Statements) -> Result<Vec<String>, Error> {
+    let at = version(pool, names).await?;
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| m.version > at)
+        .map(|m| format!("version {}: {}", m.version, m.description))
+        .collect())
+}
+
 /// Runs `sql` (possibly several statements) with the simple query protocol.
 async fn simple(conn: &mut PgConnection, sql: String, names: &Statements) -> Result<(), Error> {
     conn.execute(sql.as_str())

@@ -68,7 +68,7 @@ pub struct Statements {
 }
 
 /// The columns of a record, in the order `decode_record` reads them.
-const RECORD_COLUMNS: &str =
+pub(crate) const RECORD_COLUMNS: &str =
     "status, owner, attempt, fingerprint, result, error, retryable, lease_until, expires_at, created_at, updated_at";
 
 impl Statements {

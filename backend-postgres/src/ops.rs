@@ -23,7 +23,7 @@ pub(crate) const MAX_RESULT_BYTES: usize = 16 * 1024 * 1024;
 
 /// A timestamp as the `bigint` the table stores (milliseconds; instants past
 /// `i64::MAX` — year 292 million — clamp, which keeps their order).
-fn ts(t: Timestamp) -> i64 {
+pub(crate) fn ts(t: Timestamp) -> i64 {
     i64::try_from(t.as_millis()).unwrap_or(i64::MAX)
 }
 
@@ -55,7 +55,7 @@ fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {
 }
 
 /// Decodes the ten record columns starting at `at` (see `RECORD_COLUMNS`).
-fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<Record, Error> {
+pub(crate) fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<Record, Error> {
     let status: String = row.try_get(at).map_err(|e| corrupt(e, key))?;
     let status = Status::parse(&status)
         .ok_or_else(|| Error::corrupt(key, format!("unknown status {status:?}")))?;

@@ -444,6 +444,10 @@ impl Repository for PgRepository {
         ops::capabilities()
     }
 
+    fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
+        Some(self)
+    }
+
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         self.timed("reserve", ops::reserve(&self.sql, &self.pool, &request))
             .await

@@ -185,6 +185,7 @@
 //!   client.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod admin;
 mod codec;
 mod error;
 mod options;

@@ -388,6 +388,19 @@ impl RedisRepository {
         }
     }
 
+    /// Runs one command for the operator operations.
+    pub(crate) async fn command(&self, cmd: &Cmd, operation: &'static str) -> Result<Value, Error> {
+        self.conn
+            .query(cmd)
+            .await
+            .map_err(|e| map_redis_error(e, None, operation))
+    }
+
+    /// Whether this repository talks to a Redis Cluster.
+    pub(crate) fn is_cluster(&self) -> bool {
+        self.conn.kind() == "cluster"
+    }
+
     fn decode(key: &RecordKey, bytes: Vec<u8>) -> Result<Record, Error> {
         codec::decode_owned(bytes).map_err(|reason| Error::corrupt(key, reason))
     }
@@ -620,6 +633,10 @@ impl Repository for RedisRepository {
             .with_max_result_bytes(Some(self.max_result_bytes))
             .with_max_id_bytes(MAX_ID_BYTES)
             .with_native_expiry(true)
+    }
+
+    fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
+        Some(self)
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {

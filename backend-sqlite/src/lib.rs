@@ -35,6 +35,7 @@
 //! Limits: ids up to 1024 bytes (longer ones are digested by the manager),
 //! results and stored errors up to 16 MiB.
 
+mod admin;
 mod error;
 mod migrate;
 mod ops;

@@ -100,3 +100,13 @@ pub(crate) async fn version(pool: &SqlitePool) -> Result<i64, Error> {
         .and_then(|row| row.try_get(0))
         .map_err(map)
 }
+
+/// The migrations not yet applied, described (`version N: …`).
+pub(crate) async fn pending(pool: &SqlitePool) -> Result<Vec<String>, Error> {
+    let at = version(pool).await?;
+    Ok(MIGRATIONS
+        .iter()
+        .filter(|m| m.version > at)
+        .map(|m| format!("version {}: {}", m.version, m.description))
+        .collect())
+}

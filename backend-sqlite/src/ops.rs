@@ -17,7 +17,7 @@ pub(crate) const MAX_ID_BYTES: usize = 1024;
 /// 1 GB in a BLOB, but every duplicate reads the result back in full.
 pub(crate) const MAX_RESULT_BYTES: usize = 16 * 1024 * 1024;
 
-const COLUMNS: &str = "status, owner, attempt, fingerprint, result, error, retryable, \
+pub(crate) const COLUMNS: &str = "status, owner, attempt, fingerprint, result, error, retryable, \
                        lease_until, expires_at, created_at, updated_at";
 
 /// The condition every owner-checked write shares: the live `processing`
@@ -59,7 +59,7 @@ fn timestamp(row: &SqliteRow, index: usize, key: &RecordKey) -> Result<Timestamp
 
 /// Decodes a row of [`COLUMNS`]; anything out of shape is `Corrupt` naming
 /// the key, never a panic and never a record made up.
-fn decode(row: &SqliteRow, key: &RecordKey) -> Result<Record, Error> {
+pub(crate) fn decode(row: &SqliteRow, key: &RecordKey) -> Result<Record, Error> {
     let status: String = row.try_get(0).map_err(|e| corrupt(e, key))?;
     let status = Status::parse(&status)
         .ok_or_else(|| Error::corrupt(key, format!("unknown status {status:?}")))?;

@@ -161,6 +161,10 @@ impl Repository for SqliteRepository {
         ops::capabilities()
     }
 
+    fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
+        Some(self)
+    }
+
     /// Decides and writes in one `BEGIN IMMEDIATE` transaction: the write lock
     /// is taken before the record is read, so no other connection or process
     /// can change it between the decision and the write. The decision is the

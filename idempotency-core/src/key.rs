@@ -142,6 +142,49 @@ impl RecordKey {
         out.push_str(&self.id);
         out
     }
+
+    /// The key whose [`encode`](Self::encode)d form is `encoded` (what an
+    /// operator copies from a store or a log), with ids longer than
+    /// `max_id_bytes` digested as [`new`](Self::new) does.
+    ///
+    /// ```
+    /// use idempotency_core::RecordKey;
+    /// let key = RecordKey::new("idempotency:payments", "order:42", 256)?;
+    /// assert_eq!(RecordKey::decode(&key.encode(), 256)?, key);
+    /// assert!(RecordKey::decode("no separator", 256).is_err());
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] without a `:` separator, with a malformed escape,
+    /// or when [`new`](Self::new) refuses the parts.
+    pub fn decode(encoded: &str, max_id_bytes: usize) -> Result<Self, Error> {
+        let invalid = |reason: &str| Error::InvalidKey {
+            reason: format!("{encoded:?} is not an encoded record key: {reason}"),
+        };
+        let (escaped, id) = encoded
+            .split_once(':')
+            .ok_or_else(|| invalid("no `:` between namespace and id"))?;
+        let mut bytes = Vec::with_capacity(escaped.len());
+        let mut rest = escaped.as_bytes();
+        while let Some((&b, tail)) = rest.split_first() {
+            if b != b'%' {
+                bytes.push(b);
+                rest = tail;
+                continue;
+            }
+            let hex = tail
+                .get(..2)
+                .and_then(|h| std::str::from_utf8(h).ok())
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+                .ok_or_else(|| invalid("a `%` not followed by two hex digits"))?;
+            bytes.push(hex);
+            rest = &tail[2..];
+        }
+        let namespace =
+            String::from_utf8(bytes).map_err(|_| invalid("the namespace is not UTF-8"))?;
+        RecordKey::new(namespace, id, max_id_bytes)
+    }
 }
 
 /// One part of a composed key or namespace, with `%` and `:` percent-escaped so

@@ -49,6 +49,7 @@
 #[doc = include_str!("../docs/contract.md")]
 pub mod contract {}
 
+pub mod admin;
 mod canonical;
 mod codec;
 mod config;

@@ -8,6 +8,7 @@ use hashbrown::hash_table::Entry;
 use hashbrown::HashTable;
 use parking_lot::Mutex;
 
+use crate::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
 use crate::decision::{reserve_transition, reserved_record, ReserveTransition};
 use crate::error::Error;
 use crate::key::{OwnerToken, RecordKey};
@@ -327,6 +328,10 @@ impl Repository for MemoryRepository {
         Ok(shard.lock().remove(hash, key))
     }
 
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
         let n = self.shards.len();
         let start = self.purge_cursor.fetch_add(1, Ordering::Relaxed);
@@ -345,5 +350,46 @@ impl Repository for MemoryRepository {
             removed = limit - budget;
         }
         Ok(removed)
+    }
+}
+
+/// Listing and counting walk the shards one lock at a time (each held for
+/// one shard's scan, never across an `.await`).
+#[async_trait]
+impl Admin for MemoryRepository {
+    async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error> {
+        let mut listing = Listing::default();
+        for shard in self.shards.iter() {
+            for slot in shard.lock().0.iter() {
+                if !listing.offer(filter, &slot.key, (*slot.record).clone(), now) {
+                    return Ok(listing);
+                }
+            }
+        }
+        Ok(listing)
+    }
+
+    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+        let mut stats = Stats::default();
+        for shard in self.shards.iter() {
+            for slot in shard.lock().0.iter() {
+                stats.count(slot.key.namespace(), &slot.record, now);
+            }
+        }
+        Ok(stats)
+    }
+
+    async fn migrate(&self, _dry_run: bool) -> Result<Vec<String>, Error> {
+        Ok(Vec::new())
+    }
+
+    async fn doctor(&self, _options: &DoctorOptions) -> Result<Vec<Check>, Error> {
+        Ok(vec![Check::warn(
+            "persistence",
+            "the in-memory store keeps records in this process only: another process, or \
+             this one after a restart, runs every handler again",
+            "use a shared store (sqlite://, redis://, postgres://, mysql://, dynamodb://) when \
+             several processes consume the same messages or a restart must not repeat effects",
+        )])
     }
 }

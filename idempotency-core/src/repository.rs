@@ -397,6 +397,12 @@ pub trait Repository: Send + Sync + Debug + 'static {
     /// Physically removes up to `limit` records expired at `now`; returns how many.
     /// Backends with native expiry may return `Ok(0)`.
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error>;
+
+    /// The store's operator operations (listing, counting, migrations, a
+    /// check of its settings), if it offers them; `None` by default.
+    fn admin(&self) -> Option<&dyn crate::admin::Admin> {
+        None
+    }
 }
 
 macro_rules! forward_repository {
@@ -460,6 +466,9 @@ macro_rules! forward_repository {
             }
             async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
                 (**self).purge_expired(now, limit).await
+            }
+            fn admin(&self) -> Option<&dyn crate::admin::Admin> {
+                (**self).admin()
             }
         }
     };

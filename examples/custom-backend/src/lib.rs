@@ -23,6 +23,7 @@
 use std::collections::BTreeMap;
 
 use async_trait::async_trait;
+use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
     Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Repository, Reservation,
@@ -253,6 +254,10 @@ impl Repository for CasRepository {
         Ok(self.store.delete(&key.encode()))
     }
 
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
         let mut removed = 0;
         for k in self.store.keys() {
@@ -269,6 +274,55 @@ impl Repository for CasRepository {
             }
         }
         Ok(removed)
+    }
+}
+
+impl CasRepository {
+    /// Every readable record with its key (a store that can enumerate its
+    /// keys; one that cannot would not implement `Admin`).
+    fn records(&self) -> impl Iterator<Item = (RecordKey, Record)> + '_ {
+        self.store.keys().into_iter().filter_map(|k| {
+            let key = RecordKey::decode(&k, usize::MAX).ok()?;
+            let (_, bytes) = self.store.get(&k)?;
+            Some((key, decode(&bytes).ok()?))
+        })
+    }
+}
+
+/// The operator operations the `idempotency` command-line tool uses (`list`,
+/// `stats`, `migrate`, `doctor`); `get`, `evict` and `purge` need only the
+/// `Repository` trait.
+#[async_trait]
+impl Admin for CasRepository {
+    async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error> {
+        let mut listing = Listing::default();
+        for (key, record) in self.records() {
+            if !listing.offer(filter, &key, record, now) {
+                break;
+            }
+        }
+        Ok(listing)
+    }
+
+    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+        let mut stats = Stats::default();
+        for (key, record) in self.records() {
+            stats.count(key.namespace(), &record, now);
+        }
+        Ok(stats)
+    }
+
+    /// Nothing to create: the store needs no schema.
+    async fn migrate(&self, _dry_run: bool) -> Result<Vec<String>, Error> {
+        Ok(Vec::new())
+    }
+
+    async fn doctor(&self, _options: &DoctorOptions) -> Result<Vec<Check>, Error> {
+        Ok(vec![Check::warn(
+            "persistence",
+            "this example store lives in the process's memory",
+            "back the CasStore with a durable compare-and-swap store",
+        )])
     }
 }
 

@@ -1,0 +1,297 @@
+//! The operator operations ([`Admin`]) of the Redis store: listing and
+//! sampled counts with `SCAN` (a cursor: never blocks the server), and a
+//! check of the settings the library relies on (eviction, persistence,
+//! replication, cluster slots, the clock).
+
+use std::collections::HashMap;
+
+use async_trait::async_trait;
+use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
+use idempotency_core::{escape_namespace, Clock, Error, Record, RecordKey, SystemClock, Timestamp};
+use redis::cmd;
+
+use crate::codec;
+use crate::RedisRepository;
+
+/// Keys asked per `SCAN` step.
+const SCAN_COUNT: usize = 500;
+/// Keys `stats` looks at before it reports a sample instead of all.
+const STATS_SAMPLE: usize = 10_000;
+
+/// `s` with glob characters escaped, for `SCAN … MATCH`.
+fn glob_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if matches!(c, '*' | '?' | '[' | ']' | '\\') {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A key of this store, decoded; `None` for another application's key.
+fn record_key(redis_key: &[u8]) -> Option<RecordKey> {
+    let text = std::str::from_utf8(redis_key).ok()?;
+    let text = text.strip_prefix("{}").unwrap_or(text);
+    RecordKey::decode(text, usize::MAX).ok()
+}
+
+impl RedisRepository {
+    fn standalone_only(&self, what: &str) -> Result<(), Error> {
+        if self.is_cluster() {
+            return Err(Error::config(format!(
+                "{what} scans one server's keys; on a Redis Cluster run it against each \
+                 master's redis:// URL"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Scans keys matching the namespace prefix (a cursor, `SCAN_COUNT` a
+    /// step) and hands each record to `visit` until it returns false or the
+    /// scan ends; whether the scan ended.
+    async fn scan(
+        &self,
+        prefix: Option<&str>,
+        mut visit: impl FnMut(RecordKey, Record) -> bool + Send,
+    ) -> Result<bool, Error> {
+        // Keys are the encoded namespace, `:`, the id; some carry a `{}`
+        // hash tag first.
+        let encoded = glob_escape(&escape_namespace(prefix.unwrap_or("")));
+        let mut cursor: u64 = 0;
+        loop {
+            let mut scan = cmd("SCAN");
+            scan.arg(cursor)
+                .arg("MATCH")
+                .arg(format!("*{encoded}*"))
+                .arg("COUNT")
+                .arg(SCAN_COUNT);
+            let reply = self.command(&scan, "admin").await?;
+            let (next, keys): (u64, Vec<Vec<u8>>) =
+                redis::from_redis_value(reply).map_err(|e| Error::backend("redis", e))?;
+            let keys: Vec<(Vec<u8>, RecordKey)> = keys
+                .into_iter()
+                .filter_map(|k| record_key(&k).map(|r| (k, r)))
+                .filter(|(_, r)| prefix.is_none_or(|p| r.namespace().starts_with(p)))
+                .collect();
+            if !keys.is_empty() {
+                let mut get = cmd("MGET");
+                for (k, _) in &keys {
+                    get.arg(k);
+                }
+                let values: Vec<Option<Vec<u8>>> =
+                    redis::from_redis_value(self.command(&get, "admin").await?)
+                        .map_err(|e| Error::backend("redis", e))?;
+                for ((_, key), value) in keys.into_iter().zip(values) {
+                    // Gone since the scan, or another application's value.
+                    let Some(record) = value.and_then(|v| codec::decode_owned(v).ok()) else {
+                        continue;
+                    };
+                    if !visit(key, record) {
+                        return Ok(false);
+                    }
+                }
+            }
+            if next == 0 {
+                return Ok(true);
+            }
+            cursor = next;
+        }
+    }
+
+    async fn info(&self, section: &str) -> Result<HashMap<String, String>, Error> {
+        let mut info = cmd("INFO");
+        info.arg(section);
+        let text: String = redis::from_redis_value(self.command(&info, "admin").await?)
+            .map_err(|e| Error::backend("redis", e))?;
+        Ok(text
+            .lines()
+            .filter_map(|l| l.split_once(':'))
+            .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
+            .collect())
+    }
+
+    async fn config(&self, name: &str) -> Option<String> {
+        let mut get = cmd("CONFIG");
+        get.arg("GET").arg(name);
+        let reply = self.command(&get, "admin").await.ok()?;
+        let map: HashMap<String, String> = redis::from_redis_value(reply).ok()?;
+        map.get(name).cloned()
+    }
+
+    async fn eviction_check(&self) -> Check {
+        let name = "maxmemory-policy";
+        match self.config(name).await.as_deref() {
+            Some("noeviction") => Check::pass(
+                name,
+                "noeviction: under memory pressure writes fail (a retryable error), records \
+                 are never dropped",
+            ),
+            Some(policy) => Check::fail(
+                name,
+                format!(
+                    "{policy}: under memory pressure Redis evicts keys, live records included \
+                     (every record has a TTL, so volatile-* policies evict them too), and an \
+                     evicted record's next delivery runs its handler again"
+                ),
+                "CONFIG SET maxmemory-policy noeviction (and in redis.conf), or give \
+                 idempotency records a Redis of their own",
+            ),
+            None => Check::warn(
+                name,
+                "CONFIG GET is not allowed here (a managed Redis?), so the policy is unknown",
+                "check in the provider's console that the eviction policy is noeviction",
+            ),
+        }
+    }
+
+    async fn persistence_check(&self) -> Result<Check, Error> {
+        let name = "persistence";
+        let info = self.info("persistence").await?;
+        let aof = info.get("aof_enabled").map(String::as_str) == Some("1");
+        let fsync = self.config("appendfsync").await;
+        Ok(match (aof, fsync.as_deref()) {
+            (true, Some("always")) => Check::pass(
+                name,
+                "append-only file, fsync on every write: a restart keeps every record",
+            ),
+            (true, fsync) => Check::warn(
+                name,
+                format!(
+                    "append-only file with appendfsync {}: a crash loses up to a second of \
+                     records, and their next deliveries run again",
+                    fsync.unwrap_or("unknown")
+                ),
+                "appendfsync always, when a repeated effect after a crash is unacceptable",
+            ),
+            (false, _) => Check::warn(
+                name,
+                "no append-only file: a restart loses the records written since the last \
+                 snapshot (or all of them), and their next deliveries run again",
+                "appendonly yes, appendfsync always",
+            ),
+        })
+    }
+
+    async fn replication_check(&self) -> Result<Check, Error> {
+        let name = "replication";
+        let info = self.info("replication").await?;
+        let role = info.get("role").cloned().unwrap_or_default();
+        let replicas: u64 = info
+            .get("connected_slaves")
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        Ok(match (role.as_str(), replicas) {
+            ("master", 0) => Check::pass(name, "a primary without replicas: no failover window"),
+            ("master", n) => Check::warn(
+                name,
+                format!(
+                    "a primary with {n} replica(s), replicated asynchronously: a failover can \
+                     lose the last records, and their next deliveries run again"
+                ),
+                "accept the window, or fail over only with replicas in sync (WAIT-based \
+                 tooling)",
+            ),
+            (role, _) => Check::fail(
+                name,
+                format!("this server is a {role}: it refuses writes (READONLY)"),
+                "point the URL at the primary",
+            ),
+        })
+    }
+
+    async fn cluster_check(&self) -> Result<Option<Check>, Error> {
+        if !self.is_cluster() {
+            return Ok(None);
+        }
+        let mut state = cmd("CLUSTER");
+        state.arg("INFO");
+        let text: String = redis::from_redis_value(self.command(&state, "admin").await?)
+            .map_err(|e| Error::backend("redis", e))?;
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+                .map(|v| v.trim().to_owned())
+        };
+        let ok = field("cluster_state").as_deref() == Some("ok")
+            && field("cluster_slots_ok").as_deref() == Some("16384");
+        Ok(Some(if ok {
+            Check::pass("cluster slots", "all 16384 slots served")
+        } else {
+            Check::fail(
+                "cluster slots",
+                format!(
+                    "cluster_state {}, slots ok {}: keys in uncovered slots fail",
+                    field("cluster_state").unwrap_or_default(),
+                    field("cluster_slots_ok").unwrap_or_default()
+                ),
+                "assign every slot to a master (redis-cli --cluster fix)",
+            )
+        }))
+    }
+
+    async fn clock_check(&self, options: &DoctorOptions) -> Result<Check, Error> {
+        let before = SystemClock.now();
+        let (secs, micros): (u64, u64) =
+            redis::from_redis_value(self.command(&cmd("TIME"), "admin").await?)
+                .map_err(|e| Error::backend("redis", e))?;
+        let after = SystemClock.now();
+        let server = Timestamp::from_millis(secs * 1000 + micros / 1000);
+        Ok(Check::clock_offset(
+            server,
+            before,
+            after,
+            options.clock_skew,
+        ))
+    }
+}
+
+#[async_trait]
+impl Admin for RedisRepository {
+    /// `SCAN` with a cursor (standalone servers), in the server's order.
+    async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error> {
+        self.standalone_only("list")?;
+        let mut listing = Listing::default();
+        self.scan(filter.namespace_prefix.as_deref(), |key, record| {
+            listing.offer(filter, &key, record, now)
+        })
+        .await?;
+        Ok(listing)
+    }
+
+    /// Counts from up to 10,000 records found by `SCAN`; labelled as a sample
+    /// when there are more.
+    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+        self.standalone_only("stats")?;
+        let mut stats = Stats::default();
+        let mut seen = 0;
+        let complete = self
+            .scan(None, |key, record| {
+                stats.count(key.namespace(), &record, now);
+                seen += 1;
+                seen < STATS_SAMPLE
+            })
+            .await?;
+        if !complete {
+            stats.sampled = Some(seen as u64);
+        }
+        Ok(stats)
+    }
+
+    /// Nothing to create: the scripts are loaded when a repository connects.
+    async fn migrate(&self, _dry_run: bool) -> Result<Vec<String>, Error> {
+        Ok(Vec::new())
+    }
+
+    async fn doctor(&self, options: &DoctorOptions) -> Result<Vec<Check>, Error> {
+        let mut checks = vec![
+            self.eviction_check().await,
+            self.persistence_check().await?,
+            self.replication_check().await?,
+        ];
+        checks.extend(self.cluster_check().await?);
+        checks.push(self.clock_check(options).await?);
+        Ok(checks)
+    }
+}

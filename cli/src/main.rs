@@ -1,0 +1,450 @@
+//! `idempotency`: the operator tool of idempotency-rs. Inspect, evict, purge
+//! and migrate the records of any store `idempotency::connect` knows, and
+//! check a store's settings against what the library relies on.
+//!
+//! ```text
+//! idempotency --url redis://127.0.0.1:6379 get idempotency:payments evt-42
+//! IDEMPOTENCY_STORE_URL=postgres://… idempotency list --stuck --format json
+//! idempotency --url mysql://… doctor
+//! ```
+//!
+//! Exit status: 0 on success, 1 when a command fails (the store's error, or a
+//! refusal such as evicting a live record without `--force`), 2 for a usage
+//! error, 3 when `doctor` finds a failing check.
+
+mod view;
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use idempotency::admin::{Admin, DoctorOptions, ListFilter, Verdict};
+use idempotency::{Clock, Error, RecordKey, SharedRepository, Status, SystemClock};
+use serde_json::json;
+
+/// The idempotency-rs operator tool: records of any store, by URL.
+#[derive(Debug, Parser)]
+#[command(name = "idempotency", version, about, long_about = None)]
+struct Cli {
+    /// The store: memory:, sqlite://path, redis://…, postgres://…,
+    /// mysql://…, dynamodb://TABLE?…
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_STORE_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    url: Option<String>,
+
+    /// Output for people (aligned tables) or scripts (JSON).
+    #[arg(long, value_enum, default_value_t = Format::Table, global = true)]
+    format: Format,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Format {
+    Table,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StatusArg {
+    Processing,
+    Completed,
+    Failed,
+}
+
+impl From<StatusArg> for Status {
+    fn from(s: StatusArg) -> Status {
+        match s {
+            StatusArg::Processing => Status::Processing,
+            StatusArg::Completed => Status::Completed,
+            StatusArg::Failed => Status::Failed,
+        }
+    }
+}
+
+/// A record's key: namespace and id, or `--key` with the encoded form.
+#[derive(Debug, clap::Args)]
+struct KeyArgs {
+    /// The namespace (the manager's key prefix and scope, e.g. `idempotency:payments`).
+    #[arg(required_unless_present = "key")]
+    namespace: Option<String>,
+    /// The id within the namespace.
+    #[arg(required_unless_present = "key")]
+    id: Option<String>,
+    /// The record key's encoded form instead (`namespace:id`, the namespace's
+    /// `%`, `:`, `{`, `}` percent-escaped), as stores and logs show it.
+    #[arg(long, conflicts_with_all = ["namespace", "id"])]
+    key: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// One record, decoded: status, owner, lease and expiry, result preview.
+    Get(KeyArgs),
+    /// Records, where the store can enumerate them without blocking it.
+    List {
+        /// Only namespaces starting with this.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Only records in this status.
+        #[arg(long, value_enum)]
+        status: Option<StatusArg>,
+        /// Only `processing` records whose lease has ended.
+        #[arg(long)]
+        stuck: bool,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: usize,
+    },
+    /// Removes one record. A live `processing` record is refused unless
+    /// `--force`: its handler may still be running, and the next delivery
+    /// runs it again.
+    Evict {
+        #[command(flatten)]
+        key: KeyArgs,
+        /// Only if the record is `processing` with its lease ended.
+        #[arg(long)]
+        only_if_stuck: bool,
+        /// Remove a live `processing` record too.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Removes expired records (the store's `purge_expired`), with progress.
+    Purge {
+        /// At most this many (default: all).
+        #[arg(long)]
+        limit: Option<usize>,
+        /// Records per call to the store.
+        #[arg(long, default_value_t = 500)]
+        batch: usize,
+    },
+    /// Creates or upgrades what the store needs; idempotent.
+    Migrate {
+        /// Print what would be done, change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Live records by namespace and status (sampled where counting is
+    /// expensive, and labelled so).
+    Stats,
+    /// Checks the store's settings against what the library relies on; exit
+    /// status 3 when a check fails.
+    Doctor {
+        /// The managers' `clock_skew`, for the clock-offset check.
+        #[arg(long, default_value = "400ms", value_parser = parse_duration)]
+        clock_skew: Duration,
+    },
+    /// Shell completions, to standard output.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    idempotency::parse_duration(s).ok_or_else(|| format!("{s:?} is not a duration such as 400ms"))
+}
+
+/// A failed command: the message, and the exit status.
+struct Failure(String, u8);
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let class = if e.is_retryable() {
+            "retryable"
+        } else {
+            "not retryable"
+        };
+        Failure(format!("{e} ({class})"), 1)
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Command::Completions { shell } = cli.command {
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "idempotency", &mut script);
+        emit(&String::from_utf8_lossy(&script));
+        return ExitCode::SUCCESS;
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(out) => {
+            emit(&out);
+            ExitCode::SUCCESS
+        }
+        Err(Failure(message, code)) => {
+            eprintln!("error: {message}");
+            ExitCode::from(code)
+        }
+    }
+}
+
+/// Writes `text` and a newline to standard output; a reader that went away
+/// (`| head`) is not an error.
+fn emit(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{text}").and_then(|()| out.flush());
+}
+
+/// The URL to connect with: the SQL stores migrate on connect unless told
+/// not to, and the tool must not change a store it only reads or checks
+/// (`migrate` migrates through the admin operations).
+fn without_migration(url: &str) -> String {
+    let migrates = matches!(
+        idempotency::StoreKind::from_url(url),
+        Ok(idempotency::StoreKind::Sqlite
+            | idempotency::StoreKind::Postgres
+            | idempotency::StoreKind::MySql)
+    );
+    if !migrates || url.contains("migrate=") {
+        return url.to_owned();
+    }
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}migrate=false")
+}
+
+async fn run(cli: Cli) -> Result<String, Failure> {
+    let url = cli.url.clone().ok_or_else(|| {
+        Failure(
+            "no store: pass --url or set IDEMPOTENCY_STORE_URL".to_owned(),
+            2,
+        )
+    })?;
+    let store = idempotency::connect(&without_migration(&url)).await?;
+    let json = cli.format == Format::Json;
+    match cli.command {
+        Command::Get(key) => get(&store, &key, json).await,
+        Command::List {
+            namespace,
+            status,
+            stuck,
+            limit,
+        } => {
+            let filter = ListFilter {
+                namespace_prefix: namespace,
+                status: status.map(Status::from),
+                stuck,
+                limit,
+            };
+            list(admin(&store, "list")?, &filter, json).await
+        }
+        Command::Evict {
+            key,
+            only_if_stuck,
+            force,
+        } => evict(&store, &key, only_if_stuck, force, json).await,
+        Command::Purge { limit, batch } => purge(&store, limit, batch, json).await,
+        Command::Migrate { dry_run } => migrate(admin(&store, "migrate")?, dry_run, json).await,
+        Command::Stats => stats(admin(&store, "stats")?, json).await,
+        Command::Doctor { clock_skew } => doctor(admin(&store, "doctor")?, clock_skew, json).await,
+        Command::Completions { .. } => Ok(String::new()),
+    }
+}
+
+/// The store's admin operations, or a clear refusal.
+fn admin<'a>(store: &'a SharedRepository, command: &str) -> Result<&'a dyn Admin, Failure> {
+    store.admin().ok_or_else(|| {
+        Failure(
+            format!(
+                "the {} store offers no operator operations, so `{command}` cannot run on it \
+                 (get, evict and purge work on every store)",
+                store.capabilities().backend
+            ),
+            1,
+        )
+    })
+}
+
+fn record_key(store: &SharedRepository, args: &KeyArgs) -> Result<RecordKey, Failure> {
+    let max = store.capabilities().max_id_bytes;
+    let key = match (&args.key, &args.namespace, &args.id) {
+        (Some(encoded), _, _) => RecordKey::decode(encoded, max)?,
+        (None, Some(namespace), Some(id)) => RecordKey::new(namespace.as_str(), id, max)?,
+        _ => return Err(Failure("give NAMESPACE ID, or --key".to_owned(), 2)),
+    };
+    Ok(key)
+}
+
+async fn get(store: &SharedRepository, args: &KeyArgs, json: bool) -> Result<String, Failure> {
+    let key = record_key(store, args)?;
+    let now = SystemClock.now();
+    let record = store.get(&key, now).await?;
+    Ok(match (record, json) {
+        (Some(r), true) => {
+            let mut value = view::record_json(key.namespace(), key.id(), &r, now);
+            value["found"] = json!(true);
+            value.to_string()
+        }
+        (Some(r), false) => view::record_table(key.namespace(), key.id(), &r, now),
+        (None, true) => {
+            json!({"found": false, "namespace": key.namespace(), "id": key.id()}).to_string()
+        }
+        (None, false) => format!("no live record for {key} (never reserved, expired, or removed)"),
+    })
+}
+
+async fn list(admin: &dyn Admin, filter: &ListFilter, json: bool) -> Result<String, Failure> {
+    let now = SystemClock.now();
+    let listing = admin.list(filter, now).await?;
+    if json {
+        let records: Vec<_> = listing
+            .records
+            .iter()
+            .map(|l| view::record_json(&l.namespace, &l.id, &l.record, now))
+            .collect();
+        return Ok(json!({"records": records, "truncated": listing.truncated}).to_string());
+    }
+    let mut out = view::listing_table(&listing.records, now);
+    out.push_str(&format!("\n{} record(s)", listing.records.len()));
+    if listing.truncated {
+        out.push_str(&format!(
+            "; more match (raise --limit above {})",
+            filter.limit
+        ));
+    }
+    Ok(out)
+}
+
+async fn evict(
+    store: &SharedRepository,
+    args: &KeyArgs,
+    only_if_stuck: bool,
+    force: bool,
+    json: bool,
+) -> Result<String, Failure> {
+    let key = record_key(store, args)?;
+    let now = SystemClock.now();
+    let Some(record) = store.get(&key, now).await? else {
+        return Ok(if json {
+            json!({"removed": false, "reason": "no live record"}).to_string()
+        } else {
+            format!("no live record for {key}: nothing to remove")
+        });
+    };
+    let processing = record.status == Status::Processing;
+    let stuck = processing && record.lease_until <= now;
+    if only_if_stuck && !stuck {
+        return Err(Failure(
+            format!(
+                "{key} is {} and not stuck: left in place (--only-if-stuck)",
+                record.status
+            ),
+            1,
+        ));
+    }
+    if processing && !stuck && !force {
+        return Err(Failure(
+            format!(
+                "{key} is processing and its lease runs {}: its handler may still be running, \
+                 and removing the record lets the next delivery run the handler again. Add \
+                 --force to remove it anyway",
+                view::relative(record.lease_until, now)
+            ),
+            1,
+        ));
+    }
+    let removed = store.delete(&key).await?;
+    Ok(if json {
+        json!({"removed": removed, "was": view::record_json(key.namespace(), key.id(), &record, now)})
+            .to_string()
+    } else if removed {
+        format!(
+            "removed {key} ({}); the next delivery of this key runs its handler",
+            record.status
+        )
+    } else {
+        format!("{key} was already gone")
+    })
+}
+
+async fn purge(
+    store: &SharedRepository,
+    limit: Option<usize>,
+    batch: usize,
+    json: bool,
+) -> Result<String, Failure> {
+    let batch = batch.max(1);
+    let limit = limit.unwrap_or(usize::MAX);
+    let now = SystemClock.now();
+    let bar = if json {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new_spinner().with_message("purging expired records")
+    };
+    let mut total = 0;
+    loop {
+        let want = batch.min(limit - total);
+        if want == 0 {
+            break;
+        }
+        let n = store.purge_expired(now, want).await?;
+        total += n;
+        bar.set_position(total as u64);
+        if n < want {
+            break;
+        }
+    }
+    bar.finish_and_clear();
+    let native = store.capabilities().native_expiry;
+    Ok(if json {
+        json!({"purged": total, "native_expiry": native}).to_string()
+    } else if native && total == 0 {
+        "purged 0 records (this store removes expired records itself)".to_owned()
+    } else {
+        format!("purged {total} expired record(s)")
+    })
+}
+
+async fn migrate(admin: &dyn Admin, dry_run: bool, json: bool) -> Result<String, Failure> {
+    let steps = admin.migrate(dry_run).await?;
+    Ok(if json {
+        json!({"dry_run": dry_run, "steps": steps}).to_string()
+    } else if steps.is_empty() {
+        "up to date: nothing to do".to_owned()
+    } else {
+        let head = if dry_run { "would do" } else { "done" };
+        format!("{head}:\n  {}", steps.join("\n  "))
+    })
+}
+
+async fn stats(admin: &dyn Admin, json: bool) -> Result<String, Failure> {
+    let stats = admin.stats(SystemClock.now()).await?;
+    Ok(if json {
+        serde_json::to_string(&stats).unwrap_or_default()
+    } else {
+        view::stats_table(&stats)
+    })
+}
+
+async fn doctor(admin: &dyn Admin, clock_skew: Duration, json: bool) -> Result<String, Failure> {
+    let checks = admin.doctor(&DoctorOptions { clock_skew }).await?;
+    let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
+    let out = if json {
+        json!({"ok": failed == 0, "checks": checks}).to_string()
+    } else {
+        view::checks_table(&checks)
+    };
+    if failed > 0 {
+        // The report goes to standard output either way; the status says it failed.
+        emit(&out);
+        return Err(Failure(format!("{failed} check(s) failed"), 3));
+    }
+    Ok(out)
+}

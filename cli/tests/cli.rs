@@ -1,0 +1,335 @@
+//! The `idempotency` tool run as a process against real stores: a SQLite
+//! file, and the harness's Redis, PostgreSQL, MariaDB and DynamoDB servers.
+//! Assertions read its `--format json` output and exit status, including
+//! every doctor failure the issue names (a Redis that evicts, a PostgreSQL
+//! never migrated, a DynamoDB table without TTL).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+use std::time::Duration;
+
+use idempotency::{
+    Clock, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock, Timestamp,
+};
+use idempotency_conformance::containers::{self, RedisServer};
+use serde_json::Value;
+
+/// Runs the tool with `args` against `url`: exit status and parsed JSON
+/// standard output (`Value::Null` when it is not JSON).
+fn tool(url: &str, args: &[&str]) -> (i32, Value, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_idempotency"))
+        .args(["--format", "json", "--url", url])
+        .args(args)
+        .env_remove("IDEMPOTENCY_STORE_URL")
+        .output()
+        .expect("the tool runs");
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    let json = serde_json::from_str(stdout.trim()).unwrap_or(Value::Null);
+    (out.status.code().unwrap_or(-1), json, stderr)
+}
+
+/// The verdict of the check named `name` in a doctor report.
+fn verdict<'a>(report: &'a Value, name: &str) -> &'a str {
+    report["checks"]
+        .as_array()
+        .and_then(|checks| checks.iter().find(|c| c["name"] == name))
+        .and_then(|c| c["verdict"].as_str())
+        .unwrap_or_else(|| panic!("no check {name:?} in {report}"))
+}
+
+fn request(key: &RecordKey, now: Timestamp, lease: Duration, ttl: Duration) -> ReserveRequest<'_> {
+    ReserveRequest {
+        key,
+        owner: OwnerToken::random(),
+        fingerprint: None,
+        now,
+        lease_until: now + lease,
+        expires_at: now + ttl,
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    }
+}
+
+/// Four records under `ns`: completed (with a JSON result), live processing,
+/// stuck processing (lease ended), expired; returns their keys in that order.
+async fn populate(store: &dyn Repository, ns: &str) -> Vec<RecordKey> {
+    let key = |id: &str| RecordKey::new(ns, id, 256).unwrap();
+    let keys = vec![key("done"), key("live"), key("stuck"), key("expired")];
+    let now = SystemClock.now();
+    let hour = Duration::from_secs(3600);
+    let done = request(&keys[0], now, hour, hour);
+    let owner = done.owner;
+    assert!(matches!(
+        store.reserve(done).await.unwrap(),
+        Reservation::Acquired { .. }
+    ));
+    store
+        .complete(
+            &keys[0],
+            owner,
+            Some(br#"{"receipt":"r-7"}"#),
+            now + hour,
+            now,
+        )
+        .await
+        .unwrap();
+    store
+        .reserve(request(&keys[1], now, hour, hour))
+        .await
+        .unwrap();
+    let past = now - Duration::from_secs(600);
+    store
+        .reserve(request(&keys[2], past, Duration::from_secs(1), hour))
+        .await
+        .unwrap();
+    store
+        .reserve(request(
+            &keys[3],
+            past,
+            Duration::from_secs(1),
+            Duration::from_secs(2),
+        ))
+        .await
+        .unwrap();
+    keys
+}
+
+/// What every store with admin operations answers alike, on records of a
+/// fresh namespace.
+async fn common_commands(url: &str, ns: &str) {
+    let store = idempotency::connect(url).await.unwrap();
+    populate(store.as_ref(), ns).await;
+
+    let (code, got, err) = tool(url, &["get", ns, "done"]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(got["found"], true);
+    assert_eq!(got["status"], "completed");
+    assert_eq!(
+        got["result"]["receipt"], "r-7",
+        "JSON results are shown as JSON: {got}"
+    );
+    assert_eq!(got["result_bytes"], 17);
+    let encoded = RecordKey::new(ns, "done", 256).unwrap().encode();
+    let (_, by_key, _) = tool(url, &["get", "--key", &encoded]);
+    assert_eq!(by_key["status"], "completed");
+    let (_, missing, _) = tool(url, &["get", ns, "nothing"]);
+    assert_eq!(missing["found"], false);
+
+    let (code, listed, err) = tool(url, &["list", "--namespace", ns]);
+    assert_eq!(code, 0, "{err}");
+    let ids: Vec<&str> = listed["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["id"].as_str().unwrap())
+        .collect();
+    let mut sorted = ids.clone();
+    sorted.sort_unstable();
+    assert_eq!(
+        sorted,
+        ["done", "live", "stuck"],
+        "expired records are not listed"
+    );
+    let (_, stuck, _) = tool(url, &["list", "--namespace", ns, "--stuck"]);
+    assert_eq!(stuck["records"][0]["id"], "stuck");
+    assert_eq!(stuck["records"].as_array().unwrap().len(), 1);
+    let (_, completed, _) = tool(url, &["list", "--namespace", ns, "--status", "completed"]);
+    assert_eq!(completed["records"].as_array().unwrap().len(), 1);
+    let (_, one, _) = tool(url, &["list", "--namespace", ns, "--limit", "1"]);
+    assert_eq!(one["records"].as_array().unwrap().len(), 1);
+    assert_eq!(one["truncated"], true);
+
+    let (code, stats, err) = tool(url, &["stats"]);
+    assert_eq!(code, 0, "{err}");
+    let mine = stats["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["namespace"] == ns)
+        .unwrap_or_else(|| panic!("{ns} in {stats}"));
+    assert_eq!(
+        (&mine["processing"], &mine["stuck"], &mine["completed"]),
+        (&2.into(), &1.into(), &1.into())
+    );
+
+    // Evicting a live reservation is refused; stuck is allowed; --force works.
+    let (code, _, err) = tool(url, &["evict", ns, "live"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--force") && err.contains("run the handler again"),
+        "{err}"
+    );
+    let (code, _, err) = tool(url, &["evict", ns, "done", "--only-if-stuck"]);
+    assert_eq!(code, 1, "{err}");
+    let (code, evicted, _) = tool(url, &["evict", ns, "stuck", "--only-if-stuck"]);
+    assert_eq!((code, &evicted["removed"]), (0, &Value::Bool(true)));
+    let (code, forced, _) = tool(url, &["evict", ns, "live", "--force"]);
+    assert_eq!((code, &forced["removed"]), (0, &Value::Bool(true)));
+    let (_, gone, _) = tool(url, &["get", ns, "live"]);
+    assert_eq!(gone["found"], false);
+}
+
+fn sqlite_url() -> String {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cli");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join(format!("{}.db", containers::unique_namespace("cli")));
+    format!("sqlite://{}", file.display())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_from_unmigrated_to_purged() {
+    let url = sqlite_url();
+    // The tool never migrates on its own: doctor finds the file unmigrated.
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 3, "{err}");
+    assert_eq!(verdict(&report, "schema version"), "fail");
+    let (code, plan, _) = tool(&url, &["migrate", "--dry-run"]);
+    assert_eq!(code, 0);
+    assert_eq!(plan["steps"].as_array().unwrap().len(), 1);
+    assert_eq!(tool(&url, &["doctor"]).0, 3, "a dry run changes nothing");
+    assert_eq!(tool(&url, &["migrate"]).0, 0);
+    let (code, again, _) = tool(&url, &["migrate"]);
+    assert_eq!((code, again["steps"].as_array().unwrap().len()), (0, 0));
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 0, "{report} {err}");
+
+    let ns = containers::unique_namespace("cli");
+    common_commands(&url, &ns).await;
+    let (code, purged, _) = tool(&url, &["purge", "--batch", "1"]);
+    assert_eq!((code, &purged["purged"]), (0, &Value::from(1)));
+    let (_, report, _) = tool(&url, &["doctor"]);
+    assert_eq!(verdict(&report, "purge"), "pass");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_commands_and_an_evicting_redis() {
+    let shared = containers::redis().await.expect("a Redis server");
+    let ns = containers::unique_namespace("cli");
+    common_commands(shared.url(), &ns).await;
+    let (_, report, _) = tool(shared.url(), &["doctor"]);
+    assert_eq!(verdict(&report, "maxmemory-policy"), "pass");
+    assert_eq!(verdict(&report, "clock offset"), "pass");
+
+    let evicting = RedisServer::dedicated_with_args(&["--maxmemory-policy", "allkeys-lru"])
+        .await
+        .expect("a Redis server of its own");
+    let (code, report, err) = tool(evicting.url(), &["doctor"]);
+    assert_eq!(code, 3, "{err}");
+    assert_eq!(verdict(&report, "maxmemory-policy"), "fail");
+    let check = report["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "maxmemory-policy")
+        .unwrap();
+    assert!(
+        check["detail"].as_str().unwrap().contains("allkeys-lru"),
+        "{check}"
+    );
+    assert!(
+        check["fix"].as_str().unwrap().contains("noeviction"),
+        "{check}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_commands_and_an_unmigrated_postgres() {
+    let server = containers::postgres().await.expect("a PostgreSQL server");
+    let schema = server.create_schema().await.unwrap();
+    let url = idempotency_conformance::error_table::url_with::query(
+        server.url(),
+        &format!("schema={schema}"),
+    );
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 3, "{err}");
+    assert_eq!(verdict(&report, "schema version"), "fail");
+    let (_, plan, _) = tool(&url, &["migrate", "--dry-run"]);
+    assert!(plan["steps"].as_array().unwrap().len() >= 3, "{plan}");
+    assert_eq!(tool(&url, &["doctor"]).0, 3, "a dry run changes nothing");
+    assert_eq!(tool(&url, &["migrate"]).0, 0);
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 0, "{report} {err}");
+    assert_eq!(verdict(&report, "expires_at index"), "pass");
+
+    common_commands(&url, &containers::unique_namespace("cli")).await;
+    let (code, purged, _) = tool(&url, &["purge"]);
+    assert_eq!((code, &purged["purged"]), (0, &Value::from(1)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_commands_and_an_unmigrated_table() {
+    let server = containers::mariadb().await.expect("a MariaDB server");
+    let table = containers::unique_namespace("cli").replace('-', "_");
+    let url = server.url_with(&format!("table={table}"));
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 3, "{err}");
+    assert_eq!(verdict(&report, "schema version"), "fail");
+    assert_eq!(tool(&url, &["migrate"]).0, 0);
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 0, "{report} {err}");
+    assert_eq!(verdict(&report, "read_only"), "pass");
+    // The harness's server flushes its log once a second, for speed.
+    assert_eq!(verdict(&report, "innodb_flush_log_at_trx_commit"), "warn");
+
+    common_commands(&url, &containers::unique_namespace("cli")).await;
+    let (code, purged, _) = tool(&url, &["purge"]);
+    assert_eq!((code, &purged["purged"]), (0, &Value::from(1)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dynamodb_commands_and_a_table_without_ttl() {
+    let server = containers::dynamodb().await.expect("a DynamoDB server");
+    let table = server.unique_table_name("cli");
+    server
+        .call(
+            "CreateTable",
+            &serde_json::json!({
+                "TableName": table,
+                "AttributeDefinitions": [{"AttributeName": "pk", "AttributeType": "S"}],
+                "KeySchema": [{"AttributeName": "pk", "KeyType": "HASH"}],
+                "BillingMode": "PAY_PER_REQUEST",
+            })
+            .to_string(),
+        )
+        .await
+        .unwrap();
+    let url = format!(
+        "dynamodb://{table}?region={}&endpoint={}&credentials=dummy",
+        server.region(),
+        server.endpoint()
+    );
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 3, "{err}");
+    assert_eq!(verdict(&report, "TTL"), "fail");
+    assert_eq!(verdict(&report, "key schema"), "pass");
+    let (_, plan, _) = tool(&url, &["migrate", "--dry-run"]);
+    assert_eq!(plan["steps"][0], "enable TTL on `ttl`");
+    assert_eq!(tool(&url, &["doctor"]).0, 3, "a dry run changes nothing");
+    assert_eq!(tool(&url, &["migrate"]).0, 0);
+    let (code, report, err) = tool(&url, &["doctor"]);
+    assert_eq!(code, 0, "{report} {err}");
+    assert_eq!(verdict(&report, "clock offset"), "pass");
+
+    common_commands(&url, &containers::unique_namespace("cli")).await;
+}
+
+#[test]
+fn usage_errors_and_missing_stores_are_reported() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idempotency"))
+        .arg("stats")
+        .env_remove("IDEMPOTENCY_STORE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("IDEMPOTENCY_STORE_URL"));
+    let (code, _, err) = tool("memory:", &["get"]);
+    assert_eq!(code, 2, "{err}");
+    let (code, _, err) = tool("mongodb://x", &["stats"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("unknown store scheme") && err.contains("not retryable"),
+        "{err}"
+    );
+}
