@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
-use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
+use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats, Verdict};
 use idempotency_core::{escape_namespace, Clock, Error, Record, RecordKey, SystemClock, Timestamp};
 use redis::cmd;
 
@@ -100,105 +100,149 @@ impl RedisRepository {
         }
     }
 
-    async fn info(&self, section: &str) -> Result<HashMap<String, String>, Error> {
+    /// `INFO section` of every node the connection reaches (one for a
+    /// standalone server; a cluster answers per node): node and fields.
+    async fn info(&self, section: &str) -> Result<Vec<(String, HashMap<String, String>)>, Error> {
         let mut info = cmd("INFO");
         info.arg(section);
-        let text: String = redis::from_redis_value(self.command(&info, "admin").await?)
-            .map_err(|e| Error::backend("redis", e))?;
-        Ok(text
-            .lines()
-            .filter_map(|l| l.split_once(':'))
-            .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
-            .collect())
+        let reply = self.command(&info, "admin").await?;
+        let parse = |text: &str| -> HashMap<String, String> {
+            text.lines()
+                .filter_map(|l| l.split_once(':'))
+                .map(|(k, v)| (k.to_owned(), v.trim().to_owned()))
+                .collect()
+        };
+        if let Ok(text) = redis::from_redis_value::<String>(reply.clone()) {
+            return Ok(vec![("server".to_owned(), parse(&text))]);
+        }
+        let per_node: HashMap<String, String> =
+            redis::from_redis_value(reply).map_err(|e| Error::backend("redis", e))?;
+        let mut nodes: Vec<_> = per_node.into_iter().map(|(n, t)| (n, parse(&t))).collect();
+        nodes.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(nodes)
     }
 
-    async fn config(&self, name: &str) -> Option<String> {
+    /// `CONFIG GET name` on every node it reaches; `None` where the command
+    /// is not allowed (managed services often refuse it).
+    async fn config(&self, name: &str) -> Option<Vec<(String, String)>> {
         let mut get = cmd("CONFIG");
         get.arg("GET").arg(name);
         let reply = self.command(&get, "admin").await.ok()?;
-        let map: HashMap<String, String> = redis::from_redis_value(reply).ok()?;
-        map.get(name).cloned()
+        if let Ok(map) = redis::from_redis_value::<HashMap<String, String>>(reply.clone()) {
+            return map
+                .get(name)
+                .map(|v| vec![("server".to_owned(), v.clone())]);
+        }
+        let per_node: HashMap<String, HashMap<String, String>> =
+            redis::from_redis_value(reply).ok()?;
+        let mut values: Vec<_> = per_node
+            .into_iter()
+            .filter_map(|(node, map)| Some((node, map.get(name)?.clone())))
+            .collect();
+        values.sort();
+        Some(values)
     }
 
     async fn eviction_check(&self) -> Check {
         let name = "maxmemory-policy";
-        match self.config(name).await.as_deref() {
-            Some("noeviction") => Check::pass(
-                name,
-                "noeviction: under memory pressure writes fail (a retryable error), records \
-                 are never dropped",
-            ),
-            Some(policy) => Check::fail(
-                name,
-                format!(
-                    "{policy}: under memory pressure Redis evicts keys, live records included \
-                     (every record has a TTL, so volatile-* policies evict them too), and an \
-                     evicted record's next delivery runs its handler again"
-                ),
-                "CONFIG SET maxmemory-policy noeviction (and in redis.conf), or give \
-                 idempotency records a Redis of their own",
-            ),
-            None => Check::warn(
+        let Some(values) = self.config(name).await.filter(|v| !v.is_empty()) else {
+            return Check::warn(
                 name,
                 "CONFIG GET is not allowed here (a managed Redis?), so the policy is unknown",
                 "check in the provider's console that the eviction policy is noeviction",
-            ),
-        }
+            );
+        };
+        worst(values.into_iter().map(|(node, policy)| {
+            let check = if policy == "noeviction" {
+                Check::pass(
+                    name,
+                    "noeviction: under memory pressure writes fail (a retryable error), \
+                     records are never dropped",
+                )
+            } else {
+                Check::fail(
+                    name,
+                    format!(
+                        "{policy}: under memory pressure Redis evicts keys, live records \
+                         included (every record has a TTL, so volatile-* policies evict them \
+                         too), and an evicted record's next delivery runs its handler again"
+                    ),
+                    "CONFIG SET maxmemory-policy noeviction (and in redis.conf), or give \
+                     idempotency records a Redis of their own",
+                )
+            };
+            (node, check)
+        }))
     }
 
     async fn persistence_check(&self) -> Result<Check, Error> {
         let name = "persistence";
-        let info = self.info("persistence").await?;
-        let aof = info.get("aof_enabled").map(String::as_str) == Some("1");
-        let fsync = self.config("appendfsync").await;
-        Ok(match (aof, fsync.as_deref()) {
-            (true, Some("always")) => Check::pass(
-                name,
-                "append-only file, fsync on every write: a restart keeps every record",
-            ),
-            (true, fsync) => Check::warn(
-                name,
-                format!(
-                    "append-only file with appendfsync {}: a crash loses up to a second of \
-                     records, and their next deliveries run again",
-                    fsync.unwrap_or("unknown")
+        let fsync = self.config("appendfsync").await.unwrap_or_default();
+        let nodes = self.info("persistence").await?;
+        Ok(worst(nodes.into_iter().map(|(node, info)| {
+            let aof = info.get("aof_enabled").map(String::as_str) == Some("1");
+            let node_fsync = fsync
+                .iter()
+                .find(|(n, _)| *n == node || n == "server")
+                .map(|(_, v)| v.as_str());
+            let check = match (aof, node_fsync) {
+                (true, Some("always")) => Check::pass(
+                    name,
+                    "append-only file, fsync on every write: a restart keeps every record",
                 ),
-                "appendfsync always, when a repeated effect after a crash is unacceptable",
-            ),
-            (false, _) => Check::warn(
-                name,
-                "no append-only file: a restart loses the records written since the last \
-                 snapshot (or all of them), and their next deliveries run again",
-                "appendonly yes, appendfsync always",
-            ),
-        })
+                (true, fsync) => Check::warn(
+                    name,
+                    format!(
+                        "append-only file with appendfsync {}: a crash loses up to a second \
+                         of records, and their next deliveries run again",
+                        fsync.unwrap_or("unknown")
+                    ),
+                    "appendfsync always, when a repeated effect after a crash is unacceptable",
+                ),
+                (false, _) => Check::warn(
+                    name,
+                    "no append-only file: a restart loses the records written since the last \
+                     snapshot (or all of them), and their next deliveries run again",
+                    "appendonly yes, appendfsync always",
+                ),
+            };
+            (node, check)
+        })))
     }
 
     async fn replication_check(&self) -> Result<Check, Error> {
         let name = "replication";
-        let info = self.info("replication").await?;
-        let role = info.get("role").cloned().unwrap_or_default();
-        let replicas: u64 = info
-            .get("connected_slaves")
-            .and_then(|n| n.parse().ok())
-            .unwrap_or(0);
-        Ok(match (role.as_str(), replicas) {
-            ("master", 0) => Check::pass(name, "a primary without replicas: no failover window"),
-            ("master", n) => Check::warn(
-                name,
-                format!(
-                    "a primary with {n} replica(s), replicated asynchronously: a failover can \
-                     lose the last records, and their next deliveries run again"
+        let cluster = self.is_cluster();
+        let nodes = self.info("replication").await?;
+        Ok(worst(nodes.into_iter().map(|(node, info)| {
+            let role = info.get("role").cloned().unwrap_or_default();
+            let replicas: u64 = info
+                .get("connected_slaves")
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+            let check = match (role.as_str(), replicas) {
+                ("master", 0) => {
+                    Check::pass(name, "a primary without replicas: no failover window")
+                }
+                ("master", n) => Check::warn(
+                    name,
+                    format!(
+                        "a primary with {n} replica(s), replicated asynchronously: a failover \
+                         can lose the last records, and their next deliveries run again"
+                    ),
+                    "accept the window, or fail over only with replicas in sync (WAIT-based \
+                     tooling)",
                 ),
-                "accept the window, or fail over only with replicas in sync (WAIT-based \
-                 tooling)",
-            ),
-            (role, _) => Check::fail(
-                name,
-                format!("this server is a {role}: it refuses writes (READONLY)"),
-                "point the URL at the primary",
-            ),
-        })
+                // A cluster's replicas are expected; the client writes to masters.
+                (_, _) if cluster => Check::pass(name, "a replica of a cluster master"),
+                (role, _) => Check::fail(
+                    name,
+                    format!("this server is a {role}: it refuses writes (READONLY)"),
+                    "point the URL at the primary",
+                ),
+            };
+            (node, check)
+        })))
     }
 
     async fn cluster_check(&self) -> Result<Option<Check>, Error> {
@@ -294,4 +338,23 @@ impl Admin for RedisRepository {
         checks.push(self.clock_check(options).await?);
         Ok(checks)
     }
+}
+
+/// The most severe of per-node checks (fail over warn over pass), naming its
+/// node when there are several.
+fn worst(checks: impl Iterator<Item = (String, Check)>) -> Check {
+    let rank = |c: &Check| match c.verdict {
+        Verdict::Pass => 0,
+        Verdict::Warn => 1,
+        Verdict::Fail => 2,
+    };
+    let checks: Vec<(String, Check)> = checks.collect();
+    let several = checks.len() > 1;
+    let Some((node, mut check)) = checks.into_iter().max_by_key(|(_, c)| rank(c)) else {
+        return Check::warn("node", "no node answered", "check the URL");
+    };
+    if several {
+        check.detail = format!("{node}: {}", check.detail);
+    }
+    check
 }
