@@ -360,7 +360,7 @@ async fn evict(
             1,
         ));
     }
-    let removed = store.delete(&key).await?;
+    let removed = remove(store, &key, &record, now).await?;
     Ok(if json {
         json!({"removed": removed, "was": view::record_json(key.namespace(), key.id(), &record, now)})
             .to_string()
@@ -372,6 +372,34 @@ async fn evict(
     } else {
         format!("{key} was already gone")
     })
+}
+
+/// Removes the record read as `record`, and only that one. A `processing`
+/// record goes through `release` with its owner's token: if it was taken
+/// over or finished since it was read, the token no longer holds it and
+/// nothing is removed (a plain delete would remove the new consumer's live
+/// reservation, and its handler would run again). Other records do not
+/// change hands, so a plain delete is exact.
+async fn remove(
+    store: &SharedRepository,
+    key: &RecordKey,
+    record: &idempotency::Record,
+    now: idempotency::Timestamp,
+) -> Result<bool, Failure> {
+    if record.status != Status::Processing {
+        return Ok(store.delete(key).await?);
+    }
+    match store.release(key, record.owner, now).await {
+        Ok(()) => Ok(true),
+        Err(Error::LeaseLost { .. }) => Err(Failure(
+            format!(
+                "{key} changed since it was read (taken over, finished or removed): left in \
+                 place; read it again"
+            ),
+            1,
+        )),
+        Err(e) => Err(e.into()),
+    }
 }
 
 async fn purge(
