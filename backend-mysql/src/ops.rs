@@ -3,8 +3,8 @@
 
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    Capabilities, Error, Fingerprint, OwnedWrite, OwnerToken, Record, RecordKey, Reservation,
-    ReserveRequest, Status, Timestamp,
+    Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
+    StoredColumns, Timestamp,
 };
 use sqlx::mysql::MySqlRow;
 use sqlx::{MySqlExecutor, MySqlPool, Row};
@@ -159,56 +159,27 @@ pub(crate) fn valid_table(table: &str) -> Result<(), Error> {
     }
 }
 
-fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {
-    Error::corrupt(key, e.to_string())
-}
-
-fn timestamp(row: &MySqlRow, index: usize, key: &RecordKey) -> Result<Timestamp, Error> {
-    let raw: i64 = row.try_get(index).map_err(|e| corrupt(e, key))?;
-    u64::try_from(raw)
-        .map(Timestamp::from_millis)
-        .map_err(|_| Error::corrupt(key, format!("negative timestamp {raw} in column {index}")))
-}
-
 /// Decodes a row of [`COLUMNS`]; anything out of shape is `Corrupt` naming
-/// the key, never a panic and never a record made up.
+/// the key, never a panic and never a record made up. (An `ascii_bin`
+/// status column reaches sqlx as binary: it is read as bytes.)
 pub(crate) fn decode(row: &MySqlRow, key: &RecordKey) -> Result<Record, Error> {
-    // An `ascii_bin` column reaches sqlx as binary: decoded as bytes.
-    let status: Vec<u8> = row.try_get(0).map_err(|e| corrupt(e, key))?;
-    let status = std::str::from_utf8(&status)
-        .ok()
-        .and_then(Status::parse)
-        .ok_or_else(|| {
-            let shown = String::from_utf8_lossy(&status);
-            Error::corrupt(key, format!("unknown status {shown:?}"))
-        })?;
-    let owner: Vec<u8> = row.try_get(1).map_err(|e| corrupt(e, key))?;
-    let owner = <[u8; 16]>::try_from(owner.as_slice())
-        .map(OwnerToken::from_bytes)
-        .map_err(|_| Error::corrupt(key, format!("owner is {} bytes, not 16", owner.len())))?;
-    let attempt: u32 = row.try_get(2).map_err(|e| corrupt(e, key))?;
-    if attempt == 0 {
-        return Err(Error::corrupt(key, "attempt 0 out of range"));
+    let corrupt = |e: sqlx::Error| Error::corrupt(key, e.to_string());
+    let attempt: u32 = row.try_get(2).map_err(corrupt)?;
+    let retryable: i8 = row.try_get(6).map_err(corrupt)?;
+    StoredColumns {
+        status: row.try_get(0).map_err(corrupt)?,
+        owner: row.try_get(1).map_err(corrupt)?,
+        attempt: i64::from(attempt),
+        fingerprint: row.try_get(3).map_err(corrupt)?,
+        result: row.try_get(4).map_err(corrupt)?,
+        error: row.try_get(5).map_err(corrupt)?,
+        retryable: retryable != 0,
+        lease_until: row.try_get(7).map_err(corrupt)?,
+        expires_at: row.try_get(8).map_err(corrupt)?,
+        created_at: row.try_get(9).map_err(corrupt)?,
+        updated_at: row.try_get(10).map_err(corrupt)?,
     }
-    let fingerprint: Option<Vec<u8>> = row.try_get(3).map_err(|e| corrupt(e, key))?;
-    let fingerprint = fingerprint
-        .map(|f| Fingerprint::try_from_slice(&f))
-        .transpose()
-        .map_err(|e| e.with_key(key))?;
-    let retryable: i8 = row.try_get(6).map_err(|e| corrupt(e, key))?;
-    Ok(Record {
-        status,
-        owner,
-        attempt,
-        fingerprint,
-        result: row.try_get(4).map_err(|e| corrupt(e, key))?,
-        error: row.try_get(5).map_err(|e| corrupt(e, key))?,
-        retryable: status == Status::Failed && retryable != 0,
-        lease_until: timestamp(row, 7, key)?,
-        expires_at: timestamp(row, 8, key)?,
-        created_at: timestamp(row, 9, key)?,
-        updated_at: timestamp(row, 10, key)?,
-    })
+    .into_record(key)
 }
 
 /// The stored record under `key`, expired or not.

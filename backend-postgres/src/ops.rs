@@ -2,8 +2,8 @@
 //! pool, or a caller's connection or transaction).
 
 use idempotency_core::{
-    Capabilities, Error, Fingerprint, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
-    Status, Timestamp,
+    Capabilities, Error, OwnerToken, Record, RecordKey, Reservation, ReserveRequest, Status,
+    StoredColumns, Timestamp,
 };
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
@@ -43,52 +43,28 @@ fn check_size(what: &'static str, value: Option<&[u8]>) -> Result<(), Error> {
     capabilities().check_value(what, value)
 }
 
-fn timestamp(row: &PgRow, index: usize, key: &RecordKey) -> Result<Timestamp, Error> {
-    let raw: i64 = row.try_get(index).map_err(|e| corrupt(e, key))?;
-    u64::try_from(raw)
-        .map(Timestamp::from_millis)
-        .map_err(|_| Error::corrupt(key, format!("negative timestamp {raw} in column {index}")))
-}
-
 fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {
     Error::corrupt(key, e.to_string())
 }
 
-/// Decodes the ten record columns starting at `at` (see `RECORD_COLUMNS`).
+/// Decodes the record columns starting at `at` (see `RECORD_COLUMNS`).
 pub(crate) fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<Record, Error> {
-    let status: String = row.try_get(at).map_err(|e| corrupt(e, key))?;
-    let status = Status::parse(&status)
-        .ok_or_else(|| Error::corrupt(key, format!("unknown status {status:?}")))?;
-    let owner: Vec<u8> = row.try_get(at + 1).map_err(|e| corrupt(e, key))?;
-    let owner = <[u8; 16]>::try_from(owner.as_slice())
-        .map(OwnerToken::from_bytes)
-        .map_err(|_| Error::corrupt(key, format!("owner is {} bytes, not 16", owner.len())))?;
-    let attempt: i64 = row.try_get(at + 2).map_err(|e| corrupt(e, key))?;
-    let attempt = u32::try_from(attempt)
-        .ok()
-        .filter(|a| *a >= 1)
-        .ok_or_else(|| Error::corrupt(key, format!("attempt {attempt} out of range")))?;
-    let fingerprint: Option<Vec<u8>> = row.try_get(at + 3).map_err(|e| corrupt(e, key))?;
-    let fingerprint = fingerprint
-        .map(|f| Fingerprint::try_from_slice(&f))
-        .transpose()
-        .map_err(|e| e.with_key(key))?;
-    Ok(Record {
-        status,
-        owner,
-        attempt,
-        fingerprint,
-        result: row.try_get(at + 4).map_err(|e| corrupt(e, key))?,
-        error: row.try_get(at + 5).map_err(|e| corrupt(e, key))?,
-        retryable: status == Status::Failed
-            && row
-                .try_get::<bool, _>(at + 6)
-                .map_err(|e| corrupt(e, key))?,
-        lease_until: timestamp(row, at + 7, key)?,
-        expires_at: timestamp(row, at + 8, key)?,
-        created_at: timestamp(row, at + 9, key)?,
-        updated_at: timestamp(row, at + 10, key)?,
-    })
+    let corrupt = |e: sqlx::Error| corrupt(e, key);
+    let status: String = row.try_get(at).map_err(corrupt)?;
+    StoredColumns {
+        status: status.into_bytes(),
+        owner: row.try_get(at + 1).map_err(corrupt)?,
+        attempt: row.try_get(at + 2).map_err(corrupt)?,
+        fingerprint: row.try_get(at + 3).map_err(corrupt)?,
+        result: row.try_get(at + 4).map_err(corrupt)?,
+        error: row.try_get(at + 5).map_err(corrupt)?,
+        retryable: row.try_get(at + 6).map_err(corrupt)?,
+        lease_until: row.try_get(at + 7).map_err(corrupt)?,
+        expires_at: row.try_get(at + 8).map_err(corrupt)?,
+        created_at: row.try_get(at + 9).map_err(corrupt)?,
+        updated_at: row.try_get(at + 10).map_err(corrupt)?,
+    }
+    .into_record(key)
 }
 
 /// `reserve`: one call of the reservation function created by the migration.

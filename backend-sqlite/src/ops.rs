@@ -3,7 +3,7 @@
 use std::sync::LazyLock;
 
 use idempotency_core::{
-    Capabilities, Error, Fingerprint, OwnedWrite, OwnerToken, Record, RecordKey, Status, Timestamp,
+    Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, StoredColumns, Timestamp,
 };
 use sqlx::sqlite::SqliteRow;
 use sqlx::{Row, SqliteExecutor};
@@ -46,51 +46,25 @@ pub(crate) fn check_size(what: &'static str, value: Option<&[u8]>) -> Result<(),
     capabilities().check_value(what, value)
 }
 
-fn corrupt(e: sqlx::Error, key: &RecordKey) -> Error {
-    Error::corrupt(key, e.to_string())
-}
-
-fn timestamp(row: &SqliteRow, index: usize, key: &RecordKey) -> Result<Timestamp, Error> {
-    let raw: i64 = row.try_get(index).map_err(|e| corrupt(e, key))?;
-    u64::try_from(raw)
-        .map(Timestamp::from_millis)
-        .map_err(|_| Error::corrupt(key, format!("negative timestamp {raw} in column {index}")))
-}
-
 /// Decodes a row of [`COLUMNS`]; anything out of shape is `Corrupt` naming
 /// the key, never a panic and never a record made up.
 pub(crate) fn decode(row: &SqliteRow, key: &RecordKey) -> Result<Record, Error> {
-    let status: String = row.try_get(0).map_err(|e| corrupt(e, key))?;
-    let status = Status::parse(&status)
-        .ok_or_else(|| Error::corrupt(key, format!("unknown status {status:?}")))?;
-    let owner: Vec<u8> = row.try_get(1).map_err(|e| corrupt(e, key))?;
-    let owner = <[u8; 16]>::try_from(owner.as_slice())
-        .map(OwnerToken::from_bytes)
-        .map_err(|_| Error::corrupt(key, format!("owner is {} bytes, not 16", owner.len())))?;
-    let attempt: i64 = row.try_get(2).map_err(|e| corrupt(e, key))?;
-    let attempt = u32::try_from(attempt)
-        .ok()
-        .filter(|a| *a >= 1)
-        .ok_or_else(|| Error::corrupt(key, format!("attempt {attempt} out of range")))?;
-    let fingerprint: Option<Vec<u8>> = row.try_get(3).map_err(|e| corrupt(e, key))?;
-    let fingerprint = fingerprint
-        .map(|f| Fingerprint::try_from_slice(&f))
-        .transpose()
-        .map_err(|e| e.with_key(key))?;
-    let retryable: bool = row.try_get(6).map_err(|e| corrupt(e, key))?;
-    Ok(Record {
-        status,
-        owner,
-        attempt,
-        fingerprint,
-        result: row.try_get(4).map_err(|e| corrupt(e, key))?,
-        error: row.try_get(5).map_err(|e| corrupt(e, key))?,
-        retryable: status == Status::Failed && retryable,
-        lease_until: timestamp(row, 7, key)?,
-        expires_at: timestamp(row, 8, key)?,
-        created_at: timestamp(row, 9, key)?,
-        updated_at: timestamp(row, 10, key)?,
-    })
+    let corrupt = |e: sqlx::Error| Error::corrupt(key, e.to_string());
+    let status: String = row.try_get(0).map_err(corrupt)?;
+    StoredColumns {
+        status: status.into_bytes(),
+        owner: row.try_get(1).map_err(corrupt)?,
+        attempt: row.try_get(2).map_err(corrupt)?,
+        fingerprint: row.try_get(3).map_err(corrupt)?,
+        result: row.try_get(4).map_err(corrupt)?,
+        error: row.try_get(5).map_err(corrupt)?,
+        retryable: row.try_get(6).map_err(corrupt)?,
+        lease_until: row.try_get(7).map_err(corrupt)?,
+        expires_at: row.try_get(8).map_err(corrupt)?,
+        created_at: row.try_get(9).map_err(corrupt)?,
+        updated_at: row.try_get(10).map_err(corrupt)?,
+    }
+    .into_record(key)
 }
 
 /// The stored record under `key`, expired or not.

@@ -82,7 +82,7 @@ pub use key::{
 pub use manager::{ExecuteError, HandlerError, HandlerResult, IdempotencyManager, Outcome};
 pub use memory::MemoryRepository;
 pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
-pub use record::{Record, Status};
+pub use record::{Record, Status, StoredColumns};
 pub use repository::{
     Capabilities, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
     SharedRepository,
