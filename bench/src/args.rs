@@ -19,7 +19,8 @@ OPTIONS:
   --memory-ops N          the same for the in-memory store (default 400000)
   --dynamodb-ops N        the same for DynamoDB (default 2000; emulators are slow)
   --concurrency LIST      tasks issuing operations at once (default 1,64)
-  --scenarios LIST        fresh,duplicate (default: both)
+  --scenarios LIST        fresh,duplicate,cached (default: all three; cached: duplicates
+                          answered from the local answer cache)
   --rounds N              measured rounds per variant, alternating A B B A … (default 10)
   --min-round-ms MS       stretch rounds to last at least this long at the warm-up's rate
                           (default 250; 0 keeps exactly ops/rounds per round)
@@ -205,8 +206,9 @@ impl Args {
                         .map(|s| match s.as_str() {
                             "fresh" => Ok(Scenario::Fresh),
                             "duplicate" => Ok(Scenario::Duplicate),
+                            "cached" => Ok(Scenario::Cached),
                             other => Err(BoxError::from(format!(
-                                "unknown scenario {other:?} (have: fresh, duplicate)"
+                                "unknown scenario {other:?} (have: fresh, duplicate, cached)"
                             ))),
                         })
                         .collect::<Result<_, _>>()?;
@@ -232,7 +234,7 @@ impl Args {
             .into());
         }
         if a.plan.scenarios.is_empty() {
-            return Err("--scenarios needs at least one of fresh, duplicate".into());
+            return Err("--scenarios needs at least one of fresh, duplicate, cached".into());
         }
         if a.plan.concurrencies.is_empty() || a.plan.concurrencies.contains(&0) {
             return Err("--concurrency needs positive numbers".into());

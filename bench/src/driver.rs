@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use indicatif::ProgressBar;
 
 use crate::stats::{Measurement, Samples};
-use crate::workloads::{Lane, Workload};
+use crate::workloads::{Lane, WithAnswerCache, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// How much to run for one backend.
@@ -151,7 +151,7 @@ pub async fn count_round_trips(
     // on first use.
     let warm = ops.min(20);
     let ns = round_namespace(workload.backend(), scenario, variant);
-    if scenario == Scenario::Duplicate {
+    if scenario.is_duplicate() {
         workload.populate(&ns, warm + ops).await?;
     }
     for i in ops..ops + warm {
@@ -192,7 +192,12 @@ pub async fn run_backend(
 ) -> Result<Vec<Measurement>, BoxError> {
     let backend = workload.backend();
     let mut out = Vec::new();
+    let plain = workload;
     for &scenario in &plan.scenarios {
+        let workload = match scenario {
+            Scenario::Cached => Arc::new(WithAnswerCache::new(plain.clone())?),
+            _ => plain.clone(),
+        };
         let mut trips = [None, None];
         for (slot, variant) in [Variant::Library, Variant::Raw].into_iter().enumerate() {
             progress.set_message(format!(
@@ -206,7 +211,7 @@ pub async fn run_backend(
             let mut slowest = f64::INFINITY;
             for variant in [Variant::Library, Variant::Raw] {
                 let ns = round_namespace(backend, scenario, variant);
-                if scenario == Scenario::Duplicate {
+                if scenario.is_duplicate() {
                     workload.populate(&ns, plan.warmup).await?;
                 }
                 let warm = run_round(
@@ -240,7 +245,7 @@ pub async fn run_backend(
                 for variant in round_order(r) {
                     let slot = variant as usize;
                     let ns = round_namespace(backend, scenario, variant);
-                    if scenario == Scenario::Duplicate {
+                    if scenario.is_duplicate() {
                         workload.populate(&ns, per_round).await?;
                     }
                     let before = workload.server_commands().await?;

@@ -35,18 +35,28 @@ pub enum Scenario {
     Fresh,
     /// Redeliveries of completed keys: answered from the stored record.
     Duplicate,
+    /// Redeliveries of keys this process completed: answered from the local
+    /// answer cache (`Config::answer_cache`); the raw client still reads the
+    /// record.
+    Cached,
 }
 
 impl Scenario {
-    /// Both scenarios, in report order.
-    pub const ALL: [Scenario; 2] = [Scenario::Fresh, Scenario::Duplicate];
+    /// Every scenario, in report order.
+    pub const ALL: [Scenario; 3] = [Scenario::Fresh, Scenario::Duplicate, Scenario::Cached];
 
-    /// `fresh` or `duplicate`.
+    /// `fresh`, `duplicate` or `cached`.
     pub fn as_str(self) -> &'static str {
         match self {
             Scenario::Fresh => "fresh",
             Scenario::Duplicate => "duplicate",
+            Scenario::Cached => "cached",
         }
+    }
+
+    /// Whether its keys are completed before the round (a redelivery).
+    pub fn is_duplicate(self) -> bool {
+        matches!(self, Scenario::Duplicate | Scenario::Cached)
     }
 }
 

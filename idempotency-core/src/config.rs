@@ -141,6 +141,64 @@ pub struct Config {
     /// What a dropped `execute` future does to the record (default: keep the
     /// lease until it ends).
     pub on_cancel: CancelPolicy,
+    /// A bounded in-process cache of completed answers in front of the store
+    /// (default off): see [`AnswerCacheConfig`].
+    pub answer_cache: Option<AnswerCacheConfig>,
+}
+
+/// A bounded in-process cache of completed answers (contract §4, "local
+/// answers").
+///
+/// A `Completed` record never changes until it expires, so a duplicate of a
+/// key this process recently saw completed (its own execution, or a store
+/// answer) is answered in-process, with no round trip: the same decision the
+/// store's record would give (cached result, `Duplicate`, or a payload
+/// mismatch). `Processing` and `Failed` records are never cached.
+///
+/// - An entry is never served at or after its record's `expires_at` minus
+///   [`Config::clock_skew`] (judged on the manager's clock).
+/// - An entry is served for at most [`max_staleness`](Self::max_staleness)
+///   after it was read from (or written to) the store: that bounds how long a
+///   record an operator deleted (`idempotency evict`) is still answered by this
+///   process. Within that bound, a deleted key's duplicates get the old
+///   answer instead of running the handler again.
+/// - The cache holds at most [`max_bytes`](Self::max_bytes) of keys and results;
+///   the least valuable entries (moka's TinyLFU) are evicted first.
+/// - Every clone and scope of a manager shares one cache; the PostgreSQL
+///   transactional manager does not use it (its duplicates are read inside
+///   the caller's transaction).
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{AnswerCacheConfig, Config};
+/// let config = Config {
+///     answer_cache: Some(AnswerCacheConfig {
+///         max_bytes: 16 << 20,
+///         max_staleness: Duration::from_secs(5),
+///     }),
+///     ..Config::default()
+/// };
+/// config.validate()?;
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AnswerCacheConfig {
+    /// The most bytes of keys and cached results kept (default 64 MiB).
+    pub max_bytes: u64,
+    /// The longest an answer is served from the cache after the store gave it
+    /// (default 10 s).
+    #[serde(with = "duration")]
+    pub max_staleness: Duration,
+}
+
+impl Default for AnswerCacheConfig {
+    fn default() -> Self {
+        AnswerCacheConfig {
+            max_bytes: 64 << 20,
+            max_staleness: Duration::from_secs(10),
+        }
+    }
 }
 
 impl Default for Config {
@@ -159,6 +217,7 @@ impl Default for Config {
             lease_extension_interval: None,
             store_timeout: Duration::from_secs(5),
             on_cancel: CancelPolicy::KeepLease,
+            answer_cache: None,
         }
     }
 }
@@ -206,6 +265,14 @@ impl Config {
             if i.is_zero() || i >= self.processing_timeout {
                 return Err(Error::config(
                     "lease_extension_interval must be positive and shorter than processing_timeout",
+                ));
+            }
+        }
+        if let Some(cache) = self.answer_cache {
+            if cache.max_bytes == 0 || cache.max_staleness.is_zero() {
+                return Err(Error::config(
+                    "answer_cache.max_bytes and answer_cache.max_staleness must be positive \
+                     (for no cache, leave answer_cache unset)",
                 ));
             }
         }
@@ -357,6 +424,10 @@ mod tests {
                 poll_interval: Duration::from_millis(50),
             },
             lease_extension_interval: Some(Duration::from_secs(60)),
+            answer_cache: Some(AnswerCacheConfig {
+                max_bytes: 1 << 20,
+                max_staleness: Duration::from_millis(1500),
+            }),
             ..Config::default()
         };
         let json = serde_json::to_string(&c).unwrap();
@@ -398,5 +469,22 @@ mod tests {
             ..Config::default()
         };
         assert!(no_timeout.validate().is_err());
+        let no_staleness = Config {
+            answer_cache: Some(AnswerCacheConfig {
+                max_staleness: Duration::ZERO,
+                ..AnswerCacheConfig::default()
+            }),
+            ..Config::default()
+        };
+        assert!(no_staleness.validate().is_err());
+        let partial: Config =
+            serde_json::from_str(r#"{"answer_cache": {"max_staleness": "2s"}}"#).unwrap();
+        assert_eq!(
+            partial.answer_cache,
+            Some(AnswerCacheConfig {
+                max_staleness: Duration::from_secs(2),
+                ..AnswerCacheConfig::default()
+            })
+        );
     }
 }

@@ -70,9 +70,11 @@ mod time;
 
 pub use codec::{Codec, JsonCodec};
 pub use config::{
-    parse_bool, parse_duration, CancelPolicy, Config, FailurePolicy, InProgressPolicy, OutagePolicy,
+    parse_bool, parse_duration, AnswerCacheConfig, CancelPolicy, Config, FailurePolicy,
+    InProgressPolicy, OutagePolicy,
 };
 pub use decision::FailureKind;
+pub use engine::answers::AnswerCacheStats;
 pub use engine::lease::ExecutionContext;
 pub use error::{BoxError, Error};
 pub use key::{

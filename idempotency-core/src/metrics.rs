@@ -9,6 +9,8 @@
 //! | `idempotency_keys_active` | gauge | keys this process holds (`Processing`) right now |
 //! | `idempotency_lease_lost` | counter | completions refused because another owner took over |
 //! | `idempotency_fail_open` | counter | handler runs without protection during a store outage |
+//! | `idempotency_answer_cache_hits` | counter | deliveries answered from the local answer cache (no round trip) |
+//! | `idempotency_answer_cache_misses` | counter | deliveries the local answer cache could not answer (they went to the store); hit ratio = hits / (hits + misses) |
 //! | `idempotency_operation_duration_seconds` | histogram | latency per repository operation, labels `backend`, `operation`, `outcome` |
 //!
 //! Every metric carries a `backend` label.
@@ -29,6 +31,10 @@ pub const KEYS_ACTIVE: &str = "idempotency_keys_active";
 pub const LEASE_LOST: &str = "idempotency_lease_lost";
 /// Counter: unprotected runs during an outage (fail-open).
 pub const FAIL_OPEN: &str = "idempotency_fail_open";
+/// Counter: deliveries answered from the local answer cache.
+pub const ANSWER_CACHE_HITS: &str = "idempotency_answer_cache_hits";
+/// Counter: deliveries the local answer cache could not answer.
+pub const ANSWER_CACHE_MISSES: &str = "idempotency_answer_cache_misses";
 /// Histogram: repository operation latency in seconds.
 pub const OPERATION_DURATION: &str = "idempotency_operation_duration_seconds";
 
@@ -73,15 +79,19 @@ pub(crate) enum Counter {
     DuplicatesBlocked,
     LeaseLost,
     FailOpen,
+    AnswerCacheHits,
+    AnswerCacheMisses,
 }
 
 impl Counter {
-    const ALL: [Counter; 5] = [
+    const ALL: [Counter; 7] = [
         Counter::CacheHits,
         Counter::CacheMisses,
         Counter::DuplicatesBlocked,
         Counter::LeaseLost,
         Counter::FailOpen,
+        Counter::AnswerCacheHits,
+        Counter::AnswerCacheMisses,
     ];
 
     const fn name(self) -> &'static str {
@@ -91,6 +101,8 @@ impl Counter {
             Counter::DuplicatesBlocked => DUPLICATES_BLOCKED,
             Counter::LeaseLost => LEASE_LOST,
             Counter::FailOpen => FAIL_OPEN,
+            Counter::AnswerCacheHits => ANSWER_CACHE_HITS,
+            Counter::AnswerCacheMisses => ANSWER_CACHE_MISSES,
         }
     }
 }

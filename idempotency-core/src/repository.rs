@@ -403,6 +403,23 @@ pub trait Repository: Send + Sync + Debug + 'static {
     fn admin(&self) -> Option<&dyn crate::admin::Admin> {
         None
     }
+
+    /// [`reserve`](Self::reserve) for several requests (distinct keys), one
+    /// answer per request, in order. Each request is atomic on its own, with
+    /// exactly `reserve`'s rules (including idempotence per owner token); the
+    /// batch as a whole is not a transaction. An error for one request (or for
+    /// all: a lost reply) is as ambiguous as `reserve`'s.
+    ///
+    /// The default sends every request through `reserve`, concurrently; a store
+    /// that can answer many in one round trip (a Redis pipeline, one SQL
+    /// statement over arrays) overrides it. The conformance suite checks
+    /// overrides against `reserve`'s rules.
+    async fn reserve_many(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await
+    }
 }
 
 macro_rules! forward_repository {
@@ -469,6 +486,12 @@ macro_rules! forward_repository {
             }
             fn admin(&self) -> Option<&dyn crate::admin::Admin> {
                 (**self).admin()
+            }
+            async fn reserve_many(
+                &self,
+                requests: Vec<ReserveRequest<'_>>,
+            ) -> Vec<Result<Reservation, Error>> {
+                (**self).reserve_many(requests).await
             }
         }
     };

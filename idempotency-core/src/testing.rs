@@ -60,11 +60,15 @@ pub enum Operation {
     Delete,
     /// [`Repository::purge_expired`].
     PurgeExpired,
+    /// [`Repository::reserve_many`], as one call: a fault aimed at it hits the
+    /// whole batch (each request then gets the same error); the requests
+    /// themselves go to the inner store's `reserve_many`.
+    ReserveMany,
 }
 
 impl Operation {
     /// Every operation.
-    pub const ALL: [Operation; 8] = [
+    pub const ALL: [Operation; 9] = [
         Operation::Reserve,
         Operation::Complete,
         Operation::Fail,
@@ -73,6 +77,7 @@ impl Operation {
         Operation::Get,
         Operation::Delete,
         Operation::PurgeExpired,
+        Operation::ReserveMany,
     ];
 
     /// The operation's name (`reserve`, `complete`, …).
@@ -86,6 +91,7 @@ impl Operation {
             Operation::Get => "get",
             Operation::Delete => "delete",
             Operation::PurgeExpired => "purge_expired",
+            Operation::ReserveMany => "reserve_many",
         }
     }
 }
@@ -129,7 +135,7 @@ pub struct FaultyRepository<R> {
     inner: R,
     plan: Mutex<Vec<Planned>>,
     unavailable: AtomicBool,
-    calls: [AtomicUsize; 8],
+    calls: [AtomicUsize; Operation::ALL.len()],
 }
 
 impl<R: fmt::Debug> fmt::Debug for FaultyRepository<R> {
@@ -316,6 +322,30 @@ impl<R: Repository> Repository for FaultyRepository<R> {
             self.inner.purge_expired(now, limit)
         })
         .await
+    }
+
+    async fn reserve_many(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        let count = requests.len();
+        let call = || async { Ok(self.inner.reserve_many(requests.clone()).await) };
+        match self.run(Operation::ReserveMany, call).await {
+            Ok(answers) => answers,
+            Err(e) => (0..count).map(|_| Err(same_error(&e))).collect(),
+        }
+    }
+}
+
+/// An injected error again, for each request of a batch it hit.
+fn same_error(e: &Error) -> Error {
+    match e {
+        Error::Timeout { backend, operation } => Error::Timeout { backend, operation },
+        other => Error::Unavailable {
+            backend: "faulty",
+            message: other.to_string(),
+            source: None,
+        },
     }
 }
 

@@ -159,6 +159,10 @@ impl Workload for DynamoDbWorkload {
         "dynamodb"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.manager
+    }
+
     fn describe(&self) -> String {
         format!(
             "DynamoDB API at {} — one SDK client (request-counting interceptor) shared by \

@@ -32,6 +32,10 @@ impl Workload for MemoryWorkload {
         "memory"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.manager
+    }
+
     fn describe(&self) -> String {
         "MemoryRepository (sharded, in process); raw = the key's id built and the no-op handler awaited directly"
             .to_owned()

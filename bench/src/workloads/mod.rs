@@ -38,6 +38,9 @@ pub trait Workload: Send + Sync + 'static {
     /// What it runs against (server version, pool size …), for the report.
     fn describe(&self) -> String;
 
+    /// The library's manager over the timed connections.
+    fn manager(&self) -> &IdempotencyManager;
+
     /// Completes keys `0..ops` of `ns` through the library (untimed), so that
     /// operations on them are duplicates.
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError>;
@@ -126,7 +129,8 @@ pub async fn execute(
             ExecuteError::Handler(never) => match never {},
         })?;
     match (scenario, outcome) {
-        (Scenario::Fresh, Outcome::Executed(r)) | (Scenario::Duplicate, Outcome::Cached(r))
+        (Scenario::Fresh, Outcome::Executed(r))
+        | (Scenario::Duplicate | Scenario::Cached, Outcome::Cached(r))
             if r.id == i =>
         {
             Ok(())
@@ -153,6 +157,93 @@ pub async fn populate(
         .buffer_unordered(concurrency.max(1))
         .try_collect::<()>()
         .await
+}
+
+/// How many keys the cached scenario redelivers, round robin: duplicates of
+/// recent messages, as a cache holds them (a round of a million distinct keys,
+/// each redelivered once, would measure the cache's misses).
+pub const HOT_KEYS: usize = 10_000;
+
+/// A workload whose library variant answers redeliveries from the local
+/// answer cache ([`Scenario::Cached`]): a manager with the cache over the same
+/// store; the raw variant reads the record as in [`Scenario::Duplicate`]. Both
+/// redeliver [`HOT_KEYS`] keys round robin.
+pub struct WithAnswerCache {
+    inner: std::sync::Arc<dyn Workload>,
+    cached: IdempotencyManager,
+}
+
+impl std::fmt::Debug for WithAnswerCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WithAnswerCache")
+            .field("backend", &self.inner.backend())
+            .finish()
+    }
+}
+
+impl WithAnswerCache {
+    /// `inner`'s store behind a manager with the default answer cache.
+    ///
+    /// # Errors
+    /// Only if the bench's configuration were invalid.
+    pub fn new(inner: std::sync::Arc<dyn Workload>) -> Result<Self, BoxError> {
+        let config = idempotency_core::Config {
+            answer_cache: Some(idempotency_core::AnswerCacheConfig::default()),
+            ..config()
+        };
+        let cached = IdempotencyManager::new(inner.manager().repository().clone(), config)?;
+        Ok(WithAnswerCache { inner, cached })
+    }
+}
+
+#[async_trait]
+impl Workload for WithAnswerCache {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn describe(&self) -> String {
+        self.inner.describe()
+    }
+
+    fn manager(&self) -> &IdempotencyManager {
+        &self.cached
+    }
+
+    /// Completes the hot keys through the cached manager: its own
+    /// completions are what it answers later.
+    async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
+        populate(&self.cached, ns, ops.min(HOT_KEYS), 1).await
+    }
+
+    async fn op(
+        &self,
+        variant: Variant,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+        lane: Lane,
+    ) -> Result<(), BoxError> {
+        let i = i % HOT_KEYS;
+        match variant {
+            Variant::Library => execute(&self.cached, scenario, ns, i).await,
+            Variant::Raw => {
+                let scenario = match scenario {
+                    Scenario::Cached => Scenario::Duplicate,
+                    other => other,
+                };
+                self.inner.op(variant, scenario, ns, i, lane).await
+            }
+        }
+    }
+
+    async fn round_trips(&self) -> Result<Option<u64>, BoxError> {
+        self.inner.round_trips().await
+    }
+
+    async fn server_commands(&self) -> Result<Option<u64>, BoxError> {
+        self.inner.server_commands().await
+    }
 }
 
 /// The bench's manager configuration: the defaults (payload validation and

@@ -159,6 +159,10 @@ impl Workload for MySqlWorkload {
         "mysql"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.timed.manager
+    }
+
     fn describe(&self) -> String {
         format!(
             "MySQL protocol, server {} — one sqlx pool of {} connections shared by library and \

@@ -140,6 +140,10 @@ impl Workload for PostgresWorkload {
         "postgres"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.timed.manager
+    }
+
     fn describe(&self) -> String {
         format!(
             "PostgreSQL {} — one sqlx pool of {} connections shared by library and raw \

@@ -162,6 +162,10 @@ impl Workload for RedisWorkload {
         "redis"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.timed.manager
+    }
+
     fn describe(&self) -> String {
         format!(
             "Redis {} — one ConnectionManager (multiplexed) shared by library and raw",

@@ -120,6 +120,10 @@ impl Workload for SqliteWorkload {
         "sqlite"
     }
 
+    fn manager(&self) -> &IdempotencyManager {
+        &self.manager
+    }
+
     fn describe(&self) -> String {
         format!(
             "SQLite {} — one file ({}), WAL, synchronous={}, one connection shared by library \

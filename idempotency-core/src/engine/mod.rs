@@ -13,6 +13,7 @@
 //! them together, and the PostgreSQL transactional manager reuses the pieces it
 //! needs.
 
+pub(crate) mod answers;
 pub(crate) mod finish;
 pub(crate) mod guard;
 pub(crate) mod lease;
@@ -40,6 +41,8 @@ pub(crate) struct Engine {
     pub(crate) metrics: Metrics,
     /// How long executions of this manager hold a key, for `retry_after` hints.
     pub(crate) hold_time: HoldTime,
+    /// The local answer cache, when configured.
+    pub(crate) answers: Option<answers::Answers>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -48,6 +51,7 @@ impl std::fmt::Debug for Engine {
             .field("repo", &self.repo)
             .field("config", &self.config)
             .field("clock", &self.clock)
+            .field("answers", &self.answers)
             .finish()
     }
 }
@@ -58,6 +62,9 @@ impl Engine {
         Engine {
             metrics: Metrics::new(caps.backend),
             hold_time: HoldTime::default(),
+            answers: config
+                .answer_cache
+                .map(|c| answers::Answers::new(c, config.clock_skew)),
             repo,
             config,
             clock,

@@ -49,7 +49,7 @@ pub(crate) enum Reserved {
 
 /// A reserve attempt sent.
 #[derive(Debug, Clone, Copy)]
-struct Sent {
+pub(crate) struct Sent {
     lease_until: Timestamp,
     sent_at: Timestamp,
     sent: Instant,
@@ -70,13 +70,24 @@ impl Engine {
         lease: &Lease,
         fingerprint: Option<Fingerprint>,
     ) -> Result<Reserved, Error> {
+        self.reserve_after(lease, fingerprint, None).await
+    }
+
+    /// [`Engine::reserve`] after an earlier attempt for the same owner
+    /// (`unsettled`, a batch's) failed ambiguously: it may still land, and the
+    /// lease counts from it.
+    pub(crate) async fn reserve_after(
+        &self,
+        lease: &Lease,
+        fingerprint: Option<Fingerprint>,
+        // The earliest attempt that failed ambiguously, over the whole wait:
+        // it may land later and be the one that creates our record.
+        mut unsettled: Option<Sent>,
+    ) -> Result<Reserved, Error> {
         let wait_until = match self.config.in_progress {
             InProgressPolicy::Wait { timeout, .. } => Some(Instant::now() + timeout),
             InProgressPolicy::FailFast => None,
         };
-        // The earliest attempt that failed ambiguously, over the whole wait:
-        // it may land later and be the one that creates our record.
-        let mut unsettled: Option<Sent> = None;
         let mut seen_in_progress: Option<DuplicateDecision> = None;
         loop {
             let (reservation, sent) = match self
@@ -108,6 +119,7 @@ impl Engine {
                 }
                 Reservation::Existing(record) => record,
             };
+            self.remember_record(&lease.key, &record, sent.sent_at);
             let decision = decide_duplicate(
                 record,
                 fingerprint.as_ref(),
@@ -173,5 +185,111 @@ impl Engine {
             super::pause(backoff(retry)).await;
             retry += 1;
         }
+    }
+}
+
+/// One request's answer from [`Engine::reserve_batch`].
+#[derive(Debug)]
+pub(crate) enum BatchReserved {
+    /// Decided.
+    Done(Result<Reserved, Error>),
+    /// To be finished on the single path ([`Engine::reserve_after`]): the
+    /// batch's attempt failed ambiguously (`Some`, it may still land), or a
+    /// live holder is to be waited for (`None`).
+    Again(Option<Sent>),
+}
+
+impl Engine {
+    /// Reserves every lease's key in one [`Repository::reserve_many`] call,
+    /// time-boxed like one `reserve`; one answer per lease, in order.
+    ///
+    /// [`Repository::reserve_many`]: crate::Repository::reserve_many
+    pub(crate) async fn reserve_batch(
+        &self,
+        items: &[(std::sync::Arc<Lease>, Option<Fingerprint>)],
+    ) -> Vec<BatchReserved> {
+        let now = self.now();
+        let sent = Sent {
+            lease_until: now + self.config.processing_timeout,
+            sent_at: now,
+            sent: Instant::now(),
+        };
+        let requests = items
+            .iter()
+            .map(|(lease, fingerprint)| {
+                lease.note_sent(sent.lease_until, sent.sent_at, sent.sent);
+                reserve_request(&self.config, &lease.key, lease.owner, *fingerprint, now)
+            })
+            .collect();
+        let call = self.repo.reserve_many(requests);
+        let answers = self
+            .call_sent_at(
+                Op::Reserve,
+                self.config.store_timeout,
+                sent.sent.into_std(),
+                async { Ok(call.await) },
+            )
+            .await;
+        match answers {
+            Ok(answers) if answers.len() == items.len() => answers
+                .into_iter()
+                .zip(items)
+                .map(|(answer, (lease, fingerprint))| {
+                    self.batch_answer(answer, lease, fingerprint.as_ref(), sent)
+                })
+                .collect(),
+            Ok(answers) => {
+                let e = Error::Backend {
+                    backend: self.caps.backend,
+                    message: format!(
+                        "reserve_many answered {} requests with {} answers",
+                        items.len(),
+                        answers.len()
+                    ),
+                    source: None,
+                };
+                tracing::error!(error = %e, "a broken batch answer; reserving one key at a time");
+                items
+                    .iter()
+                    .map(|_| BatchReserved::Again(Some(sent)))
+                    .collect()
+            }
+            Err(_timeout) => items
+                .iter()
+                .map(|_| BatchReserved::Again(Some(sent)))
+                .collect(),
+        }
+    }
+
+    fn batch_answer(
+        &self,
+        answer: Result<Reservation, Error>,
+        lease: &Lease,
+        fingerprint: Option<&Fingerprint>,
+        sent: Sent,
+    ) -> BatchReserved {
+        let record = match answer {
+            Ok(Reservation::Acquired { attempt }) => {
+                return BatchReserved::Done(Ok(Reserved::Acquired {
+                    attempt,
+                    lease_until: sent.lease_until,
+                    sent_at: sent.sent_at,
+                    sent: sent.sent,
+                }))
+            }
+            Ok(Reservation::Existing(record)) => record,
+            Err(e) if e.is_store_outage() => return BatchReserved::Again(Some(sent)),
+            Err(e) => return BatchReserved::Done(Err(e)),
+        };
+        self.remember_record(&lease.key, &record, sent.sent_at);
+        let decision = decide_duplicate(record, fingerprint, self.now(), self.config.clock_skew);
+        let waits = matches!(self.config.in_progress, InProgressPolicy::Wait { .. });
+        if waits && matches!(decision, DuplicateDecision::InProgress { .. }) {
+            return BatchReserved::Again(None);
+        }
+        BatchReserved::Done(Ok(Reserved::Duplicate {
+            decision,
+            unsettled: false,
+        }))
     }
 }

@@ -4,6 +4,7 @@
 //! [`crate::engine`]): reserve and decide, run under the lease, record the
 //! outcome; a guard decides what a dropped execution leaves behind.
 
+mod batch;
 mod outcome;
 
 use std::any::Any;
@@ -20,6 +21,7 @@ use tracing::Instrument;
 use crate::codec::{Codec, JsonCodec};
 use crate::config::{Config, OutagePolicy};
 use crate::decision::{DuplicateDecision, FailureKind};
+use crate::engine::answers::AnswerCacheStats;
 use crate::engine::finish::{Finished, Pending};
 use crate::engine::guard::{ExecutionGuard, Phase};
 use crate::engine::lease::{ExecutionContext, Lease};
@@ -196,6 +198,31 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// The configuration.
     pub fn config(&self) -> &Config {
         &self.engine.config
+    }
+
+    /// How the local answer cache ([`Config::answer_cache`]) has done so
+    /// far: hits, misses, hit ratio, size; `None` without one. Shared by every
+    /// clone and scope of this manager.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use idempotency_core::{AnswerCacheConfig, Config, HandlerError, IdempotencyManager, MemoryRepository};
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let config = Config { answer_cache: Some(AnswerCacheConfig::default()), ..Config::default() };
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), config)?;
+    /// for _ in 0..4 {
+    ///     manager.execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) }).await?;
+    /// }
+    /// let stats = manager.answer_cache_stats().expect("configured");
+    /// // The first delivery went to the store; the three duplicates did not.
+    /// assert_eq!((stats.hits, stats.misses), (3, 1));
+    /// assert_eq!(stats.hit_ratio(), 0.75);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn answer_cache_stats(&self) -> Option<AnswerCacheStats> {
+        self.engine.answer_cache_stats()
     }
 
     /// The repository.
@@ -510,9 +537,34 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
         let engine = &*self.engine;
+        if let Some(decision) = engine.cached_answer(&key, fingerprint.as_ref()) {
+            engine.metrics.count(Counter::DuplicatesBlocked);
+            return self.answer_duplicate(&key, decision);
+        }
         let lease = Arc::new(Lease::new(key, OwnerToken::random()));
-        let mut guard = ExecutionGuard::new(self.engine.clone(), lease.clone());
-        match engine.reserve(&lease, fingerprint).await {
+        let guard = ExecutionGuard::new(self.engine.clone(), lease.clone());
+        let reserved = engine.reserve(&lease, fingerprint).await;
+        self.after_reserve(guard, reserved, fingerprint, handler)
+            .await
+    }
+
+    /// Stage 1's answer, then stages 2 and 3 under the lease.
+    async fn after_reserve<T, E, F, Fut>(
+        &self,
+        mut guard: ExecutionGuard,
+        reserved: Result<Reserved, Error>,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: FnOnce(ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let engine = &*self.engine;
+        let lease = guard.lease.clone();
+        match reserved {
             Ok(Reserved::Acquired {
                 attempt,
                 lease_until,
@@ -559,10 +611,15 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         if engine.config.lease_extension_interval.is_none() {
             // Nothing to keep beside the handler (see `Engine::under_lease`);
             // awaited in place, the stage's future is not moved.
-            return self.run_and_record(&mut guard, ctx, handler).await;
+            return self
+                .run_and_record(&mut guard, ctx, fingerprint, handler)
+                .await;
         }
         engine
-            .under_lease(&lease, self.run_and_record(&mut guard, ctx, handler))
+            .under_lease(
+                &lease,
+                self.run_and_record(&mut guard, ctx, fingerprint, handler),
+            )
             .await
     }
 
@@ -571,6 +628,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         &self,
         guard: &mut ExecutionGuard,
         ctx: ExecutionContext,
+        fingerprint: Option<Fingerprint>,
         handler: F,
     ) -> Result<Outcome<T>, ExecuteError<E>>
     where
@@ -585,6 +643,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         // panic, the guard records the success without it, never releases.
         guard.phase = Phase::Recording(self.effect_happened(&result));
         guard.phase = Phase::Recording(self.pending_for(&result));
+        let written_at = engine.answers.as_ref().map(|_| engine.now());
         let finished = engine
             .finish(
                 &guard.lease,
@@ -594,6 +653,11 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             .await;
         let was = std::mem::replace(&mut guard.phase, Phase::Done);
         engine.hold_time.observe(guard.lease.held_for());
+        if let (Some(at), Finished::Applied, Phase::Recording(Pending::Complete(result))) =
+            (written_at, &finished, &was)
+        {
+            engine.remember_completion(&guard.lease.key, fingerprint, result.clone(), at);
+        }
         match result {
             Ok(Ok(value)) => Ok(self.success_outcome(finished, value)),
             Ok(Err(err)) => {

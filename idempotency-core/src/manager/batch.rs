@@ -1,0 +1,204 @@
+//! Batches: a broker's poll of many messages, reserved in one round trip.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use tracing::Instrument;
+
+use super::{ExecuteError, HandlerError, IdempotencyManager, Outcome};
+use crate::codec::Codec;
+use crate::engine::guard::ExecutionGuard;
+use crate::engine::lease::{ExecutionContext, Lease};
+use crate::engine::reserve::BatchReserved;
+use crate::error::Error;
+use crate::key::{Fingerprint, OwnerToken, RecordKey};
+use crate::metrics::Counter;
+
+/// One item of a batch on its way: its index in the input, key, fingerprint.
+type Item = (usize, RecordKey, Option<Fingerprint>);
+
+/// One answer per item, by input index.
+type Answers<T, E> = Vec<(usize, Result<Outcome<T>, ExecuteError<E>>)>;
+
+impl<C: Codec + Clone> IdempotencyManager<C> {
+    /// Runs `handler` once per key for a batch of deliveries (a Kafka poll, an
+    /// SQS receive, a Lambda event), with the same guarantees as
+    /// [`execute_with_context`](Self::execute_with_context) for each item, and
+    /// returns one answer per item, in input order.
+    ///
+    /// - The keys are reserved `concurrency` at a time, each group with one
+    ///   [`Repository::reserve_many`](crate::Repository::reserve_many) call (one
+    ///   round trip on stores that pipeline or take arrays); duplicates answered
+    ///   by the local answer cache ([`Config::answer_cache`](crate::Config))
+    ///   cost nothing. Every key a group acquired starts its handler at once, so
+    ///   no reserved key waits for a slot while its lease runs.
+    /// - The handlers of a group run concurrently on the caller's task; each
+    ///   records its own outcome (a store's failure for one item never touches
+    ///   another's record).
+    /// - A key that appears more than once in the batch runs once: later
+    ///   occurrences are answered after the first one finished, as a
+    ///   redelivery would be (`Cached`, `Duplicate`, `PayloadMismatch`, … or,
+    ///   if the first one released the key after a failure, a new run).
+    /// - `handler` gets the item's index in `items` and its
+    ///   [`ExecutionContext`].
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU32, Ordering};
+    /// use idempotency_core::{Config, HandlerError, IdempotencyManager, MemoryRepository, Outcome};
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let charges = AtomicU32::new(0);
+    /// // A poll with a redelivered message (`m-1` twice).
+    /// let poll = [("m-1", 10), ("m-2", 20), ("m-1", 10)];
+    /// let answers = manager
+    ///     .execute_batch(&poll, 64, |i, _ctx| {
+    ///         charges.fetch_add(1, Ordering::SeqCst);
+    ///         let amount = poll[i].1;
+    ///         async move { Ok::<_, HandlerError<String>>(amount * 2) }
+    ///     })
+    ///     .await;
+    /// assert!(matches!(answers[0], Ok(Outcome::Executed(20))));
+    /// assert!(matches!(answers[1], Ok(Outcome::Executed(40))));
+    /// assert!(matches!(answers[2], Ok(Outcome::Cached(20))));
+    /// assert_eq!(charges.load(Ordering::SeqCst), 2);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Cancel safety
+    /// As [`execute`](Self::execute), item by item: dropping the returned
+    /// future releases the keys whose handlers had not started, applies
+    /// [`Config::on_cancel`](crate::Config::on_cancel) to those running, and
+    /// records the outcomes of those that returned.
+    pub async fn execute_batch<K, P, T, E, F, Fut>(
+        &self,
+        items: &[(K, P)],
+        concurrency: usize,
+        handler: F,
+    ) -> Vec<Result<Outcome<T>, ExecuteError<E>>>
+    where
+        K: AsRef<str>,
+        P: Serialize,
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: Fn(usize, ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let span = tracing::debug_span!(BATCH_SPAN, items = items.len());
+        let mut answers: Vec<Option<Result<Outcome<T>, ExecuteError<E>>>> =
+            std::iter::repeat_with(|| None).take(items.len()).collect();
+        let mut waves = Vec::new();
+        for (index, (key, payload)) in items.iter().enumerate() {
+            match self.prepare(key.as_ref(), payload) {
+                Ok((key, fingerprint)) => waves.push((index, key, fingerprint)),
+                Err(e) => answers[index] = Some(Err(e.into())),
+            }
+        }
+        let run = async {
+            for wave in in_waves(waves) {
+                for group in wave.chunks(concurrency.max(1)) {
+                    for (index, answer) in self.run_group(group.to_vec(), &handler).await {
+                        answers[index] = Some(answer);
+                    }
+                }
+            }
+        };
+        run.instrument(span).await;
+        answers
+            .into_iter()
+            .map(|answer| {
+                answer.unwrap_or_else(|| {
+                    Err(Error::Backend {
+                        backend: self.engine.caps.backend,
+                        message: "a batch item was left unanswered".into(),
+                        source: None,
+                    }
+                    .into())
+                })
+            })
+            .collect()
+    }
+
+    /// One group of distinct keys: local answers, one reservation call, then
+    /// every acquired key's handler at once.
+    async fn run_group<T, E, F, Fut>(&self, group: Vec<Item>, handler: &F) -> Answers<T, E>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: Fn(usize, ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let engine = &*self.engine;
+        let mut answers = Vec::with_capacity(group.len());
+        let mut indexes = Vec::with_capacity(group.len());
+        let mut leases = Vec::with_capacity(group.len());
+        for (index, key, fingerprint) in group {
+            match engine.cached_answer(&key, fingerprint.as_ref()) {
+                Some(decision) => {
+                    engine.metrics.count(Counter::DuplicatesBlocked);
+                    answers.push((index, self.answer_duplicate(&key, decision)));
+                }
+                None => {
+                    indexes.push(index);
+                    leases.push((Arc::new(Lease::new(key, OwnerToken::random())), fingerprint));
+                }
+            }
+        }
+        if leases.is_empty() {
+            return answers;
+        }
+        // Guards first: a batch dropped while reserving releases what its
+        // requests may have created.
+        let guards: Vec<_> = leases
+            .iter()
+            .map(|(lease, _)| ExecutionGuard::new(self.engine.clone(), lease.clone()))
+            .collect();
+        let reserved = engine.reserve_batch(&leases).await;
+        let runs = indexes
+            .into_iter()
+            .zip(leases)
+            .zip(guards)
+            .zip(reserved)
+            .map(
+                |(((index, (lease, fingerprint)), guard), answer)| async move {
+                    let reserved = match answer {
+                        BatchReserved::Done(reserved) => reserved,
+                        BatchReserved::Again(unsettled) => {
+                            engine.reserve_after(&lease, fingerprint, unsettled).await
+                        }
+                    };
+                    let run = |ctx| handler(index, ctx);
+                    let answer = self.after_reserve(guard, reserved, fingerprint, run).await;
+                    (index, answer)
+                },
+            );
+        answers.extend(futures::future::join_all(runs).await);
+        answers
+    }
+}
+
+/// Splits prepared items into waves of distinct keys: the n-th occurrence of
+/// a key goes to wave n, in input order within each wave.
+fn in_waves(items: Vec<Item>) -> Vec<Vec<Item>> {
+    let mut seen: HashMap<RecordKey, usize> = HashMap::with_capacity(items.len());
+    let mut waves: Vec<Vec<Item>> = Vec::new();
+    for item in items {
+        let occurrence = seen.entry(item.1.clone()).or_insert(0);
+        if waves.len() <= *occurrence {
+            waves.push(Vec::new());
+        }
+        waves[*occurrence].push(item);
+        *occurrence += 1;
+    }
+    waves
+}
+
+/// The name of the span around each batch.
+const BATCH_SPAN: &str = "idempotency.execute_batch";

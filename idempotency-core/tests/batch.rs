@@ -1,0 +1,236 @@
+//! `execute_batch`: one reservation call per group of keys, one run per key,
+//! answers in input order, and each item as safe as a single execution
+//! (lost batch replies, failures of one item, a dropped batch).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{manager, store};
+use idempotency_core::testing::{Fault, Operation, TokioClock};
+use idempotency_core::{
+    AnswerCacheConfig, Config, Error, ExecuteError, HandlerError, IdempotencyManager, Outcome,
+};
+
+type Answer = Result<Outcome<u32>, ExecuteError<String>>;
+
+/// Runs a batch whose handler doubles the payload and counts its runs per key.
+async fn double(m: &IdempotencyManager, items: &[(&str, u32)], concurrency: usize) -> Vec<Answer> {
+    m.execute_batch(items, concurrency, |i, _ctx| {
+        let value = items[i].1;
+        async move {
+            tokio::task::yield_now().await;
+            Ok::<_, HandlerError<String>>(value * 2)
+        }
+    })
+    .await
+}
+
+fn outcome(a: &Answer) -> Option<(&'static str, u32)> {
+    match a {
+        Ok(Outcome::Executed(v)) => Some(("executed", *v)),
+        Ok(Outcome::Cached(v)) => Some(("cached", *v)),
+        _ => None,
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn answers_in_order_and_runs_each_key_once() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = AtomicUsize::new(0);
+    let items = [("a", 1), ("b", 2), ("a", 1), ("c", 3), ("a", 9), ("b", 2)];
+    let answers = m
+        .execute_batch(&items, 64, |i, _ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            let v = items[i].1;
+            async move { Ok::<_, HandlerError<String>>(v * 2) }
+        })
+        .await;
+    assert_eq!(answers.len(), items.len());
+    assert_eq!(outcome(&answers[0]), Some(("executed", 2)));
+    assert_eq!(outcome(&answers[1]), Some(("executed", 4)));
+    assert_eq!(outcome(&answers[2]), Some(("cached", 2)));
+    assert_eq!(outcome(&answers[3]), Some(("executed", 6)));
+    assert!(
+        matches!(
+            &answers[4],
+            Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))
+        ),
+        "the same key with another payload: {:?}",
+        answers[4]
+    );
+    assert_eq!(outcome(&answers[5]), Some(("cached", 4)));
+    assert_eq!(runs.load(Ordering::SeqCst), 3, "one run per key");
+    // Three occurrences of `a`: three waves, one call each.
+    assert_eq!(repo.calls(Operation::ReserveMany), 3);
+    assert_eq!(repo.calls(Operation::Reserve), 0, "no single reserve");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_of_duplicates_is_one_call() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+    let items: Vec<(&str, u32)> = keys.iter().map(|k| (k.as_str(), 7)).collect();
+    assert!(double(&m, &items, 100)
+        .await
+        .iter()
+        .all(|a| outcome(a) == Some(("executed", 14))));
+    let before = repo.calls(Operation::ReserveMany);
+    let again = double(&m, &items, 100).await;
+    assert!(again.iter().all(|a| outcome(a) == Some(("cached", 14))));
+    assert_eq!(repo.calls(Operation::ReserveMany), before + 1);
+    assert_eq!(
+        repo.calls(Operation::Complete),
+        100,
+        "no completion for a duplicate"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn groups_are_the_concurrency_and_bound_the_running_handlers() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let (running, peak) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let keys: Vec<String> = (0..10).map(|i| format!("k{i}")).collect();
+    let items: Vec<(&str, ())> = keys.iter().map(|k| (k.as_str(), ())).collect();
+    let answers = m
+        .execute_batch(&items, 3, |i, _ctx| {
+            let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+            peak.fetch_max(now, Ordering::SeqCst);
+            let running = &running;
+            async move {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, HandlerError<String>>(i as u32)
+            }
+        })
+        .await;
+    for (i, a) in answers.iter().enumerate() {
+        assert_eq!(outcome(a), Some(("executed", i as u32)));
+    }
+    assert_eq!(peak.load(Ordering::SeqCst), 3);
+    assert_eq!(
+        repo.calls(Operation::ReserveMany),
+        4,
+        "groups of 3, 3, 3, 1"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_batch_reply_never_runs_a_handler_twice_nor_blocks_the_key() {
+    for fault in [Fault::LoseReply, Fault::Unavailable, Fault::Resend] {
+        let repo = store();
+        let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+        repo.inject(Operation::ReserveMany, fault, 1);
+        let runs = AtomicUsize::new(0);
+        let items = [("a", 1), ("b", 2), ("c", 3)];
+        let answers = m
+            .execute_batch(&items, 8, |i, _ctx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let v = items[i].1;
+                async move { Ok::<_, HandlerError<String>>(v) }
+            })
+            .await;
+        for (a, (_, v)) in answers.iter().zip(items) {
+            // Re-sent with the same owner token, each key is ours.
+            assert_eq!(outcome(a), Some(("executed", v)), "{fault:?}: {a:?}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{fault:?}");
+        let again = double(&m, &items, 8).await;
+        assert!(again
+            .iter()
+            .all(|a| outcome(a).is_some_and(|(o, _)| o == "cached")));
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_items_failure_leaves_the_others_alone() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let items = [("ok-1", 1), ("bad", 2), ("ok-2", 3)];
+    let answers = m
+        .execute_batch(&items, 8, |i, _ctx| {
+            let (key, v) = items[i];
+            async move {
+                if key == "bad" {
+                    Err(HandlerError::new("declined".to_owned()))
+                } else {
+                    Ok(v)
+                }
+            }
+        })
+        .await;
+    assert_eq!(outcome(&answers[0]), Some(("executed", 1)));
+    assert!(matches!(&answers[1], Err(ExecuteError::Handler(e)) if e == "declined"));
+    assert_eq!(outcome(&answers[2]), Some(("executed", 3)));
+    // Released (the default policy): the redelivery runs it again.
+    let retry = double(&m, &[("bad", 2)], 1).await;
+    assert_eq!(outcome(&retry[0]), Some(("executed", 4)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_dropped_batch_keeps_running_keys_and_leaves_later_groups_unreserved() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let started = Arc::new(AtomicUsize::new(0));
+    let items = [("a", 1u32), ("b", 2), ("c", 3), ("d", 4)];
+    let batch = {
+        let (m, started) = (m.clone(), started.clone());
+        tokio::spawn(async move {
+            m.execute_batch(&items, 2, |_, _ctx| {
+                started.fetch_add(1, Ordering::SeqCst);
+                std::future::pending::<Result<u32, HandlerError<String>>>()
+            })
+            .await
+        })
+    };
+    common::eventually(async || started.load(Ordering::SeqCst) == 2).await;
+    batch.abort();
+    assert!(batch.await.unwrap_err().is_cancelled());
+    // The running handlers may have had their effect: their keys keep the lease.
+    for (key, payload) in [("a", 1), ("b", 2)] {
+        let answer = double(&m, &[(key, payload)], 1).await;
+        assert!(
+            matches!(
+                &answer[0],
+                Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+            ),
+            "{key}: {:?}",
+            answer[0]
+        );
+    }
+    // The second group was never reserved.
+    let later = double(&m, &[("c", 3), ("d", 4)], 2).await;
+    assert_eq!(outcome(&later[0]), Some(("executed", 6)));
+    assert_eq!(outcome(&later[1]), Some(("executed", 8)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_local_answer_cache_answers_before_the_store() {
+    let repo = store();
+    let config = Config {
+        answer_cache: Some(AnswerCacheConfig::default()),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let items = [("a", 1), ("b", 2)];
+    double(&m, &items, 8).await;
+    let calls = repo.calls(Operation::ReserveMany);
+    let again = double(&m, &items, 8).await;
+    assert!(again
+        .iter()
+        .all(|a| outcome(a).is_some_and(|(o, _)| o == "cached")));
+    assert_eq!(repo.calls(Operation::ReserveMany), calls, "no round trip");
+    // Invalid keys are answered per item, the rest still run.
+    let mixed = double(&m, &[("", 1), ("c", 5)], 8).await;
+    assert!(matches!(
+        &mixed[0],
+        Err(ExecuteError::Idempotency(Error::InvalidKey { .. }))
+    ));
+    assert_eq!(outcome(&mixed[1]), Some(("executed", 10)));
+}
