@@ -357,19 +357,7 @@ impl RedisRepository {
         args: &[&[u8]],
         operation: &'static str,
     ) -> Result<Value, Error> {
-        let build = |verb: &str, body: &[u8]| {
-            let data = verb.len()
-                + body.len()
-                + key_len(key)
-                + args.iter().map(|a| a.len()).sum::<usize>()
-                + 1;
-            let mut cmd = Cmd::with_capacity(args.len() + 4, data);
-            cmd.arg(verb).arg(body).arg(1).arg(KeyArg(key));
-            for a in args {
-                cmd.arg(*a);
-            }
-            cmd
-        };
+        let build = |verb: &str, body: &[u8]| script_cmd(verb, body, key, args);
         match self
             .conn
             .query(&build("EVALSHA", script.sha.as_bytes()))
@@ -435,6 +423,22 @@ impl RedisRepository {
                 "reserve",
             )
             .await?;
+        Self::script_reservation(req, reply)
+    }
+
+    /// `EVALSHA reserve` for `req`, to pipeline.
+    fn reserve_script_cmd(&self, req: &ReserveRequest<'_>, fresh: &[u8], px: u64) -> Cmd {
+        let mut px_digits = itoa::Buffer::new();
+        let px = px_digits.format(px).as_bytes();
+        let now = ts_bytes(req.now);
+        let cutoff = ts_bytes(req.lease_cutoff());
+        let retry: &[u8] = if req.retry_failed { b"1" } else { b"0" };
+        let sha = self.scripts.reserve.sha.as_bytes();
+        script_cmd("EVALSHA", sha, req.key, &[fresh, &now, &cutoff, retry, px])
+    }
+
+    /// The reservation the reserve script answered.
+    fn script_reservation(req: &ReserveRequest<'_>, reply: Value) -> Result<Reservation, Error> {
         match reply {
             Value::Array(mut items) => match items.as_slice() {
                 [Value::Int(1), Value::Int(attempt)] => u32::try_from(*attempt)
@@ -515,6 +519,125 @@ impl RedisRepository {
             .await?;
         owned_reply(reply, key, operation)
     }
+}
+
+impl RedisRepository {
+    /// What `SET … NX PX … GET` answered for `req`: the reservation, or
+    /// `None` when the script must decide (the record expired or is open to
+    /// takeover, and may have changed since).
+    fn set_nx_get_reservation(
+        req: &ReserveRequest<'_>,
+        reply: Value,
+    ) -> Result<Option<Reservation>, Error> {
+        let record = match reply {
+            Value::Nil => return Ok(Some(Reservation::Acquired { attempt: 1 })),
+            Value::BulkString(bytes) => Self::decode(req.key, bytes)?,
+            _ => return Err(unexpected("reserve", "an unexpected reply to SET")),
+        };
+        Ok(match reserve_transition(Some(&record), req) {
+            ReserveTransition::Existing => Some(Reservation::Existing(record)),
+            // Our own live reservation (a re-sent reserve): `NX` wrote
+            // nothing, and nothing needs writing.
+            ReserveTransition::AlreadyHeld { attempt } => Some(Reservation::Acquired { attempt }),
+            ReserveTransition::Create | ReserveTransition::Takeover { .. } => None,
+        })
+    }
+
+    /// Every request's first command in one pipeline; what it cannot decide
+    /// (a takeover, an expired record, a script the server lost, a server
+    /// without `SET … GET`) goes through [`Repository::reserve`], concurrently.
+    async fn reserve_pipelined(
+        &self,
+        mut conn: ConnectionManager,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        let set_nx_get = self.effective_strategy() == ReserveStrategy::SetNxGet;
+        let mut pipe = redis::Pipeline::with_capacity(requests.len());
+        pipe.ignore_errors();
+        for req in &requests {
+            let fresh = codec::head(&reserved_record(None, req, 1));
+            let px = px(req.now, req.expires_at);
+            pipe.add_command(if set_nx_get {
+                set_nx_get_cmd(req, fresh.as_bytes(), px)
+            } else {
+                self.reserve_script_cmd(req, fresh.as_bytes(), px)
+            });
+        }
+        let sent = pipe.query_async::<Vec<redis::RedisResult<Value>>>(&mut conn);
+        let replies = match sent.await {
+            Ok(replies) if replies.len() == requests.len() => replies,
+            Ok(_) => {
+                // Some commands may have been applied: as ambiguous as a lost
+                // reply, so that the manager re-sends with the same token.
+                let e = || {
+                    Err(Error::Unavailable {
+                        backend: BACKEND,
+                        message: "reserve: a pipeline answered with replies missing".into(),
+                        source: None,
+                    })
+                };
+                return requests.iter().map(|_| e()).collect();
+            }
+            Err(e) => {
+                return requests
+                    .iter()
+                    .map(|r| Err(map_redis_error(e.clone(), Some(r.key), "reserve")))
+                    .collect()
+            }
+        };
+        let mut answers: Vec<Option<Result<Reservation, Error>>> =
+            Vec::with_capacity(replies.len());
+        for (req, reply) in requests.iter().zip(replies) {
+            answers.push(match reply {
+                Ok(reply) if set_nx_get => Self::set_nx_get_reservation(req, reply).transpose(),
+                Ok(reply) => Some(Self::script_reservation(req, reply)),
+                Err(e) if is_noscript(&e) || is_syntax_error(&e) => None,
+                Err(e) => Some(Err(map_redis_error(e, Some(req.key), "reserve"))),
+            });
+        }
+        let again = requests
+            .into_iter()
+            .zip(&answers)
+            .filter(|(_, answer)| answer.is_none())
+            .map(|(req, _)| self.reserve(req));
+        let mut again = futures::future::join_all(again).await.into_iter();
+        answers
+            .into_iter()
+            .map(|answer| {
+                answer.unwrap_or_else(|| {
+                    again.next().unwrap_or_else(|| {
+                        Err(unexpected("reserve", "fewer answers than requests"))
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+/// `SET key fresh NX PX px GET`: creates the reservation if there is no
+/// record, and returns the record there was.
+fn set_nx_get_cmd(req: &ReserveRequest<'_>, fresh: &[u8], px: u64) -> Cmd {
+    let mut cmd = Cmd::with_capacity(7, key_len(req.key) + fresh.len() + 32);
+    cmd.arg("SET")
+        .arg(KeyArg(req.key))
+        .arg(fresh)
+        .arg("NX")
+        .arg("PX")
+        .arg(px)
+        .arg("GET");
+    cmd
+}
+
+/// `EVAL`/`EVALSHA` of `body` over one key.
+fn script_cmd(verb: &str, body: &[u8], key: &RecordKey, args: &[&[u8]]) -> Cmd {
+    let data =
+        verb.len() + body.len() + key_len(key) + args.iter().map(|a| a.len()).sum::<usize>() + 1;
+    let mut cmd = Cmd::with_capacity(args.len() + 4, data);
+    cmd.arg(verb).arg(body).arg(1).arg(KeyArg(key));
+    for a in args {
+        cmd.arg(*a);
+    }
+    cmd
 }
 
 /// `PX` for a record expiring at `expires_at`, seen at `now`: at least 1 ms.
@@ -645,34 +768,12 @@ impl Repository for RedisRepository {
         let fresh = fresh.as_bytes();
         let px = px(req.now, req.expires_at);
         if self.effective_strategy() == ReserveStrategy::SetNxGet {
-            let mut cmd = Cmd::with_capacity(7, key_len(req.key) + fresh.len() + 32);
-            cmd.arg("SET")
-                .arg(KeyArg(req.key))
-                .arg(fresh)
-                .arg("NX")
-                .arg("PX")
-                .arg(px)
-                .arg("GET");
-            match self.conn.query(&cmd).await {
-                Ok(Value::Nil) => return Ok(Reservation::Acquired { attempt: 1 }),
-                Ok(Value::BulkString(bytes)) => {
-                    let record = Self::decode(req.key, bytes)?;
-                    match reserve_transition(Some(&record), &req) {
-                        ReserveTransition::Existing => {
-                            return Ok(Reservation::Existing(record));
-                        }
-                        // Our own live reservation (a re-sent reserve): `NX`
-                        // wrote nothing, and nothing needs writing.
-                        ReserveTransition::AlreadyHeld { attempt } => {
-                            return Ok(Reservation::Acquired { attempt });
-                        }
-                        // Expired or open to takeover: decide again,
-                        // atomically, in the script (the record may have
-                        // changed since).
-                        ReserveTransition::Create | ReserveTransition::Takeover { .. } => {}
+            match self.conn.query(&set_nx_get_cmd(&req, fresh, px)).await {
+                Ok(reply) => {
+                    if let Some(answer) = Self::set_nx_get_reservation(&req, reply)? {
+                        return Ok(answer);
                     }
                 }
-                Ok(_) => return Err(unexpected("reserve", "an unexpected reply to SET")),
                 Err(e) if is_syntax_error(&e) => {
                     tracing::warn!(
                         "the Redis server rejects `SET … NX … GET` (Redis < 7.0); \
@@ -684,6 +785,22 @@ impl Repository for RedisRepository {
             }
         }
         self.reserve_with_script(&req, fresh, px).await
+    }
+
+    /// One pipeline of reservations on a standalone server (one round trip);
+    /// on a cluster, one command per key, which the cluster connection sends to
+    /// each key's node (a pipeline there may not span nodes, and keys of one
+    /// batch rarely share a slot).
+    async fn reserve_many(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        match &self.conn {
+            Conn::Standalone(conn) if requests.len() > 1 => {
+                self.reserve_pipelined(conn.clone(), requests).await
+            }
+            _ => futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await,
+        }
     }
 
     async fn complete(

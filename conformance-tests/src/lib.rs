@@ -75,6 +75,7 @@ use idempotency_core::SharedRepository;
 #[cfg(feature = "containers")]
 pub mod containers;
 
+mod batch;
 mod checks;
 mod edges;
 pub mod error_table;
@@ -84,6 +85,7 @@ mod report;
 mod store_faults;
 mod support;
 
+pub use batch::*;
 pub use checks::*;
 pub use edges::*;
 pub use failure_paths::*;
@@ -253,6 +255,8 @@ define_suite! { $
     check_extend_refused,
     check_extend_moves_expiry,
     check_reserve_resent_by_holder,
+    check_reserve_many_follows_reserve,
+    check_reserve_many_races_single_reserves,
     check_fail_remembers_retryable,
     check_takeover_paths_write_every_field,
     check_get_absent_and_expired,

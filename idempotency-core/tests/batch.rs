@@ -234,3 +234,105 @@ async fn the_local_answer_cache_answers_before_the_store() {
     ));
     assert_eq!(outcome(&mixed[1]), Some(("executed", 10)));
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
+    use idempotency_core::{InProgressPolicy, OutagePolicy};
+    let repo = store();
+    let config = Config {
+        in_progress: InProgressPolicy::Wait {
+            timeout: Duration::from_secs(5),
+            poll_interval: Duration::from_millis(50),
+        },
+        on_store_outage: OutagePolicy::FailOpen,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let holder = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute("k", &1u32, || async move {
+                started_tx.send(()).unwrap();
+                std::future::pending::<Result<u32, HandlerError<String>>>().await
+            })
+            .await
+        })
+    };
+    started_rx.await.unwrap();
+    // The batch sees the holder; then the store goes away while it waits.
+    repo.inject(Operation::Reserve, Fault::Unavailable, 10);
+    let runs = AtomicUsize::new(0);
+    let answers = m
+        .execute_batch(&[("k", 1u32)], 4, |_, _ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError<String>>(2) }
+        })
+        .await;
+    assert!(
+        matches!(
+            &answers[0],
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{:?}",
+        answers[0]
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "never beside the holder");
+    holder.abort();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panicking_handler_lets_the_rest_of_its_group_finish() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let batch = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute_batch(&[("boom", 0u32), ("slow", 1)], 4, |i, _ctx| async move {
+                if i == 0 {
+                    panic!("handler bug");
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, HandlerError<String>>(7u32)
+            })
+            .await
+        })
+    };
+    assert!(batch.await.unwrap_err().is_panic(), "the panic continues");
+    // `slow` ran to completion and was recorded; `boom` was released.
+    let after = double(&m, &[("slow", 1), ("boom", 0)], 4).await;
+    assert_eq!(outcome(&after[0]), Some(("cached", 7)));
+    assert_eq!(outcome(&after[1]), Some(("executed", 0)));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_reservation_confirmed_after_its_lease_ended_does_not_run() {
+    let repo = store();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        store_timeout: Duration::from_secs(4),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    // The batch is applied and its reply lost; the re-sends hang, the last
+    // one answers after the lease asked for by the batch has ended.
+    repo.inject(Operation::ReserveMany, Fault::ApplyThenHang, 1);
+    repo.inject(Operation::Reserve, Fault::Hang, 1);
+    repo.inject(Operation::Reserve, Fault::Delay(Duration::from_secs(3)), 1);
+    let runs = AtomicUsize::new(0);
+    let answers = m
+        .execute_batch(&[("k", 1u32)], 4, |_, _ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError<String>>(2) }
+        })
+        .await;
+    assert!(
+        matches!(
+            &answers[0],
+            Err(ExecuteError::Idempotency(Error::Timeout { .. }))
+        ),
+        "{:?}",
+        answers[0]
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+}

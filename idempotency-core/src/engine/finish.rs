@@ -16,6 +16,7 @@ use crate::error::Error;
 use crate::metrics::Op;
 use crate::record::Status;
 
+use super::guard::{ExecutionGuard, Phase};
 use super::lease::Lease;
 use super::{backoff, Engine};
 
@@ -90,18 +91,20 @@ impl Engine {
     }
 
     /// Applies `pending` for the lease's owner, retrying ambiguous failures
-    /// until `deadline` (at least once).
+    /// until `deadline` (at least once). When the store refused the value as
+    /// too large, `pending` is left as the smaller write that was sent instead
+    /// (what the store now holds, should it be applied).
     pub(crate) async fn finish(
         &self,
         lease: &Lease,
-        pending: &Pending,
+        pending: &mut Pending,
         deadline: Instant,
     ) -> Finished {
         let finished = self.finish_once_retrying(lease, pending, deadline).await;
         // The store's real limit is below the one it declared: keep the
         // protection (the record, and whether a failure may be retried), drop
         // the cached result or the error's message.
-        let smaller = match (&finished, pending) {
+        let smaller = match (&finished, &*pending) {
             (Finished::Failed(Error::TooLarge { .. }), Pending::Complete(Some(_))) => {
                 Pending::Complete(None)
             }
@@ -113,7 +116,21 @@ impl Engine {
             }
             _ => return finished,
         };
-        self.finish_once_retrying(lease, &smaller, deadline).await
+        *pending = smaller;
+        self.finish_once_retrying(lease, pending, deadline).await
+    }
+
+    /// [`Engine::finish`] of the write a guard in the recording phase holds.
+    pub(crate) async fn finish_guarded(
+        &self,
+        guard: &mut ExecutionGuard,
+        deadline: Instant,
+    ) -> Finished {
+        let ExecutionGuard { lease, phase, .. } = guard;
+        match phase {
+            Phase::Recording(pending) => self.finish(lease, pending, deadline).await,
+            _ => self.finish(lease, &mut Pending::Release, deadline).await,
+        }
     }
 
     async fn finish_once_retrying(

@@ -38,23 +38,12 @@ pub(crate) struct ExecutionGuard {
     pub(crate) phase: Phase,
 }
 
-/// What a phase's pending write is, for the recording stage.
-static RELEASE: Pending = Pending::Release;
-
 impl ExecutionGuard {
     pub(crate) fn new(engine: Arc<Engine>, lease: Arc<Lease>) -> Self {
         ExecutionGuard {
             engine,
             lease,
             phase: Phase::Reserving,
-        }
-    }
-
-    /// The write the recording phase applies.
-    pub(crate) fn pending(&self) -> &Pending {
-        match &self.phase {
-            Phase::Recording(p) => p,
-            _ => &RELEASE,
         }
     }
 }
@@ -82,7 +71,8 @@ impl Drop for ExecutionGuard {
         let (engine, lease) = (self.engine.clone(), self.lease.clone());
         runtime.spawn(async move {
             let deadline = engine.cleanup_deadline(&lease);
-            match engine.finish(&lease, &pending, deadline).await {
+            let mut pending = pending;
+            match engine.finish(&lease, &mut pending, deadline).await {
                 Finished::Applied | Finished::LeaseLost => {}
                 Finished::Failed(e) => {
                     tracing::warn!(key = %lease.key, error = %e, "could not clean up after a dropped execution; the record keeps its lease until it ends");

@@ -70,30 +70,38 @@ impl Engine {
         lease: &Lease,
         fingerprint: Option<Fingerprint>,
     ) -> Result<Reserved, Error> {
-        self.reserve_after(lease, fingerprint, None).await
+        self.reserve_after(lease, fingerprint, Earlier::default())
+            .await
     }
 
-    /// [`Engine::reserve`] after an earlier attempt for the same owner
-    /// (`unsettled`, a batch's) failed ambiguously: it may still land, and the
-    /// lease counts from it.
+    /// [`Engine::reserve`] after an earlier attempt for the same owner (a
+    /// batch's), whose outcome `earlier` describes.
     pub(crate) async fn reserve_after(
         &self,
         lease: &Lease,
         fingerprint: Option<Fingerprint>,
-        // The earliest attempt that failed ambiguously, over the whole wait:
-        // it may land later and be the one that creates our record.
-        mut unsettled: Option<Sent>,
+        earlier: Earlier,
     ) -> Result<Reserved, Error> {
         let wait_until = match self.config.in_progress {
             InProgressPolicy::Wait { timeout, .. } => Some(Instant::now() + timeout),
             InProgressPolicy::FailFast => None,
         };
-        let mut seen_in_progress: Option<DuplicateDecision> = None;
+        // The earliest attempt that failed ambiguously, over the whole wait:
+        // it may land later and be the one that creates our record.
+        let mut unsettled = earlier.unsettled;
+        // An earlier attempt counts against the retries.
+        let mut retries_spent = u32::from(unsettled.is_some());
+        let mut seen_in_progress = earlier.in_progress;
+        if let (Some(_), InProgressPolicy::Wait { poll_interval, .. }) =
+            (&seen_in_progress, self.config.in_progress)
+        {
+            super::pause(poll_interval).await;
+        }
         loop {
-            let (reservation, sent) = match self
-                .reserve_with_retries(lease, fingerprint, &mut unsettled)
-                .await
-            {
+            let attempt =
+                self.reserve_with_retries(lease, fingerprint, &mut unsettled, retries_spent);
+            retries_spent = 0;
+            let (reservation, sent) = match attempt.await {
                 Ok(answer) => answer,
                 Err(e) if e.is_store_outage() => match seen_in_progress {
                     Some(decision) => {
@@ -151,8 +159,9 @@ impl Engine {
         lease: &Lease,
         fingerprint: Option<Fingerprint>,
         unsettled: &mut Option<Sent>,
+        retries_spent: u32,
     ) -> Result<(Reservation, Sent), Error> {
-        let mut retry = 0;
+        let mut retry = retries_spent;
         loop {
             let now = self.now();
             let request = reserve_request(&self.config, &lease.key, lease.owner, fingerprint, now);
@@ -188,15 +197,34 @@ impl Engine {
     }
 }
 
+/// What an earlier attempt for the same owner (a batch's) left for
+/// [`Engine::reserve_after`].
+#[derive(Debug, Default)]
+pub(crate) struct Earlier {
+    /// It failed ambiguously: it may still land, the lease counts from it,
+    /// and it counts against the retries.
+    pub(crate) unsettled: Option<Sent>,
+    /// It found a live holder (under the wait policy): a store outage while
+    /// waiting answers with this, never with an error.
+    pub(crate) in_progress: Option<DuplicateDecision>,
+}
+
 /// One request's answer from [`Engine::reserve_batch`].
 #[derive(Debug)]
 pub(crate) enum BatchReserved {
     /// Decided.
     Done(Result<Reserved, Error>),
-    /// To be finished on the single path ([`Engine::reserve_after`]): the
-    /// batch's attempt failed ambiguously (`Some`, it may still land), or a
-    /// live holder is to be waited for (`None`).
-    Again(Option<Sent>),
+    /// To be finished on the single path ([`Engine::reserve_after`]).
+    Again(Earlier),
+}
+
+impl BatchReserved {
+    fn unsettled(sent: Sent) -> Self {
+        BatchReserved::Again(Earlier {
+            unsettled: Some(sent),
+            in_progress: None,
+        })
+    }
 }
 
 impl Engine {
@@ -251,12 +279,12 @@ impl Engine {
                 tracing::error!(error = %e, "a broken batch answer; reserving one key at a time");
                 items
                     .iter()
-                    .map(|_| BatchReserved::Again(Some(sent)))
+                    .map(|_| BatchReserved::unsettled(sent))
                     .collect()
             }
             Err(_timeout) => items
                 .iter()
-                .map(|_| BatchReserved::Again(Some(sent)))
+                .map(|_| BatchReserved::unsettled(sent))
                 .collect(),
         }
     }
@@ -278,14 +306,17 @@ impl Engine {
                 }))
             }
             Ok(Reservation::Existing(record)) => record,
-            Err(e) if e.is_store_outage() => return BatchReserved::Again(Some(sent)),
+            Err(e) if e.is_store_outage() => return BatchReserved::unsettled(sent),
             Err(e) => return BatchReserved::Done(Err(e)),
         };
         self.remember_record(&lease.key, &record, sent.sent_at);
         let decision = decide_duplicate(record, fingerprint, self.now(), self.config.clock_skew);
         let waits = matches!(self.config.in_progress, InProgressPolicy::Wait { .. });
         if waits && matches!(decision, DuplicateDecision::InProgress { .. }) {
-            return BatchReserved::Again(None);
+            return BatchReserved::Again(Earlier {
+                unsettled: None,
+                in_progress: Some(decision),
+            });
         }
         BatchReserved::Done(Ok(Reserved::Duplicate {
             decision,

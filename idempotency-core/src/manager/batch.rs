@@ -3,8 +3,10 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 
+use futures::FutureExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tracing::Instrument;
@@ -45,6 +47,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     ///   if the first one released the key after a failure, a new run).
     /// - `handler` gets the item's index in `items` and its
     ///   [`ExecutionContext`].
+    /// - A handler panic is handled as in `execute` (its record released by
+    ///   default); it continues in the caller once every other item of its
+    ///   group has finished and recorded its outcome.
     ///
     /// ```
     /// use std::sync::Arc;
@@ -170,16 +175,30 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 |(((index, (lease, fingerprint)), guard), answer)| async move {
                     let reserved = match answer {
                         BatchReserved::Done(reserved) => reserved,
-                        BatchReserved::Again(unsettled) => {
-                            engine.reserve_after(&lease, fingerprint, unsettled).await
+                        BatchReserved::Again(earlier) => {
+                            engine.reserve_after(&lease, fingerprint, earlier).await
                         }
                     };
                     let run = |ctx| handler(index, ctx);
-                    let answer = self.after_reserve(guard, reserved, fingerprint, run).await;
-                    (index, answer)
+                    // A panic stays with its item until every other item has
+                    // finished: unwinding through the others would drop
+                    // running handlers and leave their keys held for nothing.
+                    let answer = self.after_reserve(guard, reserved, fingerprint, run);
+                    (index, AssertUnwindSafe(answer).catch_unwind().await)
                 },
             );
-        answers.extend(futures::future::join_all(runs).await);
+        let mut first_panic = None;
+        for (index, answer) in futures::future::join_all(runs).await {
+            match answer {
+                Ok(answer) => answers.push((index, answer)),
+                Err(panic) => {
+                    first_panic.get_or_insert(panic);
+                }
+            }
+        }
+        if let Some(panic) = first_panic {
+            std::panic::resume_unwind(panic);
+        }
         answers
     }
 }

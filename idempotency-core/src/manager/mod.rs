@@ -573,6 +573,18 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             }) => {
                 lease.set_attempt(attempt);
                 lease.confirm(lease_until, sent_at, sent);
+                if tokio::time::Instant::now() >= lease.deadline() {
+                    // Confirmed only after the lease it asked for ended (slow
+                    // or re-sent replies): another consumer may take over at
+                    // any moment. The guard releases what is still ours.
+                    tracing::warn!("the reservation was confirmed after its lease ended; not running the handler");
+                    record_outcome("store_error");
+                    return Err(Error::Timeout {
+                        backend: engine.caps.backend,
+                        operation: "reserve",
+                    }
+                    .into());
+                }
             }
             Ok(Reserved::Duplicate {
                 decision,
@@ -644,13 +656,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         guard.phase = Phase::Recording(self.effect_happened(&result));
         guard.phase = Phase::Recording(self.pending_for(&result));
         let written_at = engine.answers.as_ref().map(|_| engine.now());
-        let finished = engine
-            .finish(
-                &guard.lease,
-                guard.pending(),
-                engine.finish_deadline(&guard.lease),
-            )
-            .await;
+        let deadline = engine.finish_deadline(&guard.lease);
+        let finished = engine.finish_guarded(guard, deadline).await;
+        // The write as applied (without the result, had the store refused it).
         let was = std::mem::replace(&mut guard.phase, Phase::Done);
         engine.hold_time.observe(guard.lease.held_for());
         if let (Some(at), Finished::Applied, Phase::Recording(Pending::Complete(result))) =
