@@ -56,6 +56,7 @@ pub struct Statements {
     /// `"schema"."table"`.
     pub(crate) qualified: String,
     pub(crate) reserve: String,
+    pub(crate) reserve_many: String,
     pub(crate) complete: String,
     pub(crate) fail: String,
     pub(crate) release: String,
@@ -143,6 +144,20 @@ impl Statements {
             table: table.to_owned(),
             reserve: format!(
                 "SELECT acquired, {RECORD_COLUMNS} FROM {reserve_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
+            ),
+            reserve_many: format!(
+                "SELECT r.acquired, {}, u.ord FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], \
+                 $4::bytea[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::bool[]) \
+                 WITH ORDINALITY AS u(namespace, id, owner, fingerprint, now, lease_cutoff, \
+                 lease_until, expires_at, retry_failed, ord) \
+                 CROSS JOIN LATERAL {reserve_fn}(u.namespace, u.id, u.owner, u.fingerprint, \
+                 u.now, u.lease_cutoff, u.lease_until, u.expires_at, u.retry_failed) AS r \
+                 ORDER BY u.ord",
+                RECORD_COLUMNS
+                    .split(", ")
+                    .map(|c| format!("r.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
             complete: format!(
                 "UPDATE {qualified} SET status = 'completed', result = $4, expires_at = $5, \

@@ -89,8 +89,112 @@ pub(crate) async fn reserve<'e>(
         .fetch_one(exec)
         .await
         .map_err(|e| map_sqlx(e, "reserve", Some(key), &sql.qualified))?;
+    reservation_of(&row, req)
+}
+
+/// `reserve` for many keys in one statement: the reservation function over
+/// arrays (`unnest … CROSS JOIN LATERAL`), one row per request. The requests
+/// are sent in key order, so that two batches lock shared keys in the same
+/// order; the answers come back in the caller's order. A request whose key the
+/// table cannot hold is answered on its own; an error of the statement is
+/// every request's.
+pub(crate) async fn reserve_many<'e>(
+    sql: &Statements,
+    exec: impl PgExecutor<'e>,
+    requests: &[ReserveRequest<'_>],
+) -> Vec<Result<Reservation, Error>> {
+    let mut answers: Vec<Option<Result<Reservation, Error>>> = Vec::with_capacity(requests.len());
+    let mut sent: Vec<usize> = Vec::with_capacity(requests.len());
+    for (i, req) in requests.iter().enumerate() {
+        match check_key(req.key) {
+            Ok(()) => {
+                answers.push(None);
+                sent.push(i);
+            }
+            Err(e) => answers.push(Some(Err(e))),
+        }
+    }
+    sent.sort_by(|&a, &b| requests[a].key.cmp(requests[b].key));
+    let column = |f: &dyn Fn(&ReserveRequest<'_>) -> Vec<u8>| -> Vec<Vec<u8>> {
+        sent.iter().map(|&i| f(&requests[i])).collect()
+    };
+    let times = |f: &dyn Fn(&ReserveRequest<'_>) -> Timestamp| -> Vec<i64> {
+        sent.iter().map(|&i| ts(f(&requests[i]))).collect()
+    };
+    let query = sqlx::query(&sql.reserve_many)
+        .bind(column(&|r| r.key.namespace().as_bytes().to_vec()))
+        .bind(column(&|r| r.key.id().as_bytes().to_vec()))
+        .bind(column(&|r| r.owner.to_bytes().to_vec()))
+        .bind(
+            sent.iter()
+                .map(|&i| requests[i].fingerprint.map(|f| f.as_bytes().to_vec()))
+                .collect::<Vec<Option<Vec<u8>>>>(),
+        )
+        .bind(times(&|r| r.now))
+        .bind(times(&|r| r.lease_cutoff()))
+        .bind(times(&|r| r.lease_until))
+        .bind(times(&|r| r.expires_at))
+        .bind(
+            sent.iter()
+                .map(|&i| requests[i].retry_failed)
+                .collect::<Vec<bool>>(),
+        );
+    match query.fetch_all(exec).await {
+        Ok(rows) if rows.len() == sent.len() => {
+            for (position, (row, &i)) in rows.iter().zip(&sent).enumerate() {
+                answers[i] = Some(batch_row(row, &requests[i], position));
+            }
+        }
+        Ok(rows) => {
+            let e = Error::Unavailable {
+                backend: crate::error::BACKEND,
+                message: format!("reserve: {} rows for {} requests", rows.len(), sent.len()),
+                source: None,
+            };
+            for &i in &sent {
+                answers[i] = Some(Err(e.for_another()));
+            }
+        }
+        Err(e) => {
+            let e = map_sqlx(e, "reserve", None, &sql.qualified);
+            for &i in &sent {
+                answers[i] = Some(Err(e.for_another()));
+            }
+        }
+    }
+    answers
+        .into_iter()
+        .map(|a| {
+            a.unwrap_or_else(|| {
+                Err(Error::Backend {
+                    backend: crate::error::BACKEND,
+                    message: "reserve: a request was left unanswered".into(),
+                    source: None,
+                })
+            })
+        })
+        .collect()
+}
+
+/// The row of [`reserve_many`] at `position` (of the key order sent).
+fn batch_row(row: &PgRow, req: &ReserveRequest<'_>, position: usize) -> Result<Reservation, Error> {
+    let ord: i64 = row
+        .try_get(row.len() - 1)
+        .map_err(|e| corrupt(e, req.key))?;
+    if usize::try_from(ord).ok() != Some(position + 1) {
+        return Err(Error::corrupt(
+            req.key,
+            "reserve: the rows came back out of order",
+        ));
+    }
+    reservation_of(row, req)
+}
+
+/// The reservation a row of the reservation function says.
+fn reservation_of(row: &PgRow, req: &ReserveRequest<'_>) -> Result<Reservation, Error> {
+    let key = req.key;
     let acquired: bool = row.try_get(0).map_err(|e| corrupt(e, key))?;
-    let record = decode_record(&row, 1, key)?;
+    let record = decode_record(row, 1, key)?;
     if acquired {
         if record.owner != req.owner {
             return Err(Error::corrupt(

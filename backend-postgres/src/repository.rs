@@ -453,6 +453,23 @@ impl Repository for PgRepository {
             .await
     }
 
+    /// One statement (and one round trip) for the whole batch: the
+    /// reservation function over arrays.
+    async fn reserve_many(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        if requests.len() < 2 {
+            return futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await;
+        }
+        let count = requests.len();
+        let batch = async { Ok(ops::reserve_many(&self.sql, &self.pool, &requests).await) };
+        match self.timed("reserve", batch).await {
+            Ok(answers) => answers,
+            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
+        }
+    }
+
     async fn complete(
         &self,
         key: &RecordKey,

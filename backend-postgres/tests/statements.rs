@@ -313,8 +313,42 @@ async fn pooled_operations_execute_one_statement_each() {
         repo.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
         settled(&repo).await;
     });
-    repo.delete(&key).await.unwrap();
-    repo.delete(&fresh).await.unwrap();
+
+    // A batch is one statement, fresh keys and duplicates alike.
+    let batch: Vec<RecordKey> = (0..100)
+        .map(|i| RecordKey::new(ns.as_str(), format!("b{i}"), 1024).unwrap())
+        .collect();
+    let requests = || {
+        batch
+            .iter()
+            .map(|k| request(k, t, lease))
+            .collect::<Vec<_>>()
+    };
+    let warm: Vec<RecordKey> = (0..2)
+        .map(|i| RecordKey::new(ns.as_str(), format!("w{i}"), 1024).unwrap())
+        .collect();
+    repo.reserve_many(warm.iter().map(|k| request(k, t, lease)).collect())
+        .await;
+    settled(&repo).await;
+    let answers = measured!(counts, "pooled reserve_many (100 fresh keys)", expected, {
+        let r = repo.reserve_many(requests()).await;
+        settled(&repo).await;
+        r
+    });
+    assert!(answers
+        .iter()
+        .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+    let answers = measured!(counts, "pooled reserve_many (100 duplicates)", expected, {
+        let r = repo.reserve_many(requests()).await;
+        settled(&repo).await;
+        r
+    });
+    assert!(answers
+        .iter()
+        .all(|a| matches!(a, Ok(Reservation::Existing(_)))));
+    for k in batch.iter().chain(&warm).chain([&key, &fresh]) {
+        repo.delete(k).await.unwrap();
+    }
 }
 
 // ------------------------------------------------------------- server side

@@ -1029,3 +1029,70 @@ async fn tls_connections() {
         "{insecure:?}"
     );
 }
+
+/// A batch is one pipeline: one round trip for 100 fresh keys and one for
+/// 100 duplicates, with either reservation strategy; after `SCRIPT FLUSH` and
+/// for keys open to takeover, what the pipeline cannot decide goes through the
+/// single path, and every answer is still `reserve`'s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_are_one_pipeline() {
+    let server = dedicated().await;
+    let counter = containers::WireCounter::redis(server.url()).await.unwrap();
+    let mut admin = admin(server.url()).await;
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(counter.url())
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        repo.load_scripts().await.unwrap();
+        let clock = ManualClock::starting_now();
+        let keys: Vec<RecordKey> = (0..100).map(|i| key(&format!("batch-{i}"))).collect();
+        let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let requests = |owners: &[OwnerToken]| {
+            keys.iter()
+                .zip(owners)
+                .map(|(k, o)| request(k, *o, &clock))
+                .collect::<Vec<_>>()
+        };
+        let before = counter.snapshot();
+        let fresh = repo.reserve_many(requests(&owners)).await;
+        assert_eq!(counter.round_trips_since(&before), 1, "{strategy:?}: fresh");
+        assert!(fresh
+            .iter()
+            .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+        let others: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let before = counter.snapshot();
+        let duplicates = repo.reserve_many(requests(&others)).await;
+        assert_eq!(
+            counter.round_trips_since(&before),
+            1,
+            "{strategy:?}: duplicates"
+        );
+        for (answer, owner) in duplicates.iter().zip(&owners) {
+            assert!(matches!(answer, Ok(Reservation::Existing(r)) if r.owner == *owner));
+        }
+        // Our own batch re-sent (a lost reply): ours.
+        let resent = repo.reserve_many(requests(&owners)).await;
+        assert!(resent
+            .iter()
+            .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+        // Leases run out; scripts flushed: the takeovers still happen, once.
+        clock.advance(LEASE + Duration::from_secs(1));
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let takeovers = repo.reserve_many(requests(&others)).await;
+        assert!(
+            takeovers
+                .iter()
+                .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 2 }))),
+            "{strategy:?}: {takeovers:?}"
+        );
+        for (k, o) in keys.iter().zip(&others) {
+            assert_eq!(repo.get(k, clock.now()).await.unwrap().unwrap().owner, *o);
+            repo.delete(k).await.unwrap();
+        }
+    }
+}

@@ -19,8 +19,10 @@ OPTIONS:
   --memory-ops N          the same for the in-memory store (default 400000)
   --dynamodb-ops N        the same for DynamoDB (default 2000; emulators are slow)
   --concurrency LIST      tasks issuing operations at once (default 1,64)
-  --scenarios LIST        fresh,duplicate,cached (default: all three; cached: duplicates
-                          answered from the local answer cache)
+  --scenarios LIST        fresh,duplicate,cached,batch-fresh,batch-duplicate (default:
+                          all; cached: duplicates answered from the local answer cache;
+                          batch-*: execute_batch of 100 messages against the same 100
+                          through execute, one at a time)
   --rounds N              measured rounds per variant, alternating A B B A … (default 10)
   --min-round-ms MS       stretch rounds to last at least this long at the warm-up's rate
                           (default 250; 0 keeps exactly ops/rounds per round)
@@ -203,13 +205,13 @@ impl Args {
                 "--scenarios" => {
                     a.plan.scenarios = list(&value()?)
                         .iter()
-                        .map(|s| match s.as_str() {
-                            "fresh" => Ok(Scenario::Fresh),
-                            "duplicate" => Ok(Scenario::Duplicate),
-                            "cached" => Ok(Scenario::Cached),
-                            other => Err(BoxError::from(format!(
-                                "unknown scenario {other:?} (have: fresh, duplicate, cached)"
-                            ))),
+                        .map(|s| {
+                            Scenario::parse(s).ok_or_else(|| {
+                                BoxError::from(format!(
+                                    "unknown scenario {s:?} (have: fresh, duplicate, cached, \
+                                     batch-fresh, batch-duplicate)"
+                                ))
+                            })
                         })
                         .collect::<Result<_, _>>()?;
                 }
@@ -234,7 +236,7 @@ impl Args {
             .into());
         }
         if a.plan.scenarios.is_empty() {
-            return Err("--scenarios needs at least one of fresh, duplicate, cached".into());
+            return Err("--scenarios needs at least one of fresh, duplicate, cached, batch-fresh, batch-duplicate".into());
         }
         if a.plan.concurrencies.is_empty() || a.plan.concurrencies.contains(&0) {
             return Err("--concurrency needs positive numbers".into());

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use indicatif::ProgressBar;
 
 use crate::stats::{Measurement, Samples};
-use crate::workloads::{Lane, WithAnswerCache, Workload};
+use crate::workloads::{Derived, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
 /// How much to run for one backend.
@@ -37,13 +37,37 @@ pub struct Plan {
 impl Plan {
     /// Operations one run of this plan performs (for the progress bar).
     pub fn total_ops(&self, with_round_trips: bool) -> u64 {
+        self.scenarios
+            .iter()
+            .map(|&s| self.for_scenario(s).scenario_ops(with_round_trips))
+            .sum()
+    }
+
+    /// Operations of one scenario under this plan.
+    fn scenario_ops(&self, with_round_trips: bool) -> u64 {
         let per_concurrency = 2 * (self.per_round() * self.rounds + self.warmup);
         let counting = if with_round_trips {
             2 * self.count_ops
         } else {
             0
         };
-        (self.scenarios.len() * (self.concurrencies.len() * per_concurrency + counting)) as u64
+        (self.concurrencies.len() * per_concurrency + counting) as u64
+    }
+
+    /// The plan for `scenario`: a batch scenario's operation is a batch of
+    /// [`BATCH`](crate::workloads::BATCH) messages, so it runs that many
+    /// times fewer operations for the same messages.
+    pub fn for_scenario(&self, scenario: Scenario) -> Plan {
+        if !scenario.is_batch() {
+            return self.clone();
+        }
+        let batch = crate::workloads::BATCH;
+        Plan {
+            ops: (self.ops / batch).max(self.rounds.max(1)),
+            warmup: self.warmup / batch,
+            count_ops: (self.count_ops / batch).max(2),
+            ..self.clone()
+        }
     }
 
     /// Operations per round.
@@ -194,9 +218,10 @@ pub async fn run_backend(
     let mut out = Vec::new();
     let plain = workload;
     for &scenario in &plan.scenarios {
-        let workload = match scenario {
-            Scenario::Cached => Arc::new(WithAnswerCache::new(plain.clone())?),
-            _ => plain.clone(),
+        let plan = &plan.for_scenario(scenario);
+        let workload: Arc<dyn Workload> = match scenario {
+            Scenario::Fresh | Scenario::Duplicate => plain.clone(),
+            _ => Arc::new(Derived::new(plain.clone(), scenario)?),
         };
         let mut trips = [None, None];
         for (slot, variant) in [Variant::Library, Variant::Raw].into_iter().enumerate() {
@@ -314,8 +339,12 @@ mod tests {
             min_round: Duration::from_millis(200),
         };
         assert_eq!(plan.per_round(), 25);
-        // 2 scenarios × (2 concurrencies × 2 variants × (100 + 10) + 2 × 5)
-        assert_eq!(plan.total_ops(true), 2 * (2 * 2 * 110 + 10));
+        // 3 single scenarios × (2 concurrencies × 2 variants × (100 + 10) + 2 × 5),
+        // 2 batch scenarios × (2 × 2 × (4 batches + no warm-up) + 2 × 2).
+        assert_eq!(
+            plan.total_ops(true),
+            3 * (2 * 2 * 110 + 10) + 2 * (2 * 2 * 4 + 2 * 2)
+        );
         // Rounds stretch to 200 ms at the warm-up's rate, within bounds.
         assert_eq!(plan.per_round_at(1_000.0), 200);
         assert_eq!(plan.per_round_at(10.0), 25);

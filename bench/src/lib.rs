@@ -39,24 +39,52 @@ pub enum Scenario {
     /// answer cache (`Config::answer_cache`); the raw client still reads the
     /// record.
     Cached,
+    /// Polls of first deliveries: one `execute_batch` of 100 messages; the
+    /// other side is the same messages through `execute`, one at a time.
+    BatchFresh,
+    /// Polls of redeliveries, batch against one at a time likewise.
+    BatchDuplicate,
 }
 
 impl Scenario {
     /// Every scenario, in report order.
-    pub const ALL: [Scenario; 3] = [Scenario::Fresh, Scenario::Duplicate, Scenario::Cached];
+    pub const ALL: [Scenario; 5] = [
+        Scenario::Fresh,
+        Scenario::Duplicate,
+        Scenario::Cached,
+        Scenario::BatchFresh,
+        Scenario::BatchDuplicate,
+    ];
 
-    /// `fresh`, `duplicate` or `cached`.
+    /// `fresh`, `duplicate`, `cached`, `batch-fresh` or `batch-duplicate`.
     pub fn as_str(self) -> &'static str {
         match self {
             Scenario::Fresh => "fresh",
             Scenario::Duplicate => "duplicate",
             Scenario::Cached => "cached",
+            Scenario::BatchFresh => "batch-fresh",
+            Scenario::BatchDuplicate => "batch-duplicate",
         }
+    }
+
+    /// The scenario named `s`.
+    pub fn parse(s: &str) -> Option<Scenario> {
+        Scenario::ALL.into_iter().find(|c| c.as_str() == s)
     }
 
     /// Whether its keys are completed before the round (a redelivery).
     pub fn is_duplicate(self) -> bool {
-        matches!(self, Scenario::Duplicate | Scenario::Cached)
+        matches!(
+            self,
+            Scenario::Duplicate | Scenario::Cached | Scenario::BatchDuplicate
+        )
+    }
+
+    /// Whether an operation is one batch of
+    /// [`BATCH`](crate::workloads::BATCH) messages (and the other side is
+    /// the same messages one at a time through the library).
+    pub fn is_batch(self) -> bool {
+        matches!(self, Scenario::BatchFresh | Scenario::BatchDuplicate)
     }
 }
 

@@ -266,6 +266,8 @@ impl Report {
                 Scenario::Fresh => "#3b6fb6",
                 Scenario::Duplicate => "#5aa469",
                 Scenario::Cached => "#c2873a",
+                Scenario::BatchFresh => "#7a5cb8",
+                Scenario::BatchDuplicate => "#b85c8a",
             };
             let _ = writeln!(
                 svg,

@@ -21,8 +21,60 @@ fn tiny() -> Plan {
         warmup: 5,
         count_ops: 10,
         concurrencies: vec![1, 8],
-        scenarios: Scenario::ALL.to_vec(),
+        scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
         min_round: std::time::Duration::ZERO,
+    }
+}
+
+/// The scenarios derived from a workload: duplicates answered by the local
+/// answer cache, polls of 100 through `execute_batch` against the same
+/// messages one at a time.
+async fn derived(workload: Arc<dyn Workload>) -> Vec<Measurement> {
+    let plan = Plan {
+        ops: 400,
+        rounds: 2,
+        warmup: 0,
+        count_ops: 200,
+        concurrencies: vec![1, 4],
+        scenarios: vec![
+            Scenario::Cached,
+            Scenario::BatchFresh,
+            Scenario::BatchDuplicate,
+        ],
+        min_round: std::time::Duration::ZERO,
+    };
+    let progress = ProgressBar::hidden();
+    let results = driver::run_backend(workload.clone(), &plan, &progress)
+        .await
+        .unwrap();
+    workload.cleanup().await.unwrap();
+    assert_eq!(results.len(), 3 * 2 * 2);
+    for m in &results {
+        let expected = if m.scenario.is_batch() { 4 } else { 400 };
+        assert_eq!(m.ops, expected, "{m:?}");
+    }
+    assert_eq!(progress.position(), plan.total_ops(true));
+    results
+}
+
+/// Round trips of the derived scenarios: a cached duplicate makes none; a
+/// poll of 100 duplicates is one, against 100 one at a time.
+fn assert_derived_round_trips(results: &[Measurement]) {
+    for c in [1, 4] {
+        let cached = |v| find(results, Scenario::Cached, v, c).round_trips_per_op;
+        assert_eq!(cached(Variant::Library), Some(0.0), "cached, library");
+        assert_eq!(cached(Variant::Raw), Some(1.0), "cached, raw client");
+        let batch = |v| find(results, Scenario::BatchDuplicate, v, c).round_trips_per_op;
+        assert_eq!(
+            batch(Variant::Library),
+            Some(1.0),
+            "a poll of 100 duplicates"
+        );
+        assert_eq!(
+            batch(Variant::Raw),
+            Some(100.0),
+            "100 duplicates one at a time"
+        );
     }
 }
 
@@ -94,6 +146,8 @@ async fn memory_run_writes_a_complete_report() {
         .unwrap()
         .contains("manager overhead"));
     std::fs::remove_dir_all(dir).unwrap();
+    // Every answer of the derived scenarios is checked as they run.
+    derived(Arc::new(MemoryWorkload::new().unwrap())).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,6 +165,8 @@ async fn redis_round_trips_match_the_raw_client() {
     assert_eq!(lib.server_commands_per_op, Some(4.0));
     let dup = find(&results, Scenario::Duplicate, Variant::Raw, 8);
     assert_eq!(dup.server_commands_per_op, Some(1.0));
+    let workload = RedisWorkload::connect(server.url()).await.unwrap();
+    assert_derived_round_trips(&derived(Arc::new(workload)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -125,6 +181,8 @@ async fn postgres_round_trips_match_the_raw_client() {
     // Each statement is one round trip (the pings sqlx sends as a connection
     // returns to the pool are not counted): library and raw alike.
     assert_round_trips(&results, 2.0, 1.0);
+    let workload = PostgresWorkload::connect(server.url(), 4).await.unwrap();
+    assert_derived_round_trips(&derived(Arc::new(workload)).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -151,6 +151,67 @@ impl Error {
         )
     }
 
+    /// The same error again, of the same variant and class, for another
+    /// request a shared failure hit (each request of a batch whose one round
+    /// trip failed gets its own answer). Variant fields are kept; a client's
+    /// `source` is kept as text in the message.
+    ///
+    /// ```
+    /// use idempotency_core::Error;
+    /// let e = Error::unavailable("redis", std::io::Error::other("connection reset"));
+    /// let again = e.for_another();
+    /// assert!(again.is_store_outage());
+    /// assert_eq!(again.to_string(), e.to_string());
+    /// ```
+    pub fn for_another(&self) -> Error {
+        match self {
+            Error::InvalidKey { reason } => Error::InvalidKey {
+                reason: reason.clone(),
+            },
+            Error::InProgress { key, retry_after } => Error::InProgress {
+                key: key.clone(),
+                retry_after: *retry_after,
+            },
+            Error::PayloadMismatch { key } => Error::PayloadMismatch { key: key.clone() },
+            Error::PreviouslyFailed { key, error } => Error::PreviouslyFailed {
+                key: key.clone(),
+                error: error.clone(),
+            },
+            Error::LeaseLost { key } => Error::LeaseLost { key: key.clone() },
+            Error::Unavailable {
+                backend, message, ..
+            } => Error::Unavailable {
+                backend,
+                message: message.clone(),
+                source: None,
+            },
+            Error::Timeout { backend, operation } => Error::Timeout { backend, operation },
+            Error::Corrupt { key, reason } => Error::Corrupt {
+                key: key.clone(),
+                reason: reason.clone(),
+            },
+            Error::Config { message } => Error::Config {
+                message: message.clone(),
+            },
+            Error::TooLarge { what, size, max } => Error::TooLarge {
+                what,
+                size: *size,
+                max: *max,
+            },
+            Error::Unsupported { operation, backend } => Error::Unsupported { operation, backend },
+            Error::Codec { source } => Error::Codec {
+                source: source.to_string().into(),
+            },
+            Error::Backend {
+                backend, message, ..
+            } => Error::Backend {
+                backend,
+                message: message.clone(),
+                source: None,
+            },
+        }
+    }
+
     /// Whether the store itself failed (unavailable or timed out), as opposed to a
     /// decision of the state machine: the condition for failing open.
     pub fn is_store_outage(&self) -> bool {

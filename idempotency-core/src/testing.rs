@@ -332,20 +332,8 @@ impl<R: Repository> Repository for FaultyRepository<R> {
         let call = || async { Ok(self.inner.reserve_many(requests.clone()).await) };
         match self.run(Operation::ReserveMany, call).await {
             Ok(answers) => answers,
-            Err(e) => (0..count).map(|_| Err(same_error(&e))).collect(),
+            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
         }
-    }
-}
-
-/// An injected error again, for each request of a batch it hit.
-fn same_error(e: &Error) -> Error {
-    match e {
-        Error::Timeout { backend, operation } => Error::Timeout { backend, operation },
-        other => Error::Unavailable {
-            backend: "faulty",
-            message: other.to_string(),
-            source: None,
-        },
     }
 }
 

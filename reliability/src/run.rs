@@ -32,6 +32,11 @@ pub struct Plan {
     pub processes: usize,
     /// The seed of the delivery order, delays and give-up points.
     pub seed: u64,
+    /// Deliveries a consumer takes at once, as a broker's poll, through
+    /// `execute_batch` (1: one at a time through `execute_detached`); only
+    /// in scenarios where callers never give up (see
+    /// [`Scenario::batches`]).
+    pub batch: usize,
 }
 
 impl Plan {
@@ -43,6 +48,15 @@ impl Plan {
             consumers: 6,
             processes: 2,
             seed,
+            batch: 1,
+        }
+    }
+
+    /// [`Plan::short`] with polls of 8 deliveries through `execute_batch`.
+    pub fn batched(seed: u64) -> Plan {
+        Plan {
+            batch: 8,
+            ..Plan::short(seed)
         }
     }
 }
@@ -123,15 +137,23 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
         .map(|(c, m)| {
             let seed = plan.seed ^ (c as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
             let pace = pace(scenario, plan);
-            tokio::spawn(consume(
-                c,
-                m,
-                scenario,
-                pace,
-                queue.clone(),
-                shared.clone(),
-                seed,
-            ))
+            let queue = queue.clone();
+            if plan.batch > 1 && scenario.batches() {
+                let poll = Poll {
+                    size: plan.batch,
+                    pace: pace * u32::try_from(plan.batch).unwrap_or(u32::MAX),
+                };
+                return tokio::spawn(consume_polls(
+                    c,
+                    m,
+                    scenario,
+                    poll,
+                    queue,
+                    shared.clone(),
+                    seed,
+                ));
+            }
+            tokio::spawn(consume(c, m, scenario, pace, queue, shared.clone(), seed))
         })
         .collect();
     let mut panics = 0;
@@ -287,6 +309,117 @@ async fn deliver(
         return (Some(Duration::from_millis(50)), crashed);
     };
     (record(&mut j, key, consumer, result), false)
+}
+
+/// How a batch consumer polls.
+#[derive(Debug, Clone, Copy)]
+struct Poll {
+    /// Deliveries per poll at most.
+    size: usize,
+    /// The mean pause between polls.
+    pace: Duration,
+}
+
+/// A consumer that takes up to `poll.size` deliveries at once and hands them
+/// to `execute_batch`; what was not answered goes back to the queue.
+async fn consume_polls(
+    consumer: usize,
+    manager: IdempotencyManager,
+    scenario: Scenario,
+    poll: Poll,
+    queue: Arc<Mutex<VecDeque<usize>>>,
+    shared: Shared,
+    seed: u64,
+) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    loop {
+        let keys: Vec<usize> = {
+            let mut q = queue.lock().unwrap_or_else(PoisonError::into_inner);
+            let n = poll.size.min(q.len());
+            q.drain(..n).collect()
+        };
+        if keys.is_empty() {
+            break;
+        }
+        let pace_us = u64::try_from(poll.pace.as_micros())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
+        let again = deliver_batch(&manager, scenario, &keys, consumer, &shared).await;
+        if let Some(pause) = again.iter().map(|(_, p)| *p).max() {
+            tokio::time::sleep(pause).await;
+            let mut q = queue.lock().unwrap_or_else(PoisonError::into_inner);
+            q.extend(again.into_iter().map(|(key, _)| key));
+        }
+    }
+}
+
+/// A handler of one batch item, taken once.
+type ItemHandler =
+    Box<dyn FnOnce(idempotency_core::ExecutionContext) -> HandlerFuture + Send + 'static>;
+
+/// One poll through `execute_batch`; returns the keys to redeliver and after
+/// how long.
+async fn deliver_batch(
+    manager: &IdempotencyManager,
+    scenario: Scenario,
+    keys: &[usize],
+    consumer: usize,
+    shared: &Shared,
+) -> Vec<(usize, Duration)> {
+    let handlers: Vec<Mutex<Option<ItemHandler>>> = keys
+        .iter()
+        .map(|&key| {
+            let applied = Arc::new(AtomicBool::new(false));
+            let h: ItemHandler =
+                Box::new(handler(scenario, key, consumer, shared.clone(), applied));
+            Mutex::new(Some(h))
+        })
+        .collect();
+    let items: Vec<(String, serde_json::Value)> = keys
+        .iter()
+        .map(|k| (format!("evt-{k}"), serde_json::json!({ "event": k })))
+        .collect();
+    // A key polled n times in one batch runs in n waves, one after another:
+    // each wave is one call's worth of the contract's per-phase bound.
+    let mut seen: HashMap<usize, usize> = HashMap::new();
+    let waves = keys
+        .iter()
+        .map(|k| {
+            let n = seen.entry(*k).or_default();
+            *n += 1;
+            *n
+        })
+        .max()
+        .unwrap_or(1);
+    let begun = Instant::now();
+    let answers = manager.execute_batch(&items, keys.len(), |i, ctx| {
+        let taken = handlers[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match taken {
+            Some(h) => h(ctx),
+            None => Box::pin(async {
+                Err(HandlerError::new(
+                    "a batch item's handler ran twice".to_owned(),
+                ))
+            }),
+        }
+    });
+    let answers = answers.await;
+    let took = begun.elapsed() / u32::try_from(waves).unwrap_or(u32::MAX);
+    let mut j = journal(shared);
+    j.slowest = j.slowest.max(took);
+    let mut again = Vec::new();
+    for (&key, result) in keys.iter().zip(answers) {
+        j.executions += 1;
+        *j.deliveries.entry(key).or_default() += 1;
+        if let Some(pause) = record(&mut j, key, consumer, result) {
+            again.push((key, pause));
+        }
+    }
+    again
 }
 
 /// Polls `call` for `limit`, then leaks it as a crashed process would leave

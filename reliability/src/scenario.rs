@@ -100,6 +100,13 @@ impl Scenario {
         Scenario::ServerRestartForgetful,
     ];
 
+    /// Whether consumers may take this scenario's deliveries in polls
+    /// (`execute_batch`): not where callers give up or crash, which a batch
+    /// consumer would do for its whole poll.
+    pub fn batches(self) -> bool {
+        !matches!(self, Scenario::CallerGivesUp | Scenario::ConsumerCrash)
+    }
+
     /// Whether the fault acts on the network (needs a store behind a proxy).
     pub fn needs_network(self) -> bool {
         matches!(

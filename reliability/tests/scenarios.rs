@@ -2,17 +2,42 @@
 //! bound, every key answered, no panic, errors of the right class, no call
 //! past its bound. A failure prints the seed and the failing key's history.
 
-use idempotency_reliability::{run, scenarios_for, Backend, Figures, Plan};
+use idempotency_reliability::{run, scenarios_for, Backend, Figures, Plan, Scenario};
 
 async fn every_scenario(backend: Backend) {
+    scenarios(backend, &scenarios_for(backend), Plan::short).await;
+}
+
+/// The fault scenarios a batch consumer meets most (a slow store, lost
+/// replies, resets, all of them in turn, a handler longer than its lease)
+/// with consumers that poll 8 deliveries at a time (`execute_batch`).
+async fn batches(backend: Backend) {
+    let batched: Vec<Scenario> = scenarios_for(backend)
+        .into_iter()
+        .filter(|s| {
+            matches!(
+                s,
+                Scenario::Baseline
+                    | Scenario::LostReplies
+                    | Scenario::Resets
+                    | Scenario::Mixed
+                    | Scenario::SlowHandlerExtended
+                    | Scenario::ClockAhead
+            )
+        })
+        .collect();
+    scenarios(backend, &batched, Plan::batched).await;
+}
+
+async fn scenarios(backend: Backend, scenarios: &[Scenario], plan: fn(u64) -> Plan) {
     let seed = std::env::var("IDEMPOTENCY_RELIABILITY_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(rand::random::<u64>);
     println!("{}", Figures::header());
     let mut failures = Vec::new();
-    for scenario in scenarios_for(backend) {
-        let figures = run(backend, scenario, Plan::short(seed))
+    for &scenario in scenarios {
+        let figures = run(backend, scenario, plan(seed))
             .await
             .unwrap_or_else(|e| panic!("{backend} / {scenario}: {e}"));
         println!("{}", figures.row());
@@ -71,4 +96,19 @@ async fn dynamodb() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql() {
     every_scenario(Backend::Mysql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_batches() {
+    batches(Backend::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_batches() {
+    batches(Backend::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_batches() {
+    batches(Backend::Postgres).await;
 }

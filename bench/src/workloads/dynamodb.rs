@@ -159,7 +159,7 @@ impl Workload for DynamoDbWorkload {
         "dynamodb"
     }
 
-    fn manager(&self) -> &IdempotencyManager {
+    fn manager(&self, _lane: Lane) -> &IdempotencyManager {
         &self.manager
     }
 

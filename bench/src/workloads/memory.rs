@@ -32,7 +32,7 @@ impl Workload for MemoryWorkload {
         "memory"
     }
 
-    fn manager(&self) -> &IdempotencyManager {
+    fn manager(&self, _lane: Lane) -> &IdempotencyManager {
         &self.manager
     }
 

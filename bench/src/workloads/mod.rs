@@ -38,8 +38,8 @@ pub trait Workload: Send + Sync + 'static {
     /// What it runs against (server version, pool size …), for the report.
     fn describe(&self) -> String;
 
-    /// The library's manager over the timed connections.
-    fn manager(&self) -> &IdempotencyManager;
+    /// The library's manager over the lane's connections.
+    fn manager(&self, lane: Lane) -> &IdempotencyManager;
 
     /// Completes keys `0..ops` of `ns` through the library (untimed), so that
     /// operations on them are duplicates.
@@ -164,40 +164,60 @@ pub async fn populate(
 /// each redelivered once, would measure the cache's misses).
 pub const HOT_KEYS: usize = 10_000;
 
-/// A workload whose library variant answers redeliveries from the local
-/// answer cache ([`Scenario::Cached`]): a manager with the cache over the same
-/// store; the raw variant reads the record as in [`Scenario::Duplicate`]. Both
-/// redeliver [`HOT_KEYS`] keys round robin.
-pub struct WithAnswerCache {
+/// Messages per batch in the batch scenarios.
+pub const BATCH: usize = 100;
+
+/// A workload for the scenarios that are not one raw command against one
+/// execution: [`Scenario::Cached`] (the library with the local answer cache
+/// against the raw client reading the record, over [`HOT_KEYS`] keys round
+/// robin) and the batch scenarios (one `execute_batch` of [`BATCH`] messages
+/// against the same messages through `execute`, one after another, as a
+/// consumer task handles its poll).
+pub struct Derived {
     inner: std::sync::Arc<dyn Workload>,
-    cached: IdempotencyManager,
+    /// The managers of the scenario, per lane.
+    timed: IdempotencyManager,
+    counted: IdempotencyManager,
 }
 
-impl std::fmt::Debug for WithAnswerCache {
+impl std::fmt::Debug for Derived {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WithAnswerCache")
+        f.debug_struct("Derived")
             .field("backend", &self.inner.backend())
             .finish()
     }
 }
 
-impl WithAnswerCache {
-    /// `inner`'s store behind a manager with the default answer cache.
+impl Derived {
+    /// `inner`'s stores behind managers configured for `scenario`: with the
+    /// default answer cache for [`Scenario::Cached`], the bench's configuration
+    /// otherwise.
     ///
     /// # Errors
     /// Only if the bench's configuration were invalid.
-    pub fn new(inner: std::sync::Arc<dyn Workload>) -> Result<Self, BoxError> {
-        let config = idempotency_core::Config {
-            answer_cache: Some(idempotency_core::AnswerCacheConfig::default()),
-            ..config()
+    pub fn new(inner: std::sync::Arc<dyn Workload>, scenario: Scenario) -> Result<Self, BoxError> {
+        let config = match scenario {
+            Scenario::Cached => idempotency_core::Config {
+                answer_cache: Some(idempotency_core::AnswerCacheConfig::default()),
+                ..config()
+            },
+            _ => config(),
         };
-        let cached = IdempotencyManager::new(inner.manager().repository().clone(), config)?;
-        Ok(WithAnswerCache { inner, cached })
+        let over = |lane| {
+            let repo = inner.manager(lane).repository().clone();
+            IdempotencyManager::new(repo, config.clone())
+        };
+        let (timed, counted) = (over(Lane::Timed)?, over(Lane::Counted)?);
+        Ok(Derived {
+            inner,
+            timed,
+            counted,
+        })
     }
 }
 
 #[async_trait]
-impl Workload for WithAnswerCache {
+impl Workload for Derived {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -206,14 +226,27 @@ impl Workload for WithAnswerCache {
         self.inner.describe()
     }
 
-    fn manager(&self) -> &IdempotencyManager {
-        &self.cached
+    fn manager(&self, lane: Lane) -> &IdempotencyManager {
+        match lane {
+            Lane::Timed => &self.timed,
+            Lane::Counted => &self.counted,
+        }
     }
 
-    /// Completes the hot keys through the cached manager: its own
-    /// completions are what it answers later.
+    /// Completes the keys the scenario redelivers through its own manager
+    /// (the cached scenario's answers are its own completions).
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
-        populate(&self.cached, ns, ops.min(HOT_KEYS), 1).await
+        if self.timed.config().answer_cache.is_some() {
+            let hot = ops.min(HOT_KEYS);
+            populate(&self.timed, ns, hot, 1).await?;
+            // The counted lane's manager has a cache of its own: it reads each
+            // answer once, as a consumer does the first duplicate it sees.
+            for i in 0..hot {
+                execute(&self.counted, Scenario::Cached, ns, i).await?;
+            }
+            return Ok(());
+        }
+        populate(&self.timed, ns, ops * BATCH, 16).await
     }
 
     async fn op(
@@ -224,15 +257,29 @@ impl Workload for WithAnswerCache {
         i: usize,
         lane: Lane,
     ) -> Result<(), BoxError> {
-        let i = i % HOT_KEYS;
-        match variant {
-            Variant::Library => execute(&self.cached, scenario, ns, i).await,
-            Variant::Raw => {
-                let scenario = match scenario {
-                    Scenario::Cached => Scenario::Duplicate,
-                    other => other,
+        let manager = self.manager(lane);
+        match (scenario, variant) {
+            (Scenario::Cached, Variant::Library) => {
+                execute(manager, scenario, ns, i % HOT_KEYS).await
+            }
+            (Scenario::Cached, Variant::Raw) => {
+                let i = i % HOT_KEYS;
+                self.inner
+                    .op(variant, Scenario::Duplicate, ns, i, lane)
+                    .await
+            }
+            (_, Variant::Library) => {
+                execute_batch(manager, scenario, ns, i * BATCH..(i + 1) * BATCH).await
+            }
+            (_, Variant::Raw) => {
+                let single = match scenario {
+                    Scenario::BatchFresh => Scenario::Fresh,
+                    _ => Scenario::Duplicate,
                 };
-                self.inner.op(variant, scenario, ns, i, lane).await
+                for k in i * BATCH..(i + 1) * BATCH {
+                    execute(manager, single, ns, k).await?;
+                }
+                Ok(())
             }
         }
     }
@@ -244,6 +291,49 @@ impl Workload for WithAnswerCache {
     async fn server_commands(&self) -> Result<Option<u64>, BoxError> {
         self.inner.server_commands().await
     }
+}
+
+/// One `execute_batch` over keys `keys` of `ns`, every answer checked against
+/// the scenario.
+pub async fn execute_batch(
+    manager: &IdempotencyManager,
+    scenario: Scenario,
+    ns: &str,
+    keys: std::ops::Range<usize>,
+) -> Result<(), BoxError> {
+    let items: Vec<(String, Payment)> = keys
+        .clone()
+        .map(|i| {
+            (
+                key_id(ns, i),
+                Payment {
+                    id: i,
+                    amount: 4_200,
+                },
+            )
+        })
+        .collect();
+    let answers = manager
+        .execute_batch(&items, items.len(), |n, _ctx| handler(items[n].1.id))
+        .await;
+    for (answer, i) in answers.into_iter().zip(keys) {
+        let outcome = answer.map_err(|e| match e {
+            ExecuteError::Idempotency(e) => BoxError::from(e),
+            ExecuteError::Handler(never) => match never {},
+        })?;
+        match (scenario, outcome) {
+            (Scenario::BatchFresh, Outcome::Executed(r))
+            | (Scenario::BatchDuplicate, Outcome::Cached(r))
+                if r.id == i => {}
+            (scenario, outcome) => {
+                return Err(format!(
+                "{scenario} execution of key {i} answered {outcome:?}, not the scenario's outcome"
+            )
+                .into())
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The bench's manager configuration: the defaults (payload validation and

@@ -159,8 +159,11 @@ impl Workload for MySqlWorkload {
         "mysql"
     }
 
-    fn manager(&self) -> &IdempotencyManager {
-        &self.timed.manager
+    fn manager(&self, lane: Lane) -> &IdempotencyManager {
+        match lane {
+            Lane::Timed => &self.timed.manager,
+            Lane::Counted => &self.counted.manager,
+        }
     }
 
     fn describe(&self) -> String {

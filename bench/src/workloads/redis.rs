@@ -162,8 +162,11 @@ impl Workload for RedisWorkload {
         "redis"
     }
 
-    fn manager(&self) -> &IdempotencyManager {
-        &self.timed.manager
+    fn manager(&self, lane: Lane) -> &IdempotencyManager {
+        match lane {
+            Lane::Timed => &self.timed.manager,
+            Lane::Counted => &self.counted.manager,
+        }
     }
 
     fn describe(&self) -> String {

@@ -120,7 +120,7 @@ impl Workload for SqliteWorkload {
         "sqlite"
     }
 
-    fn manager(&self) -> &IdempotencyManager {
+    fn manager(&self, _lane: Lane) -> &IdempotencyManager {
         &self.manager
     }
 

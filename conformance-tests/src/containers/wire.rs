@@ -160,7 +160,9 @@ impl WireCounter {
 
     /// Round trips since `before` that carried statements: PostgreSQL `Sync`
     /// after extended-protocol messages plus simple `Query` messages, Redis
-    /// commands, or MySQL commands the server answers. A pool's pings are left out: when sqlx sends them (after the
+    /// flights of commands (commands the client sent with no reply in between:
+    /// one for a single command, one for a whole pipeline; `*` counts the
+    /// commands themselves), or MySQL commands the server answers. A pool's pings are left out: when sqlx sends them (after the
     /// caller has its answer, from a background task) depends on scheduling, so
     /// counting them made the figure depend on timing; [`pings_since`](Self::pings_since)
     /// counts them.
@@ -169,7 +171,7 @@ impl WireCounter {
         let count = |kind: char| since.get(&kind).copied().unwrap_or(0);
         match self.protocol {
             Protocol::Postgres => count('S') + count('Q'),
-            Protocol::Resp => count('*'),
+            Protocol::Resp => count(RESP_FLIGHT),
             Protocol::MySql => since
                 .iter()
                 .filter(|(k, _)| **k != PING && !MYSQL_UNANSWERED.contains(k))
@@ -216,6 +218,10 @@ impl Counts {
     }
 }
 
+/// The count of Redis flights: commands sent after the server last replied
+/// (see [`WireCounter::round_trips_since`]).
+pub(crate) const RESP_FLIGHT: char = 'F';
+
 /// Incremental parser of the client side of the protocol.
 struct Parser {
     protocol: Protocol,
@@ -224,6 +230,8 @@ struct Parser {
     pending: bool,
     buf: Vec<u8>,
     counts: Counts,
+    /// Whether the server sent anything since the client's last command.
+    replied: Arc<std::sync::atomic::AtomicBool>,
 }
 
 fn be_u32(bytes: &[u8]) -> usize {
@@ -271,6 +279,12 @@ impl Parser {
             Protocol::Resp => {
                 while let Some(len) = resp_command_len(&self.buf) {
                     self.counts.add(b'*');
+                    if self
+                        .replied
+                        .swap(false, std::sync::atomic::Ordering::SeqCst)
+                    {
+                        self.counts.add_kind(RESP_FLIGHT);
+                    }
                     self.buf.drain(..len.max(1));
                 }
                 return;
@@ -354,6 +368,8 @@ async fn accept_loop(
             let _ = server.set_nodelay(true);
             let (mut cr, mut cw) = client.into_split();
             let (mut sr, mut sw) = server.into_split();
+            let replied = Arc::new(std::sync::atomic::AtomicBool::new(true));
+            let server_replied = replied.clone();
             let upstream = async move {
                 let mut parser = Parser {
                     protocol,
@@ -361,6 +377,7 @@ async fn accept_loop(
                     pending: false,
                     buf: Vec::new(),
                     counts,
+                    replied,
                 };
                 let mut chunk = vec![0u8; 64 * 1024];
                 loop {
@@ -376,7 +393,17 @@ async fn accept_loop(
                 let _ = sw.shutdown().await;
             };
             let downstream = async move {
-                let _ = tokio::io::copy(&mut sr, &mut cw).await;
+                let mut chunk = vec![0u8; 64 * 1024];
+                loop {
+                    let n = match sr.read(&mut chunk).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => n,
+                    };
+                    server_replied.store(true, std::sync::atomic::Ordering::SeqCst);
+                    if cw.write_all(&chunk[..n]).await.is_err() {
+                        break;
+                    }
+                }
                 let _ = cw.shutdown().await;
             };
             tokio::join!(upstream, downstream);
@@ -397,6 +424,7 @@ mod tests {
             pending: false,
             buf: Vec::new(),
             counts: counts.clone(),
+            replied: Default::default(),
         };
         // StartupMessage: length 8, protocol 3.0.
         let mut wire = vec![0, 0, 0, 8, 0, 3, 0, 0];
@@ -424,6 +452,7 @@ mod tests {
             pending: false,
             buf: Vec::new(),
             counts: counts.clone(),
+            replied: Default::default(),
         };
         // SET with a binary value holding \r\n, then GET, byte by byte.
         let mut wire = b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\na\r\nb\r\n".to_vec();
@@ -436,5 +465,17 @@ mod tests {
         }
         assert_eq!(counts.snapshot().get(&'*'), Some(&2));
         assert!(parser.buf.is_empty());
+        assert_eq!(
+            counts.snapshot().get(&RESP_FLIGHT),
+            None,
+            "no reply came before either: one flight, counted from the last reply"
+        );
+        // A reply, then a pipeline of three commands: one flight.
+        parser
+            .replied
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        parser.feed(&b"*2\r\n$3\r\nGET\r\n$1\r\nk\r\n".repeat(3));
+        assert_eq!(counts.snapshot().get(&RESP_FLIGHT), Some(&1));
+        assert_eq!(counts.snapshot().get(&'*'), Some(&5));
     }
 }
