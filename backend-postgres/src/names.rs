@@ -58,6 +58,7 @@ pub struct Statements {
     pub(crate) reserve: String,
     pub(crate) reserve_many: String,
     pub(crate) complete: String,
+    pub(crate) complete_many: String,
     pub(crate) fail: String,
     pub(crate) release: String,
     pub(crate) extend: String,
@@ -67,6 +68,19 @@ pub struct Statements {
     /// `"schema"."table_migrations"`.
     pub(crate) migrations: String,
 }
+
+/// Opens the first array argument of a batch statement's `unnest` with
+/// `SET LOCAL lock_timeout = 100ms` (function arguments are evaluated before
+/// the scan, so it holds before the first row is touched). A statement is one
+/// transaction: waiting on one key's row lock (another transaction's
+/// uncommitted reservation, e.g. the transactional mode's) would keep every
+/// other key of the batch uncommitted, invisible to duplicates, and apt to
+/// commit after the caller gave up. Past 100 ms the statement fails (`55P03`,
+/// nothing applied; answered as a definite error, not a timeout) and each key
+/// goes through the single path. Both batch statements, `reserve_many` and
+/// `complete_many`, set it; it is local to the statement's transaction.
+const LOCK_TIMEOUT_FIRST: &str =
+    "CASE WHEN set_config('lock_timeout', '100ms', true) IS NOT NULL THEN ";
 
 /// The columns of a record, in the order `decode_record` reads them.
 pub(crate) const RECORD_COLUMNS: &str =
@@ -146,7 +160,7 @@ impl Statements {
                 "SELECT acquired, {RECORD_COLUMNS} FROM {reserve_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
             ),
             reserve_many: format!(
-                "SELECT r.acquired, {}, u.ord FROM unnest($1::bytea[], $2::bytea[], $3::bytea[], \
+                "SELECT r.acquired, {}, u.ord FROM unnest({LOCK_TIMEOUT_FIRST}$1::bytea[] END, $2::bytea[], $3::bytea[], \
                  $4::bytea[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::bool[]) \
                  WITH ORDINALITY AS u(namespace, id, owner, fingerprint, now, lease_cutoff, \
                  lease_until, expires_at, retry_failed, ord) \
@@ -162,6 +176,15 @@ impl Statements {
             complete: format!(
                 "UPDATE {qualified} SET status = 'completed', result = $4, expires_at = $5, \
                  updated_at = $6 WHERE {live_owned} AND expires_at > $6"
+            ),
+            complete_many: format!(
+                "UPDATE {qualified} AS t SET status = 'completed', result = u.result, \
+                 expires_at = u.expires_at, updated_at = $6 \
+                 FROM unnest({LOCK_TIMEOUT_FIRST}$1::bytea[] END, $2::bytea[], $3::bytea[], $4::bytea[], \
+                 $5::int8[]) \
+                 WITH ORDINALITY AS u(namespace, id, owner, result, expires_at, ord) \
+                 WHERE t.namespace = u.namespace AND t.id = u.id AND t.owner = u.owner \
+                 AND t.status = 'processing' AND t.expires_at > $6 RETURNING u.ord"
             ),
             fail: format!(
                 "UPDATE {qualified} SET status = 'failed', error = $4, expires_at = $5, \

@@ -2,8 +2,8 @@
 //! pool, or a caller's connection or transaction).
 
 use idempotency_core::{
-    Capabilities, Error, OwnerToken, Record, RecordKey, Reservation, ReserveRequest, Status,
-    StoredColumns, Timestamp,
+    Capabilities, Completion, Error, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
+    Status, StoredColumns, Timestamp,
 };
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
@@ -156,7 +156,7 @@ pub(crate) async fn reserve_many<'e>(
             }
         }
         Err(e) => {
-            let e = map_sqlx(e, "reserve", None, &sql.qualified);
+            let e = batch_error(e, "reserve", sql);
             for &i in &sent {
                 answers[i] = Some(Err(e.for_another()));
             }
@@ -164,15 +164,7 @@ pub(crate) async fn reserve_many<'e>(
     }
     answers
         .into_iter()
-        .map(|a| {
-            a.unwrap_or_else(|| {
-                Err(Error::Backend {
-                    backend: crate::error::BACKEND,
-                    message: "reserve: a request was left unanswered".into(),
-                    source: None,
-                })
-            })
-        })
+        .map(|a| a.unwrap_or_else(|| Err(unanswered("reserve"))))
         .collect()
 }
 
@@ -207,6 +199,124 @@ fn reservation_of(row: &PgRow, req: &ReserveRequest<'_>) -> Result<Reservation, 
         })
     } else {
         Ok(Reservation::Existing(record))
+    }
+}
+
+/// `complete` for many records in one owner-checked `UPDATE … FROM unnest(…)`:
+/// the rows it returns were applied, the others are `LeaseLost` (each write
+/// has exactly `complete`'s conditions). Sent in key order, like
+/// [`reserve_many`]; a write the table cannot hold is answered on its own.
+pub(crate) async fn complete_many<'e>(
+    sql: &Statements,
+    exec: impl PgExecutor<'e>,
+    writes: &[Completion<'_>],
+    now: Timestamp,
+) -> Vec<Result<(), Error>> {
+    let mut answers: Vec<Option<Result<(), Error>>> = Vec::with_capacity(writes.len());
+    let mut sent: Vec<usize> = Vec::with_capacity(writes.len());
+    for (i, w) in writes.iter().enumerate() {
+        match check_key(w.key).and_then(|()| check_size("result", w.result)) {
+            Ok(()) => {
+                answers.push(None);
+                sent.push(i);
+            }
+            Err(e) => answers.push(Some(Err(e))),
+        }
+    }
+    sent.sort_by(|&a, &b| writes[a].key.cmp(writes[b].key));
+    let bytes = |f: &dyn Fn(&Completion<'_>) -> Vec<u8>| -> Vec<Vec<u8>> {
+        sent.iter().map(|&i| f(&writes[i])).collect()
+    };
+    let query = sqlx::query(&sql.complete_many)
+        .bind(bytes(&|w| w.key.namespace().as_bytes().to_vec()))
+        .bind(bytes(&|w| w.key.id().as_bytes().to_vec()))
+        .bind(bytes(&|w| w.owner.to_bytes().to_vec()))
+        .bind(
+            sent.iter()
+                .map(|&i| writes[i].result.map(<[u8]>::to_vec))
+                .collect::<Vec<Option<Vec<u8>>>>(),
+        )
+        .bind(
+            sent.iter()
+                .map(|&i| ts(writes[i].expires_at))
+                .collect::<Vec<i64>>(),
+        )
+        .bind(ts(now));
+    match query.fetch_all(exec).await {
+        Ok(rows) => {
+            let ords: Result<Vec<i64>, _> = rows.iter().map(|r| r.try_get::<i64, _>(0)).collect();
+            let Ok(ords) = ords else {
+                // Applied, but which rows is unknown: as ambiguous as a lost
+                // reply, so that each write is retried and recognised.
+                for &i in &sent {
+                    answers[i] = Some(Err(Error::Unavailable {
+                        backend: crate::error::BACKEND,
+                        message: "complete: the applied rows could not be read".into(),
+                        source: None,
+                    }));
+                }
+                return answers
+                    .into_iter()
+                    .map(|a| a.unwrap_or_else(|| Err(unanswered("complete"))))
+                    .collect();
+            };
+            let mut applied = vec![false; sent.len()];
+            for ord in ords {
+                if let Some(slot) = usize::try_from(ord - 1)
+                    .ok()
+                    .and_then(|p| applied.get_mut(p))
+                {
+                    *slot = true;
+                }
+            }
+            for (position, &i) in sent.iter().enumerate() {
+                answers[i] = Some(if applied[position] {
+                    Ok(())
+                } else {
+                    Err(Error::LeaseLost {
+                        key: writes[i].key.clone(),
+                    })
+                });
+            }
+        }
+        Err(e) => {
+            let e = batch_error(e, "complete", sql);
+            for &i in &sent {
+                answers[i] = Some(Err(e.for_another()));
+            }
+        }
+    }
+    answers
+        .into_iter()
+        .map(|a| a.unwrap_or_else(|| Err(unanswered("complete"))))
+        .collect()
+}
+
+/// The error of a batch statement. A key locked past the batch's
+/// `lock_timeout` (`55P03`) refused the whole statement, nothing applied: a
+/// definite `Backend` error rather than an ambiguous `Timeout`, so that the
+/// manager sends each key on its own at once, none counted as a lost write.
+fn batch_error(e: sqlx::Error, operation: &'static str, sql: &Statements) -> Error {
+    let code = e.as_database_error().and_then(|d| d.code());
+    if code.as_deref() == Some("55P03") {
+        return Error::Backend {
+            backend: crate::error::BACKEND,
+            message: format!(
+                "{operation}: a key of the batch was locked by another transaction past the \
+                 batch's lock_timeout; nothing was applied"
+            ),
+            source: Some(Box::new(e)),
+        };
+    }
+    map_sqlx(e, operation, None, &sql.qualified)
+}
+
+/// The error of a request a batch left unanswered (a bug, never expected).
+fn unanswered(operation: &str) -> Error {
+    Error::Backend {
+        backend: crate::error::BACKEND,
+        message: format!("{operation}: a request was left unanswered"),
+        source: None,
     }
 }
 

@@ -470,6 +470,28 @@ impl Repository for PgRepository {
         }
     }
 
+    /// One statement (and one round trip) for the whole batch: an `UPDATE`
+    /// over arrays.
+    async fn complete_many(
+        &self,
+        completions: Vec<idempotency_core::Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        if completions.len() < 2 {
+            let each = completions
+                .into_iter()
+                .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
+            return futures::future::join_all(each).await;
+        }
+        let count = completions.len();
+        let batch =
+            async { Ok(ops::complete_many(&self.sql, &self.pool, &completions, now).await) };
+        match self.timed("complete", batch).await {
+            Ok(answers) => answers,
+            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
+        }
+    }
+
     async fn complete(
         &self,
         key: &RecordKey,

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idempotency_core::{
-    Error, OwnerToken, RecordKey, Repository, RepositoryExt, Reservation, ReserveRequest, Timestamp,
+    Completion, Error, OwnerToken, RecordKey, Repository, RepositoryExt, Reservation,
+    ReserveRequest, Timestamp,
 };
 use idempotency_postgres::PgRepository;
 
@@ -287,6 +288,95 @@ async fn waits_on_row_locks_are_bounded_by_timeouts() {
         bounded.reserve(timed_out).await.unwrap(),
         Reservation::Acquired { attempt: 1 }
     );
+}
+
+/// A batch statement waits at most its 100 ms `lock_timeout` for a row lock:
+/// then the whole statement is refused with a definite (non-outage) error,
+/// nothing applied, so the manager sends each key on its own at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_do_not_wait_on_a_locked_key() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("batch-locked");
+    let locked = RecordKey::new(ns.as_str(), "locked", 1024).unwrap();
+    let free = RecordKey::new(ns.as_str(), "free", 1024).unwrap();
+    let t = now();
+    let lease = Duration::from_secs(30);
+    let mut tx = repo.pool().begin().await.unwrap();
+    let holder = OwnerToken::random();
+    repo.in_transaction(&mut tx)
+        .reserve(ReserveRequest {
+            owner: holder,
+            ..req(&locked, t, lease)
+        })
+        .await
+        .unwrap();
+    let answers = repo
+        .reserve_many(vec![req(&free, t, lease), req(&locked, t, lease)])
+        .await;
+    for a in &answers {
+        let e = a.as_ref().unwrap_err();
+        assert!(
+            matches!(e, Error::Backend { .. }) && !e.is_store_outage(),
+            "{e:?}"
+        );
+    }
+    assert!(
+        repo.get(&free, t).await.unwrap().is_none(),
+        "nothing applied"
+    );
+
+    tx.rollback().await.unwrap();
+
+    // The same for completions: the free key's record is ours, the statement
+    // still refused as a whole while the other write waits on its row (which
+    // an open transaction's extend has locked).
+    repo.reserve(ReserveRequest {
+        owner: holder,
+        ..req(&locked, t, lease)
+    })
+    .await
+    .unwrap();
+    let mut tx = repo.pool().begin().await.unwrap();
+    repo.in_transaction(&mut tx)
+        .extend(&locked, holder, t + lease * 2, t + lease * 3, t)
+        .await
+        .unwrap();
+    let owner = OwnerToken::random();
+    repo.reserve(ReserveRequest {
+        owner,
+        ..req(&free, t, lease)
+    })
+    .await
+    .unwrap();
+    let writes = vec![
+        Completion {
+            key: &free,
+            owner,
+            result: Some(b"r"),
+            expires_at: t + lease,
+        },
+        Completion {
+            key: &locked,
+            owner: holder,
+            result: None,
+            expires_at: t + lease,
+        },
+    ];
+    let answers = repo.complete_many(writes.clone(), t).await;
+    for a in &answers {
+        let e = a.as_ref().unwrap_err();
+        assert!(
+            matches!(e, Error::Backend { .. }) && !e.is_store_outage(),
+            "{e:?}"
+        );
+    }
+    assert_eq!(
+        repo.get(&free, t).await.unwrap().unwrap().status,
+        idempotency_core::Status::Processing
+    );
+    tx.rollback().await.unwrap();
+    let answers = repo.complete_many(writes, t).await;
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
 }
 
 #[tokio::test]

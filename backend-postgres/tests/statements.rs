@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::{WireCounter, PING};
 use idempotency_core::{
-    Clock, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock, Timestamp,
+    Clock, Completion, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock,
+    Timestamp,
 };
 use idempotency_postgres::PgRepository;
 use sqlx::{Connection, PgConnection};
@@ -346,6 +347,34 @@ async fn pooled_operations_execute_one_statement_each() {
     assert!(answers
         .iter()
         .all(|a| matches!(a, Ok(Reservation::Existing(_)))));
+    // Their completions, one statement too (after a warm-up of the statement).
+    let mut owners = Vec::with_capacity(batch.len() + warm.len());
+    for k in warm.iter().chain(&batch) {
+        owners.push(repo.get(k, t).await.unwrap().unwrap().owner);
+    }
+    fn writes<'a>(
+        keys: &'a [RecordKey],
+        owners: &[OwnerToken],
+        t: Timestamp,
+    ) -> Vec<Completion<'a>> {
+        keys.iter()
+            .zip(owners)
+            .map(|(key, owner)| Completion {
+                key,
+                owner: *owner,
+                result: Some(b"r"),
+                expires_at: t + Duration::from_secs(30),
+            })
+            .collect()
+    }
+    repo.complete_many(writes(&warm, &owners[..2], t), t).await;
+    settled(&repo).await;
+    let answers = measured!(counts, "pooled complete_many (100 writes)", expected, {
+        let r = repo.complete_many(writes(&batch, &owners[2..], t), t).await;
+        settled(&repo).await;
+        r
+    });
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     for k in batch.iter().chain(&warm).chain([&key, &fresh]) {
         repo.delete(k).await.unwrap();
     }

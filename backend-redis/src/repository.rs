@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    escape_namespace, Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
-    ReserveRequest, Status, Timestamp,
+    escape_namespace, Capabilities, Completion, Error, OwnerToken, Record, RecordKey, Repository,
+    Reservation, ReserveRequest, Status, Timestamp,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, RedisWrite, ToRedisArgs, Value};
@@ -474,20 +474,30 @@ impl RedisRepository {
         } else {
             "fail"
         };
-        self.check_size(
-            if status == Status::Completed {
-                "result"
-            } else {
-                "error"
-            },
-            value,
-        )?;
-        let owner = owner.to_bytes();
-        let now_b = ts_bytes(now);
-        let expires = ts_bytes(expires_at);
-        let mut px_digits = itoa::Buffer::new();
-        let px = px_digits.format(px(now, expires_at)).as_bytes();
-        let code = [status.code()];
+        let args = self.finish_args(owner, status, value, retryable, expires_at, now)?;
+        let reply = self
+            .eval(&self.scripts.finish, key, &args.slices(value), operation)
+            .await?;
+        owned_reply(reply, key, operation)
+    }
+
+    /// The finish script's arguments but the value (checked against the
+    /// size limit).
+    fn finish_args(
+        &self,
+        owner: OwnerToken,
+        status: Status,
+        value: Option<&[u8]>,
+        retryable: bool,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<FinishArgs, Error> {
+        let what = if status == Status::Completed {
+            "result"
+        } else {
+            "error"
+        };
+        self.check_size(what, value)?;
         let mut flags = 0;
         if value.is_some() {
             flags |= if status == Status::Completed {
@@ -499,25 +509,93 @@ impl RedisRepository {
         if retryable && status == Status::Failed {
             flags |= codec::FLAG_RETRYABLE;
         }
-        let mut flag_digits = itoa::Buffer::new();
-        let flags = flag_digits.format(flags).as_bytes();
-        let reply = self
-            .eval(
-                &self.scripts.finish,
-                key,
-                &[
-                    &owner,
-                    &now_b,
-                    &expires,
-                    px,
-                    &code,
-                    flags,
-                    value.unwrap_or_default(),
-                ],
-                operation,
-            )
-            .await?;
-        owned_reply(reply, key, operation)
+        Ok(FinishArgs {
+            owner: owner.to_bytes(),
+            now: ts_bytes(now),
+            expires: ts_bytes(expires_at),
+            px: itoa::Buffer::new()
+                .format(px(now, expires_at))
+                .as_bytes()
+                .to_vec(),
+            code: [status.code()],
+            flags: itoa::Buffer::new().format(flags).as_bytes().to_vec(),
+        })
+    }
+
+    /// Every completion's `EVALSHA finish` in one pipeline on a standalone
+    /// server; a script the server lost is reloaded through the single path.
+    async fn complete_pipelined(
+        &self,
+        mut conn: ConnectionManager,
+        writes: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        let mut pipe = redis::Pipeline::with_capacity(writes.len());
+        pipe.ignore_errors();
+        let mut answers: Vec<Option<Result<(), Error>>> = Vec::with_capacity(writes.len());
+        for w in &writes {
+            match self.finish_args(
+                w.owner,
+                Status::Completed,
+                w.result,
+                false,
+                w.expires_at,
+                now,
+            ) {
+                Ok(args) => {
+                    let sha = self.scripts.finish.sha.as_bytes();
+                    pipe.add_command(script_cmd("EVALSHA", sha, w.key, &args.slices(w.result)));
+                    answers.push(None);
+                }
+                Err(e) => answers.push(Some(Err(e))),
+            }
+        }
+        let sent = answers.iter().filter(|a| a.is_none()).count();
+        let replies = match pipe
+            .query_async::<Vec<redis::RedisResult<Value>>>(&mut conn)
+            .await
+        {
+            Ok(replies) if replies.len() == sent => replies,
+            Ok(_) => {
+                let e = || Error::Unavailable {
+                    backend: BACKEND,
+                    message: "complete: a pipeline answered with replies missing".into(),
+                    source: None,
+                };
+                return fill(answers, |_| Err(e()));
+            }
+            Err(e) => {
+                return fill(answers, |i| {
+                    Err(map_redis_error(e.clone(), Some(writes[i].key), "complete"))
+                })
+            }
+        };
+        let mut replies = replies.into_iter();
+        let mut again = Vec::new();
+        for (i, answer) in answers.iter_mut().enumerate() {
+            if answer.is_some() {
+                continue;
+            }
+            *answer = match replies.next() {
+                Some(Ok(reply)) => Some(owned_reply(reply, writes[i].key, "complete")),
+                Some(Err(e)) if is_noscript(&e) => {
+                    again.push(i);
+                    None
+                }
+                Some(Err(e)) => Some(Err(map_redis_error(e, Some(writes[i].key), "complete"))),
+                None => None,
+            };
+        }
+        let resent = again.iter().map(|&i| {
+            let w = writes[i];
+            self.complete(w.key, w.owner, w.result, w.expires_at, now)
+        });
+        let mut resent = futures::future::join_all(resent).await.into_iter();
+        fill(answers, |_| {
+            resent
+                .next()
+                .unwrap_or_else(|| Err(unexpected("complete", "fewer replies than writes")))
+        })
     }
 }
 
@@ -626,6 +704,43 @@ fn set_nx_get_cmd(req: &ReserveRequest<'_>, fresh: &[u8], px: u64) -> Cmd {
         .arg(px)
         .arg("GET");
     cmd
+}
+
+/// The finish script's arguments, owned (the value is the caller's).
+struct FinishArgs {
+    owner: [u8; 16],
+    now: [u8; 8],
+    expires: [u8; 8],
+    px: Vec<u8>,
+    code: [u8; 1],
+    flags: Vec<u8>,
+}
+
+impl FinishArgs {
+    /// The script's arguments in order, `value` last.
+    fn slices<'a>(&'a self, value: Option<&'a [u8]>) -> [&'a [u8]; 7] {
+        [
+            &self.owner,
+            &self.now,
+            &self.expires,
+            &self.px,
+            &self.code,
+            &self.flags,
+            value.unwrap_or_default(),
+        ]
+    }
+}
+
+/// Every answer, the missing ones (`None`) from `rest`, by index.
+fn fill<T>(
+    answers: Vec<Option<Result<T, Error>>>,
+    mut rest: impl FnMut(usize) -> Result<T, Error>,
+) -> Vec<Result<T, Error>> {
+    answers
+        .into_iter()
+        .enumerate()
+        .map(|(i, a)| a.unwrap_or_else(|| rest(i)))
+        .collect()
 }
 
 /// `EVAL`/`EVALSHA` of `body` over one key.
@@ -800,6 +915,27 @@ impl Repository for RedisRepository {
                 self.reserve_pipelined(conn.clone(), requests).await
             }
             _ => futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await,
+        }
+    }
+
+    /// One pipeline on a standalone server (one round trip); on a cluster,
+    /// one command per key, as for `reserve_many`.
+    async fn complete_many(
+        &self,
+        completions: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        match &self.conn {
+            Conn::Standalone(conn) if completions.len() > 1 => {
+                self.complete_pipelined(conn.clone(), completions, now)
+                    .await
+            }
+            _ => {
+                let each = completions
+                    .into_iter()
+                    .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
+                futures::future::join_all(each).await
+            }
         }
     }
 

@@ -18,8 +18,8 @@ use idempotency_conformance::containers::{self, RedisServer};
 #[cfg(feature = "cluster")]
 use idempotency_conformance::containers::{RedisClusterServer, RedisReply};
 use idempotency_core::{
-    Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken, RecordKey,
-    Repository, Reservation, ReserveRequest, SharedRepository, Status,
+    Completion, Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken,
+    RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Status,
 };
 use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
 
@@ -1090,8 +1090,45 @@ async fn batches_are_one_pipeline() {
                 .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 2 }))),
             "{strategy:?}: {takeovers:?}"
         );
+        // Their completions, in a pipeline too. The scripts were flushed: the
+        // first batch's writes come back NOSCRIPT and are sent again on their
+        // own (which loads the script); the second batch is one round trip.
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let writes = |range: std::ops::Range<usize>| {
+            keys[range.clone()]
+                .iter()
+                .zip(&others[range])
+                .map(|(key, owner)| Completion {
+                    key,
+                    owner: *owner,
+                    result: Some(key.id().as_bytes()),
+                    expires_at: clock.now() + LEASE,
+                })
+                .collect::<Vec<_>>()
+        };
+        let first = repo.complete_many(writes(0..50), clock.now()).await;
+        assert!(first.iter().all(Result::is_ok), "{strategy:?}: {first:?}");
+        let before = counter.snapshot();
+        let second = repo.complete_many(writes(50..100), clock.now()).await;
+        assert_eq!(
+            counter.round_trips_since(&before),
+            1,
+            "{strategy:?}: completions"
+        );
+        assert!(second.iter().all(Result::is_ok), "{strategy:?}: {second:?}");
+        // Written again by the same owners: each refused on its own.
+        let again = repo.complete_many(writes(0..100), clock.now()).await;
+        assert!(again
+            .iter()
+            .all(|a| matches!(a, Err(Error::LeaseLost { .. }))));
         for (k, o) in keys.iter().zip(&others) {
-            assert_eq!(repo.get(k, clock.now()).await.unwrap().unwrap().owner, *o);
+            let r = repo.get(k, clock.now()).await.unwrap().unwrap();
+            assert_eq!((r.owner, r.status), (*o, Status::Completed));
+            assert_eq!(r.result.as_deref(), Some(k.id().as_bytes()));
             repo.delete(k).await.unwrap();
         }
     }

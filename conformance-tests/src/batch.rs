@@ -1,13 +1,16 @@
 //! `reserve_many`: each request answered by `reserve`'s own rules, in order,
 //! however many there are and whatever state each key is in; atomic per key
-//! against concurrent single reservations.
+//! against concurrent single reservations. `complete_many`: each write
+//! answered by `complete`'s own rules, in order, one refused write leaving
+//! the others applied.
 
 use std::time::Duration;
 
 use futures::future::join_all;
 use idempotency_core::decision::{reserve_transition, ReserveTransition};
 use idempotency_core::{
-    OwnerToken, Record, RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
+    Completion, Error, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
+    SharedRepository, Status,
 };
 
 use crate::support::{ensure, ensure_eq, failure, fp, Ctx, LEASE, TTL};
@@ -214,6 +217,171 @@ pub async fn check_reserve_many_races_single_reserves(repo: SharedRepository) ->
             winner,
             "{key}: the winner's record"
         );
+    }
+    Ok(())
+}
+
+/// A write of a `complete_many` with what `complete` must answer for it.
+struct Write {
+    key: RecordKey,
+    owner: OwnerToken,
+    result: Option<Vec<u8>>,
+    too_large: bool,
+}
+
+impl Write {
+    fn new(key: RecordKey, owner: OwnerToken, result: Option<&[u8]>) -> Self {
+        Write {
+            key,
+            owner,
+            result: result.map(<[u8]>::to_vec),
+            too_large: false,
+        }
+    }
+}
+
+/// Writes for records in every state `complete` distinguishes — our live
+/// record (with a result, an empty one, none), our record whose lease ran out
+/// untaken, one taken over by another owner, another owner's, an absent key,
+/// an expired record, a completed and a failed one, a result over the
+/// declared limit — interleaved with many fresh records of their own results,
+/// in one `complete_many`: each answer is `complete`'s for that write, in
+/// order (`Ok` exactly for the owner's processing record), an applied write
+/// stores its own result and expiry, a refused one changes nothing.
+pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo);
+    let mut writes = Vec::new();
+    // States that need time to pass first.
+    let late = cx.key("late");
+    writes.push(Write::new(
+        late.clone(),
+        cx.acquire(&late).await?,
+        Some(b"late"),
+    ));
+    let taken = cx.key("taken");
+    writes.push(Write::new(
+        taken.clone(),
+        cx.acquire(&taken).await?,
+        Some(b"lost"),
+    ));
+    let expired = cx.key("expired");
+    let expired_owner = OwnerToken::random();
+    cx.repo
+        .reserve(ReserveRequest {
+            expires_at: cx.now() + LEASE * 2,
+            ..cx.req(&expired, expired_owner)
+        })
+        .await?;
+    writes.push(Write::new(expired, expired_owner, None));
+    cx.advance(LEASE * 3);
+    cx.acquire_over(&taken).await?;
+    // The rest at the current time.
+    for (id, result) in [("mine", &b"mine"[..]), ("mine-empty", &b""[..])] {
+        let key = cx.key(id);
+        writes.push(Write::new(
+            key.clone(),
+            cx.acquire(&key).await?,
+            Some(result),
+        ));
+    }
+    let bare = cx.key("mine-none");
+    writes.push(Write::new(bare.clone(), cx.acquire(&bare).await?, None));
+    let other = cx.key("other");
+    cx.acquire(&other).await?;
+    writes.push(Write::new(other, OwnerToken::random(), Some(b"not mine")));
+    writes.push(Write::new(cx.key("absent"), OwnerToken::random(), None));
+    let (done, owner) = cx.completed("done", Some(b"first")).await?;
+    writes.push(Write::new(done, owner, Some(b"second")));
+    let (failed, owner) = cx.failed("failed", Some(b"e")).await?;
+    writes.push(Write::new(failed, owner, None));
+    if let Some(max) = cx.caps.max_result_bytes {
+        let big = cx.key("too-big");
+        writes.push(Write {
+            too_large: true,
+            ..Write::new(
+                big.clone(),
+                cx.acquire(&big).await?,
+                Some(&vec![7; max + 1]),
+            )
+        });
+    }
+    for i in 0..60 {
+        let key = cx.key(&format!("bulk-{i}"));
+        let result = format!("result-{i}");
+        let write = Write::new(
+            key.clone(),
+            cx.acquire(&key).await?,
+            Some(result.as_bytes()),
+        );
+        // Spread the special states through the batch.
+        writes.insert((i * 7) % (writes.len() + 1), write);
+    }
+    let expires_at = cx.now() + TTL;
+    let now = cx.now();
+    let mut before = Vec::with_capacity(writes.len());
+    for w in &writes {
+        before.push(cx.repo.get(&w.key, now).await?);
+    }
+    let batch = writes
+        .iter()
+        .map(|w| Completion {
+            key: &w.key,
+            owner: w.owner,
+            result: w.result.as_deref(),
+            expires_at,
+        })
+        .collect();
+    let answers = cx.repo.complete_many(batch, now).await;
+    ensure_eq!(answers.len(), writes.len(), "one answer per write");
+    for ((w, answer), before) in writes.iter().zip(answers).zip(before) {
+        check_write(&cx, w, answer, before, expires_at).await?;
+    }
+    Ok(())
+}
+
+/// One `complete_many` answer against `complete`'s rule and the record after.
+async fn check_write(
+    cx: &Ctx,
+    w: &Write,
+    answer: Result<(), Error>,
+    before: Option<Record>,
+    expires_at: idempotency_core::Timestamp,
+) -> CheckResult {
+    let key = &w.key;
+    let processing = before
+        .as_ref()
+        .filter(|r| r.status == Status::Processing && r.owner == w.owner);
+    let owned = processing.is_some();
+    let after = cx.repo.get(key, cx.now()).await?;
+    match answer {
+        Ok(()) if owned && !w.too_large => {
+            let r = after.ok_or_else(|| failure(format!("{key}: completed, then absent")))?;
+            let attempt = processing.map(|was| was.attempt);
+            ensure!(
+                r.status == Status::Completed && r.owner == w.owner && Some(r.attempt) == attempt,
+                "{key}: the owner's record, completed: {r:?}"
+            );
+            ensure_eq!(r.result, w.result, "{key}: the write's own result");
+            ensure_eq!(r.expires_at, expires_at, "{key}: the write's expiry");
+        }
+        Err(Error::TooLarge { .. }) if w.too_large => {
+            ensure_eq!(after, before, "{key}: a refused result writes nothing");
+        }
+        Err(Error::LeaseLost { .. }) if !owned && !w.too_large => {
+            ensure_eq!(after, before, "{key}: a refused write changes nothing");
+        }
+        answer => {
+            return Err(failure(format!(
+                "{key}: complete's rule says {}, complete_many answered {answer:?}",
+                if w.too_large {
+                    "TooLarge"
+                } else if owned {
+                    "Ok"
+                } else {
+                    "LeaseLost"
+                }
+            )))
+        }
     }
     Ok(())
 }

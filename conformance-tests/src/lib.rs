@@ -44,7 +44,7 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 52 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 57 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
 //! and expiry boundaries, collations and truncated keys, takeovers that forget a
 //! field, extension that does not move expiry, …), the checks that catch each,
@@ -257,6 +257,7 @@ define_suite! { $
     check_reserve_resent_by_holder,
     check_reserve_many_follows_reserve,
     check_reserve_many_races_single_reserves,
+    check_complete_many_follows_complete,
     check_fail_remembers_retryable,
     check_takeover_paths_write_every_field,
     check_get_absent_and_expired,

@@ -135,6 +135,18 @@ impl Ctx {
         }
     }
 
+    /// Takes over a key whose lease ran out, under a new owner, and insists
+    /// on `Acquired`.
+    pub(crate) async fn acquire_over(&self, key: &RecordKey) -> Result<OwnerToken, CheckFailure> {
+        let owner = OwnerToken::random();
+        match self.reserve(key, owner).await? {
+            Reservation::Acquired { attempt } if attempt > 1 => Ok(owner),
+            other => Err(failure(format!(
+                "taking over {key} returned {other:?}, expected Acquired {{ attempt > 1 }}"
+            ))),
+        }
+    }
+
     /// A key that went through `Processing → Completed` with `result`.
     pub(crate) async fn completed(
         &self,

@@ -16,8 +16,8 @@ use async_trait::async_trait;
 use idempotency_conformance::{run_all, run_check, Report};
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
-    SharedRepository, Status, Timestamp,
+    Capabilities, Completion, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
+    ReserveRequest, SharedRepository, Status, Timestamp,
 };
 use parking_lot::Mutex;
 
@@ -143,6 +143,16 @@ flaws! {
     TruncatesIds,
     /// The namespace is not part of the stored key.
     IgnoresNamespace,
+    /// `reserve_many` answers in key order (the batch was sorted to lock in order, the answers not mapped back).
+    ReserveManyKeyOrder,
+    /// `reserve_many` answers `Acquired` for every key, also those it found held (a batch insert's row count misread).
+    ReserveManyAssumesAcquired,
+    /// `complete_many` answers in key order.
+    CompleteManyKeyOrder,
+    /// `complete_many` matches records by key alone (a batch `UPDATE` joined without the owner).
+    CompleteManyIgnoresOwner,
+    /// One oversized result fails every write of a `complete_many`.
+    CompleteManyFailsTogether,
 }
 
 #[derive(Debug)]
@@ -326,10 +336,78 @@ impl Fixture {
     }
 }
 
+/// The answers of a batch in its keys' order instead of the request order.
+fn in_key_order<T>(keys: &[&RecordKey], answers: Vec<T>) -> Vec<T> {
+    let mut pairs: Vec<(&&RecordKey, T)> = keys.iter().zip(answers).collect();
+    pairs.sort_by(|a, b| a.0.cmp(b.0));
+    pairs.into_iter().map(|(_, answer)| answer).collect()
+}
+
 #[async_trait]
 impl Repository for Fixture {
     fn capabilities(&self) -> Capabilities {
         Capabilities::new("fixture").with_max_result_bytes(Some(MAX_RESULT))
+    }
+
+    async fn reserve_many(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        let keys: Vec<&RecordKey> = requests.iter().map(|r| r.key).collect();
+        let mut answers = Vec::with_capacity(requests.len());
+        for req in requests {
+            let held = self.map.lock().contains_key(&self.k(req.key));
+            answers.push(if held && self.is(Flaw::ReserveManyAssumesAcquired) {
+                Ok(Reservation::Acquired { attempt: 1 })
+            } else {
+                self.reserve(req).await
+            });
+        }
+        if self.is(Flaw::ReserveManyKeyOrder) {
+            return in_key_order(&keys, answers);
+        }
+        answers
+    }
+
+    async fn complete_many(
+        &self,
+        completions: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        let oversized = completions
+            .iter()
+            .find_map(|c| c.result.filter(|r| r.len() > MAX_RESULT));
+        if let (Some(big), true) = (oversized, self.is(Flaw::CompleteManyFailsTogether)) {
+            let size = big.len();
+            return completions
+                .iter()
+                .map(|_| {
+                    Err(Error::TooLarge {
+                        what: "result",
+                        size,
+                        max: MAX_RESULT,
+                    })
+                })
+                .collect();
+        }
+        let keys: Vec<&RecordKey> = completions.iter().map(|c| c.key).collect();
+        let mut answers = Vec::with_capacity(completions.len());
+        for c in &completions {
+            let mut owner = c.owner;
+            if self.is(Flaw::CompleteManyIgnoresOwner) {
+                if let Some(r) = self.map.lock().get(&self.k(c.key)) {
+                    owner = r.owner;
+                }
+            }
+            answers.push(
+                self.complete(c.key, owner, c.result, c.expires_at, now)
+                    .await,
+            );
+        }
+        if self.is(Flaw::CompleteManyKeyOrder) {
+            return in_key_order(&keys, answers);
+        }
+        answers
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {

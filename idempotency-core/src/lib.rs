@@ -86,7 +86,7 @@ pub use memory::MemoryRepository;
 pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
 pub use record::{Record, Status, StoredColumns};
 pub use repository::{
-    Capabilities, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
+    Capabilities, Completion, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
     SharedRepository,
 };
 pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};

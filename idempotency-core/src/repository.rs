@@ -236,6 +236,20 @@ impl ReserveRequest<'_> {
     }
 }
 
+/// One write of [`Repository::complete_many`]: the arguments of
+/// [`Repository::complete`] but the instant, which the batch shares.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion<'a> {
+    /// The record's key.
+    pub key: &'a RecordKey,
+    /// The fencing token of the completing owner.
+    pub owner: OwnerToken,
+    /// The cached result, if any.
+    pub result: Option<&'a [u8]>,
+    /// The completed record's expiry.
+    pub expires_at: Timestamp,
+}
+
 /// The answer of [`Repository::reserve`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reservation {
@@ -420,6 +434,25 @@ pub trait Repository: Send + Sync + Debug + 'static {
     ) -> Vec<Result<Reservation, Error>> {
         futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await
     }
+
+    /// [`complete`](Self::complete) for several records (distinct keys) at
+    /// `now`, one answer per write, in order: each write atomic and
+    /// owner-checked on its own (`LeaseLost` for one that is not the owner's
+    /// live record), not a transaction over the batch; an error for one write
+    /// (or for all: a lost reply) is as ambiguous as `complete`'s.
+    ///
+    /// The default sends every write through `complete`, concurrently; a store
+    /// that can apply many in one round trip overrides it.
+    async fn complete_many(
+        &self,
+        completions: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        let each = completions
+            .into_iter()
+            .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
+        futures::future::join_all(each).await
+    }
 }
 
 macro_rules! forward_repository {
@@ -492,6 +525,13 @@ macro_rules! forward_repository {
                 requests: Vec<ReserveRequest<'_>>,
             ) -> Vec<Result<Reservation, Error>> {
                 (**self).reserve_many(requests).await
+            }
+            async fn complete_many(
+                &self,
+                completions: Vec<Completion<'_>>,
+                now: Timestamp,
+            ) -> Vec<Result<(), Error>> {
+                (**self).complete_many(completions, now).await
             }
         }
     };

@@ -64,11 +64,14 @@ pub enum Operation {
     /// whole batch (each request then gets the same error); the requests
     /// themselves go to the inner store's `reserve_many`.
     ReserveMany,
+    /// [`Repository::complete_many`], as one call (like
+    /// [`Operation::ReserveMany`]).
+    CompleteMany,
 }
 
 impl Operation {
     /// Every operation.
-    pub const ALL: [Operation; 9] = [
+    pub const ALL: [Operation; 10] = [
         Operation::Reserve,
         Operation::Complete,
         Operation::Fail,
@@ -78,6 +81,7 @@ impl Operation {
         Operation::Delete,
         Operation::PurgeExpired,
         Operation::ReserveMany,
+        Operation::CompleteMany,
     ];
 
     /// The operation's name (`reserve`, `complete`, …).
@@ -92,6 +96,7 @@ impl Operation {
             Operation::Delete => "delete",
             Operation::PurgeExpired => "purge_expired",
             Operation::ReserveMany => "reserve_many",
+            Operation::CompleteMany => "complete_many",
         }
     }
 }
@@ -101,6 +106,9 @@ impl Operation {
 pub enum Fault {
     /// Refused before reaching the store: [`Error::Unavailable`], nothing applied.
     Unavailable,
+    /// Refused with a non-retryable [`Error::Backend`] (a store that says no:
+    /// out of memory, a permission), nothing applied.
+    Refuse,
     /// Applied by the store, then the reply is lost: [`Error::Timeout`]. The
     /// ambiguous case a retry with the same owner token must resolve.
     LoseReply,
@@ -224,6 +232,11 @@ impl<R> FaultyRepository<R> {
                 message: format!("injected outage during {}", operation.as_str()),
                 source: None,
             }),
+            Fault::Refuse => Err(Error::Backend {
+                backend: "faulty",
+                message: format!("injected refusal of {}", operation.as_str()),
+                source: None,
+            }),
             Fault::LoseReply => {
                 let _applied = call().await;
                 Err(Error::Timeout {
@@ -331,6 +344,19 @@ impl<R: Repository> Repository for FaultyRepository<R> {
         let count = requests.len();
         let call = || async { Ok(self.inner.reserve_many(requests.clone()).await) };
         match self.run(Operation::ReserveMany, call).await {
+            Ok(answers) => answers,
+            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
+        }
+    }
+
+    async fn complete_many(
+        &self,
+        completions: Vec<crate::repository::Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        let count = completions.len();
+        let call = || async { Ok(self.inner.complete_many(completions.clone(), now).await) };
+        match self.run(Operation::CompleteMany, call).await {
             Ok(answers) => answers,
             Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
         }

@@ -85,10 +85,90 @@ async fn a_batch_of_duplicates_is_one_call() {
     assert!(again.iter().all(|a| outcome(a) == Some(("cached", 14))));
     assert_eq!(repo.calls(Operation::ReserveMany), before + 1);
     assert_eq!(
-        repo.calls(Operation::Complete),
-        100,
+        repo.calls(Operation::CompleteMany),
+        1,
         "no completion for a duplicate"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_groups_completions_are_one_call() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let keys: Vec<String> = (0..100).map(|i| format!("k{i}")).collect();
+    let items: Vec<(&str, u32)> = keys.iter().map(|k| (k.as_str(), 1)).collect();
+    let answers = double(&m, &items, 100).await;
+    assert!(answers.iter().all(|a| outcome(a) == Some(("executed", 2))));
+    assert_eq!(repo.calls(Operation::CompleteMany), 1);
+    assert_eq!(repo.calls(Operation::Complete), 0, "none on its own");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_handler_does_not_hold_the_others_completions() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let items = [("fast-1", 1u32), ("slow", 2), ("fast-2", 3)];
+    let batch = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute_batch(&items, 4, |i, _ctx| async move {
+                if i == 1 {
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                }
+                Ok::<_, HandlerError<String>>(items[i].1 * 2)
+            })
+            .await
+        })
+    };
+    // The fast ones are recorded long before the slow handler ends.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let fast = double(&m, &[("fast-1", 1), ("fast-2", 3)], 2).await;
+    assert!(
+        fast.iter()
+            .all(|a| outcome(a).is_some_and(|(o, _)| o == "cached")),
+        "{fast:?}"
+    );
+    let answers = batch.await.unwrap();
+    assert!(answers
+        .iter()
+        .all(|a| outcome(a).is_some_and(|(o, _)| o == "executed")));
+    assert_eq!(
+        repo.calls(Operation::CompleteMany),
+        2,
+        "the fast pair, then the slow one"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_lost_completion_reply_is_recognised_as_ours() {
+    // Refuse: the group's call refused as a whole is no write's own answer.
+    for fault in [
+        Fault::LoseReply,
+        Fault::Unavailable,
+        Fault::Resend,
+        Fault::Refuse,
+    ] {
+        let repo = store();
+        let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+        repo.inject(Operation::CompleteMany, fault, 1);
+        let runs = AtomicUsize::new(0);
+        let items = [("a", 1u32), ("b", 2), ("c", 3)];
+        let answers = m
+            .execute_batch(&items, 8, |i, _ctx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let v = items[i].1;
+                async move { Ok::<_, HandlerError<String>>(v * 2) }
+            })
+            .await;
+        for (a, (_, v)) in answers.iter().zip(items) {
+            assert_eq!(outcome(a), Some(("executed", v * 2)), "{fault:?}: {a:?}");
+        }
+        assert_eq!(runs.load(Ordering::SeqCst), 3, "{fault:?}");
+        let again = double(&m, &items, 8).await;
+        assert!(again
+            .iter()
+            .all(|a| outcome(a).is_some_and(|(o, _)| o == "cached")));
+    }
 }
 
 #[tokio::test(start_paused = true)]
@@ -123,7 +203,12 @@ async fn groups_are_the_concurrency_and_bound_the_running_handlers() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_batch_reply_never_runs_a_handler_twice_nor_blocks_the_key() {
-    for fault in [Fault::LoseReply, Fault::Unavailable, Fault::Resend] {
+    for fault in [
+        Fault::LoseReply,
+        Fault::Unavailable,
+        Fault::Resend,
+        Fault::Refuse,
+    ] {
         let repo = store();
         let m = manager(&repo, Config::default(), &TokioClock::starting_now());
         repo.inject(Operation::ReserveMany, fault, 1);

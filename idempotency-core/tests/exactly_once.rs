@@ -385,6 +385,30 @@ async fn fail_closed_releases_the_record_a_lost_reserve_created() {
     assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
 }
 
+/// 7b. A lost reply, then a store that refuses the re-send (a non-retryable
+///     error): the record the lost attempt created is still released.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_after_a_lost_reserve_still_releases_the_record() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::LoseReply, 1);
+    repo.inject(Operation::Reserve, Fault::Refuse, 1);
+    let clock = TokioClock::starting_now();
+    let m = manager(&repo, Config::default(), &clock);
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(
+        matches!(r, Err(ExecuteError::Idempotency(Error::Backend { .. }))),
+        "{r:?}"
+    );
+    let key = m.record_key("k").unwrap();
+    eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
+    let retry = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(2) })
+        .await;
+    assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
+}
+
 /// 8. Under store-and-retry a permanent failure is stored for good; only a
 ///    retryable one is taken over by the next delivery.
 #[tokio::test(start_paused = true)]

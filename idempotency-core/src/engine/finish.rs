@@ -16,6 +16,7 @@ use crate::error::Error;
 use crate::metrics::Op;
 use crate::record::Status;
 
+use super::completions::Participant;
 use super::guard::{ExecutionGuard, Phase};
 use super::lease::Lease;
 use super::{backoff, Engine};
@@ -100,7 +101,21 @@ impl Engine {
         pending: &mut Pending,
         deadline: Instant,
     ) -> Finished {
-        let finished = self.finish_once_retrying(lease, pending, deadline).await;
+        self.finish_in(lease, pending, deadline, None).await
+    }
+
+    /// [`Engine::finish`], whose first attempt at a completion goes with its
+    /// batch group's (`batch`) when it has one.
+    pub(crate) async fn finish_in(
+        &self,
+        lease: &Lease,
+        pending: &mut Pending,
+        deadline: Instant,
+        batch: Option<&mut Participant>,
+    ) -> Finished {
+        let finished = self
+            .finish_once_retrying(lease, pending, deadline, batch)
+            .await;
         // The store's real limit is below the one it declared: keep the
         // protection (the record, and whether a failure may be retried), drop
         // the cached result or the error's message.
@@ -117,19 +132,24 @@ impl Engine {
             _ => return finished,
         };
         *pending = smaller;
-        self.finish_once_retrying(lease, pending, deadline).await
+        self.finish_once_retrying(lease, pending, deadline, None)
+            .await
     }
 
-    /// [`Engine::finish`] of the write a guard in the recording phase holds.
+    /// [`Engine::finish_in`] of the write a guard in the recording phase holds.
     pub(crate) async fn finish_guarded(
         &self,
         guard: &mut ExecutionGuard,
         deadline: Instant,
+        batch: Option<&mut Participant>,
     ) -> Finished {
         let ExecutionGuard { lease, phase, .. } = guard;
         match phase {
-            Phase::Recording(pending) => self.finish(lease, pending, deadline).await,
-            _ => self.finish(lease, &mut Pending::Release, deadline).await,
+            Phase::Recording(pending) => self.finish_in(lease, pending, deadline, batch).await,
+            _ => {
+                self.finish_in(lease, &mut Pending::Release, deadline, None)
+                    .await
+            }
         }
     }
 
@@ -138,12 +158,15 @@ impl Engine {
         lease: &Lease,
         pending: &Pending,
         deadline: Instant,
+        mut batch: Option<&mut Participant>,
     ) -> Finished {
         let mut retry = 0;
+        let mut batched = batch.is_some() && matches!(pending, Pending::Complete(_));
         loop {
             // The error is not kept across the awaits below (it would enlarge
             // every execution's future).
-            let e = match self.store(pending.op(), self.write(lease, pending)).await {
+            let write = self.write_first(lease, pending, batch.take());
+            let e = match self.store(pending.op(), write).await {
                 Ok(()) => return Finished::Applied,
                 Err(e) => e,
             };
@@ -156,6 +179,15 @@ impl Engine {
                     Err(e) => Finished::Failed(e),
                 };
             }
+            if std::mem::take(&mut batched) && !matches!(e, Error::TooLarge { .. }) {
+                // The group's call failed as a whole (a statement refused for
+                // another write's sake, an encoding limit): not this write's
+                // own answer. Once more on its own, at once.
+                tracing::debug!(error = %e, "a batch's completion failed; completing on its own");
+                drop(e);
+                retry = 1;
+                continue;
+            }
             if !(e.is_store_outage() && (retry == 0 || Instant::now() + backoff(retry) < deadline))
             {
                 return Finished::Failed(e);
@@ -164,6 +196,37 @@ impl Engine {
             drop(e);
             super::pause(backoff(retry)).await;
             retry += 1;
+        }
+    }
+
+    /// [`Engine::write`], or for a completion with a batch group, the
+    /// group's call.
+    async fn write_first(
+        &self,
+        lease: &Lease,
+        pending: &Pending,
+        batch: Option<&mut Participant>,
+    ) -> Result<(), Error> {
+        match (batch, pending) {
+            (Some(batch), Pending::Complete(result)) => {
+                let expires_at = self.now() + self.config.ttl;
+                // Boxed: the group's machinery would enlarge every execution's
+                // future, batched or not.
+                Box::pin(batch.complete(
+                    self,
+                    &lease.key,
+                    lease.owner,
+                    result.as_deref(),
+                    expires_at,
+                ))
+                .await
+            }
+            (batch, _) => {
+                if let Some(batch) = batch {
+                    batch.leave();
+                }
+                self.write(lease, pending).await
+            }
         }
     }
 

@@ -46,6 +46,10 @@ pub(crate) struct Lease {
     /// (answered or not) can hold its lease: how long cleaning up after an
     /// unanswered attempt is worth retrying.
     may_hold_until: Mutex<Instant>,
+    /// Whether a reserve attempt failed ambiguously: a record it may have
+    /// created under our token is to be released, whatever error ends the
+    /// reservation.
+    unsettled: AtomicBool,
     lost: AtomicBool,
     /// Whether a handler waits on [`Lease::wait_lost`] (only then is there
     /// anybody to notify).
@@ -81,6 +85,7 @@ impl Lease {
             attempt: AtomicU32::new(0),
             until: AtomicU64::new(0),
             deadline: Mutex::new(created),
+            unsettled: AtomicBool::new(false),
             may_hold_until: Mutex::new(created),
             lost: AtomicBool::new(false),
             watched: AtomicBool::new(false),
@@ -107,6 +112,16 @@ impl Lease {
         let local = sent + until.duration_since(sent_at);
         let mut may_hold = self.may_hold_until.lock();
         *may_hold = (*may_hold).max(local);
+    }
+
+    /// A reserve attempt failed ambiguously (it may have been applied).
+    pub(crate) fn note_unsettled(&self) {
+        self.unsettled.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a reserve attempt failed ambiguously.
+    pub(crate) fn was_unsettled(&self) -> bool {
+        self.unsettled.load(Ordering::Relaxed)
     }
 
     /// The later of the confirmed lease's end and what an unanswered reserve

@@ -14,6 +14,7 @@
 //! needs.
 
 pub(crate) mod answers;
+pub(crate) mod completions;
 pub(crate) mod finish;
 pub(crate) mod guard;
 pub(crate) mod lease;

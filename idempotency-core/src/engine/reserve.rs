@@ -89,6 +89,9 @@ impl Engine {
         // The earliest attempt that failed ambiguously, over the whole wait:
         // it may land later and be the one that creates our record.
         let mut unsettled = earlier.unsettled;
+        if unsettled.is_some() {
+            lease.note_unsettled();
+        }
         // An earlier attempt counts against the retries.
         let mut retries_spent = u32::from(unsettled.is_some());
         let mut seen_in_progress = earlier.in_progress;
@@ -186,6 +189,7 @@ impl Engine {
                 return Err(e);
             }
             unsettled.get_or_insert(sent);
+            lease.note_unsettled();
             if retry >= RESERVE_RETRIES {
                 return Err(e);
             }
@@ -307,7 +311,15 @@ impl Engine {
             }
             Ok(Reservation::Existing(record)) => record,
             Err(e) if e.is_store_outage() => return BatchReserved::unsettled(sent),
-            Err(e) => return BatchReserved::Done(Err(e)),
+            Err(e) => {
+                // Maybe the batch's error rather than this key's (a statement
+                // refused as a whole): the single path gives the key's own.
+                tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
+                return BatchReserved::Again(Earlier {
+                    unsettled: None,
+                    in_progress: None,
+                });
+            }
         };
         self.remember_record(&lease.key, &record, sent.sent_at);
         let decision = decide_duplicate(record, fingerprint, self.now(), self.config.clock_skew);

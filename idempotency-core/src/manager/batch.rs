@@ -13,6 +13,7 @@ use tracing::Instrument;
 
 use super::{ExecuteError, HandlerError, IdempotencyManager, Outcome};
 use crate::codec::Codec;
+use crate::engine::completions::Completions;
 use crate::engine::guard::ExecutionGuard;
 use crate::engine::lease::{ExecutionContext, Lease};
 use crate::engine::reserve::BatchReserved;
@@ -166,13 +167,15 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             .map(|(lease, _)| ExecutionGuard::new(self.engine.clone(), lease.clone()))
             .collect();
         let reserved = engine.reserve_batch(&leases).await;
+        let participants = Completions::participants(leases.len());
         let runs = indexes
             .into_iter()
             .zip(leases)
             .zip(guards)
             .zip(reserved)
+            .zip(participants)
             .map(
-                |(((index, (lease, fingerprint)), guard), answer)| async move {
+                |((((index, (lease, fingerprint)), guard), answer), mut participant)| async move {
                     let reserved = match answer {
                         BatchReserved::Done(reserved) => reserved,
                         BatchReserved::Again(earlier) => {
@@ -183,7 +186,8 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                     // A panic stays with its item until every other item has
                     // finished: unwinding through the others would drop
                     // running handlers and leave their keys held for nothing.
-                    let answer = self.after_reserve(guard, reserved, fingerprint, run);
+                    let batch = Some(&mut participant);
+                    let answer = self.after_reserve(guard, reserved, fingerprint, run, batch);
                     (index, AssertUnwindSafe(answer).catch_unwind().await)
                 },
             );

@@ -22,6 +22,7 @@ use crate::codec::{Codec, JsonCodec};
 use crate::config::{Config, OutagePolicy};
 use crate::decision::{DuplicateDecision, FailureKind};
 use crate::engine::answers::AnswerCacheStats;
+use crate::engine::completions::Participant;
 use crate::engine::finish::{Finished, Pending};
 use crate::engine::guard::{ExecutionGuard, Phase};
 use crate::engine::lease::{ExecutionContext, Lease};
@@ -544,17 +545,19 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         let lease = Arc::new(Lease::new(key, OwnerToken::random()));
         let guard = ExecutionGuard::new(self.engine.clone(), lease.clone());
         let reserved = engine.reserve(&lease, fingerprint).await;
-        self.after_reserve(guard, reserved, fingerprint, handler)
+        self.after_reserve(guard, reserved, fingerprint, handler, None)
             .await
     }
 
-    /// Stage 1's answer, then stages 2 and 3 under the lease.
+    /// Stage 1's answer, then stages 2 and 3 under the lease; a batch item's
+    /// completion goes with its group's (`batch`).
     async fn after_reserve<T, E, F, Fut>(
         &self,
         mut guard: ExecutionGuard,
         reserved: Result<Reserved, Error>,
         fingerprint: Option<Fingerprint>,
         handler: F,
+        batch: Option<&mut Participant>,
     ) -> Result<Outcome<T>, ExecuteError<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -607,8 +610,10 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             }
             Err(e) => {
                 // After an outage the guard releases what a lost reply may have
-                // created under our token; any other error left nothing behind.
-                if !e.is_store_outage() {
+                // created under our token; so it does when an earlier attempt
+                // failed ambiguously before this error. Otherwise nothing is
+                // left behind.
+                if !e.is_store_outage() && !lease.was_unsettled() {
                     guard.phase = Phase::Done;
                 }
                 record_outcome("store_error");
@@ -624,13 +629,13 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             // Nothing to keep beside the handler (see `Engine::under_lease`);
             // awaited in place, the stage's future is not moved.
             return self
-                .run_and_record(&mut guard, ctx, fingerprint, handler)
+                .run_and_record(&mut guard, ctx, fingerprint, handler, batch)
                 .await;
         }
         engine
             .under_lease(
                 &lease,
-                self.run_and_record(&mut guard, ctx, fingerprint, handler),
+                self.run_and_record(&mut guard, ctx, fingerprint, handler, batch),
             )
             .await
     }
@@ -642,6 +647,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         ctx: ExecutionContext,
         fingerprint: Option<Fingerprint>,
         handler: F,
+        batch: Option<&mut Participant>,
     ) -> Result<Outcome<T>, ExecuteError<E>>
     where
         T: Serialize + DeserializeOwned,
@@ -657,7 +663,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         guard.phase = Phase::Recording(self.pending_for(&result));
         let written_at = engine.answers.as_ref().map(|_| engine.now());
         let deadline = engine.finish_deadline(&guard.lease);
-        let finished = engine.finish_guarded(guard, deadline).await;
+        let finished = engine.finish_guarded(guard, deadline, batch).await;
         // The write as applied (without the result, had the store refused it).
         let was = std::mem::replace(&mut guard.phase, Phase::Done);
         engine.hold_time.observe(guard.lease.held_for());
