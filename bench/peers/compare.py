@@ -81,11 +81,17 @@ def load_json(path: Path, what: str) -> Any:
         sys.exit(1)
 
 
-def peer_row(peers: dict, scenario: str) -> dict | None:
+def peer_row(peers: dict, scenario: str, processes: int = 1) -> dict | None:
     for r in peers.get("results", []):
-        if r.get("scenario") == scenario and r.get("concurrency", 1) == 1:
+        if r.get("scenario") == scenario and r.get("processes", r.get("concurrency", 1)) == processes:
             return r
     return None
+
+
+def peer_processes(peers: dict) -> list[int]:
+    """The process counts the peer ran with more than one process."""
+    counts = {r.get("processes", r.get("concurrency", 1)) for r in peers.get("results", [])}
+    return sorted(c for c in counts if isinstance(c, int) and c > 1)
 
 
 def our_row(ours: dict | None, scenario: str, concurrency: int) -> dict | None:
@@ -118,7 +124,7 @@ def render(peers: dict, ours: dict | None, peers_path: Path, ours_path: Path) ->
     lines.append("")
     lines.append(
         f"Peer: `{peers.get('peer', '?')}` {ver}, Python {peers.get('python', '?')}, "
-        f"Redis {peers.get('redis_url_host', '?')}, {peers.get('keys', '?')} keys, single process, sequential."
+        f"Redis {peers.get('redis_url_host', '?')}, {peers.get('keys', '?')} keys, sequential calls per process."
     )
     if ours is not None:
         our_keys = (ours.get("config") or {}).get("keys")
@@ -157,6 +163,25 @@ def render(peers: dict, ours: dict | None, peers_path: Path, ours_path: Path) ->
             )
             + " |"
         )
+    multi = peer_processes(peers)
+    if multi:
+        lines.append("")
+        lines.append(
+            "At each side's natural concurrency: ours with 64 tasks in one process, Powertools with "
+            + ", ".join(str(n) for n in multi)
+            + " Python processes calling sequentially (one per core is how a Python worker scales):"
+        )
+        lines.append("")
+        lines.append("| scenario | Powertools processes | Powertools ops/s | ours c=64 ops/s | ours/peer |")
+        lines.append("|---|---:|---:|---:|---:|")
+        for sc in SCENARIOS:
+            o64 = our_row(ours, sc, 64)
+            for n in [1] + multi:
+                pops = get(peer_row(peers, sc, n), "ops_per_sec")
+                lines.append(
+                    f"| {sc} | {n} | {fmt_ops(pops)} | {fmt_ops(get(o64, 'ops_per_sec'))} "
+                    f"| {fmt_ratio(get(o64, 'ops_per_sec'), pops)} |"
+                )
     lines.append("")
     lines.append("Latency per call (µs), sequential (Powertools) vs ours at concurrency 1:")
     lines.append("")

@@ -6,8 +6,10 @@ Uses the idempotency utility the way a user would: a trivial handler wrapped in
 (generic worker form), with ``RedisCachePersistenceLayer`` and an
 ``IdempotencyConfig`` whose ``event_key_jmespath`` selects the key.
 
-Single process, sequential calls (how a Lambda sandbox or a worker process runs
-it). Two scenarios over the same N keys:
+Sequential calls in one process (how a Lambda sandbox or a worker process runs
+it), then the same with several processes side by side (``--processes``, default
+1 and 2: a Python worker scales by processes, one per core). Two scenarios over
+the same N keys:
 
 * ``fresh``     -- N distinct keys, first time: the handler runs.
 * ``duplicate`` -- the same N keys again: the stored reply is returned.
@@ -70,8 +72,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="idempotent",
         help="Lambda handler decorator (default) or the generic function decorator",
     )
+    p.add_argument(
+        "--processes",
+        default="1,2",
+        help="comma-separated process counts to run, each calling sequentially (default: %(default)s)",
+    )
     p.add_argument("--out", type=Path, default=None, help="output JSON (default: <target>/bench/peers.json)")
     args = p.parse_args(argv)
+    try:
+        args.processes = [int(x) for x in args.processes.split(",") if x.strip()]
+    except ValueError:
+        p.error("--processes takes a list of integers, e.g. 1,2")
+    if not args.processes or min(args.processes) < 1:
+        p.error("--processes needs counts >= 1")
     if args.keys < 1:
         p.error("--keys must be >= 1")
     if args.warmup is None:
@@ -204,6 +217,79 @@ def run_phase(
     return elapsed_s, latencies_us, replies
 
 
+def worker(args: argparse.Namespace, run_id: str, index: int, slice_: list[dict], barrier: Any, out: Any) -> None:
+    """One process of a multi-process phase pair: its own persistence layer and
+    connection, a warm-up on keys of its own, then fresh and duplicate calls on
+    its slice of the keys, each phase started and ended on the barrier."""
+    call, executed, _persistence = build(args, run_id)
+    warm = [{"order_id": f"{run_id}:warmup-w{index}:{i}", "amount": 42, "currency": "EUR"} for i in range(args.warmup)]
+    run_phase(call, warm)
+    run_phase(call, warm)
+    for scenario in ("fresh", "duplicate"):
+        barrier.wait()
+        before = executed["n"]
+        elapsed_s, lat, replies = run_phase(call, slice_)
+        bad = sum(1 for ev, r in zip(slice_, replies) if not (isinstance(r, dict) and r.get("order_id") == ev["order_id"]))
+        out.put((scenario, elapsed_s, lat, executed["n"] - before, bad))
+        barrier.wait()
+
+
+def run_processes(args: argparse.Namespace, run_id: str, processes: int, stats_client: Any) -> list[dict] | None:
+    """Both scenarios with `processes` worker processes over the same keys
+    split between them; ops/s over the phase's wall time (barrier to barrier)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    barrier = ctx.Barrier(processes + 1)
+    out = ctx.Queue()
+    measured = [
+        {"order_id": f"{run_id}:measure-p{processes}:{i}", "amount": 42, "currency": "EUR"} for i in range(args.keys)
+    ]
+    workers = [
+        ctx.Process(target=worker, args=(args, run_id, w, measured[w::processes], barrier, out))
+        for w in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    rows = []
+    try:
+        for scenario in ("fresh", "duplicate"):
+            before = commandstats(stats_client)
+            barrier.wait()
+            start = time.perf_counter()
+            barrier.wait()
+            elapsed_s = time.perf_counter() - start
+            after = commandstats(stats_client)
+            parts = [out.get(timeout=600) for _ in range(processes)]
+            ran = sum(p[3] for p in parts if p[0] == scenario)
+            bad = sum(p[4] for p in parts if p[0] == scenario)
+            expected_runs = args.keys if scenario == "fresh" else 0
+            if ran != expected_runs or bad:
+                print(
+                    f"{scenario} x{processes}: handler ran {ran} times (expected {expected_runs}), {bad} wrong replies",
+                    file=sys.stderr,
+                )
+                return None
+            lat = sorted(x for p in parts for x in p[2])
+            delta = stats_delta(before, after)
+            rows.append(
+                {
+                    "scenario": scenario,
+                    "concurrency": processes,
+                    "processes": processes,
+                    "ops_per_sec": args.keys / elapsed_s,
+                    "p50_us": percentile(lat, 0.50),
+                    "p99_us": percentile(lat, 0.99),
+                    "round_trips_per_op": sum(delta.values()) / args.keys,
+                    "commands_per_op": {cmd: calls / args.keys for cmd, calls in sorted(delta.items())},
+                }
+            )
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if os.environ.get("POWERTOOLS_IDEMPOTENCY_DISABLED", "").strip().lower() in ("1", "true", "yes", "on", "y", "t"):
@@ -273,6 +359,7 @@ def main(argv: list[str]) -> int:
             {
                 "scenario": scenario,
                 "concurrency": 1,
+                "processes": 1,
                 "ops_per_sec": args.keys / elapsed_s,
                 "p50_us": percentile(lat, 0.50),
                 "p99_us": percentile(lat, 0.99),
@@ -281,6 +368,14 @@ def main(argv: list[str]) -> int:
                 "commands_per_op": commands[scenario],
             }
         )
+
+    for processes in args.processes:
+        if processes == 1:
+            continue
+        rows = run_processes(args, run_id, processes, stats_client)
+        if rows is None:
+            return 1
+        results.extend(rows)
 
     parts = urlsplit(args.redis_url)
     host = parts.hostname or "?"
@@ -318,7 +413,7 @@ def main(argv: list[str]) -> int:
     for r in results:
         cmds = ", ".join(f"{c.upper()} {v:.2f}" for c, v in r["commands_per_op"].items())
         print(
-            f"  {r['scenario']:<9} {r['ops_per_sec']:>10.0f} ops/s  p50 {r['p50_us']:>8.1f} us  "
+            f"  {r['scenario']:<9} x{r['processes']} {r['ops_per_sec']:>10.0f} ops/s  p50 {r['p50_us']:>8.1f} us  "
             f"p99 {r['p99_us']:>8.1f} us  round trips/op {r['round_trips_per_op']:.2f} ({cmds})"
         )
     print(f"wrote {args.out}")

@@ -17,6 +17,7 @@ Usage: bench/peers/run.sh [options]
   --warmup N            warm-up keys before measuring (default: min(2000, keys/10), at least 100)
   --expiry-seconds S    Powertools record expiry, keys vanish afterwards (default: 120)
   --decorator NAME      idempotent (Lambda handler, default) | idempotent_function
+  --processes LIST      process counts to run, each calling sequentially (default 1,2)
   --ours PATH           our results (default: <target>/bench/results.json)
   --out PATH            peer results JSON (default: <target>/bench/peers.json)
   --md PATH             Markdown table (default: <target>/bench/peers.md)
@@ -42,6 +43,7 @@ KEYS=20000
 WARMUP=""
 EXPIRY=120
 DECORATOR="idempotent"
+PROCESSES="1,2"
 OURS="$TARGET_DIR/bench/results.json"
 OUT="$TARGET_DIR/bench/peers.json"
 MD="$TARGET_DIR/bench/peers.md"
@@ -63,6 +65,7 @@ while [[ $# -gt 0 ]]; do
         --warmup) need_arg "$@"; WARMUP="$2"; shift 2 ;;
         --expiry-seconds) need_arg "$@"; EXPIRY="$2"; shift 2 ;;
         --decorator) need_arg "$@"; DECORATOR="$2"; shift 2 ;;
+        --processes) need_arg "$@"; PROCESSES="$2"; shift 2 ;;
         --ours) need_arg "$@"; OURS="$2"; shift 2 ;;
         --out) need_arg "$@"; OUT="$2"; shift 2 ;;
         --md) need_arg "$@"; MD="$2"; shift 2 ;;
@@ -103,7 +106,7 @@ fi
 
 # --- peer benchmark ---
 BENCH_ARGS=(--redis-url "$REDIS_URL" --keys "$KEYS" --expiry-seconds "$EXPIRY"
-            --decorator "$DECORATOR" --out "$OUT")
+            --decorator "$DECORATOR" --processes "$PROCESSES" --out "$OUT")
 if [[ -n "$WARMUP" ]]; then
     BENCH_ARGS+=(--warmup "$WARMUP")
 fi
