@@ -290,6 +290,46 @@ async fn waits_on_row_locks_are_bounded_by_timeouts() {
     );
 }
 
+/// A statement abandoned mid-way (the operation timeout fired while it waited
+/// on a row lock) leaves its connection with a reply still to come: the next
+/// operations — on a repository of one connection — get their own answers,
+/// not the late one (sqlx drains the connection before it is used again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_statement_does_not_answer_the_next_one() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("abandoned");
+    let locked = RecordKey::new(ns.as_str(), "locked", 1024).unwrap();
+    let t = now();
+    let lease = Duration::from_secs(30);
+    let mut tx = repo.pool().begin().await.unwrap();
+    repo.in_transaction(&mut tx)
+        .reserve(req(&locked, t, lease))
+        .await
+        .unwrap();
+    let one = PgRepository::builder()
+        .table(TABLE)
+        .max_connections(1)
+        .operation_timeout(Duration::from_millis(200))
+        .connect(&common::server_url().await)
+        .await
+        .unwrap();
+    let err = one.reserve(req(&locked, t, lease)).await.unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    // The abandoned reserve is still queued behind the lock; release it so
+    // that its reply would arrive now.
+    tx.rollback().await.unwrap();
+    for i in 0..5 {
+        let fresh = RecordKey::new(ns.as_str(), format!("fresh-{i}"), 1024).unwrap();
+        assert!(one.get(&fresh, t).await.unwrap().is_none(), "round {i}");
+        assert_eq!(
+            one.reserve(req(&fresh, t, lease)).await.unwrap(),
+            Reservation::Acquired { attempt: 1 },
+            "round {i}"
+        );
+        assert_eq!(one.get(&fresh, t).await.unwrap().unwrap().attempt, 1);
+    }
+}
+
 /// A batch statement waits at most its 100 ms `lock_timeout` for a row lock:
 /// then the whole statement is refused with a definite (non-outage) error,
 /// nothing applied, so the manager sends each key on its own at once.
