@@ -141,7 +141,14 @@ async fn a_slow_handler_does_not_hold_the_others_completions() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_completion_reply_is_recognised_as_ours() {
-    // Refuse: the group's call refused as a whole is no write's own answer.
+    faulted_batches_run_once(Operation::CompleteMany).await;
+}
+
+/// Each fault on the group's `operation` call — a lost reply, an outage, a
+/// re-send, a refusal of the call as a whole (no item's own answer) — and
+/// still every handler runs once, every item answers `Executed`, and the
+/// keys are recorded (a second delivery is answered from the record).
+async fn faulted_batches_run_once(operation: Operation) {
     for fault in [
         Fault::LoseReply,
         Fault::Unavailable,
@@ -150,7 +157,7 @@ async fn a_lost_completion_reply_is_recognised_as_ours() {
     ] {
         let repo = store();
         let m = manager(&repo, Config::default(), &TokioClock::starting_now());
-        repo.inject(Operation::CompleteMany, fault, 1);
+        repo.inject(operation, fault, 1);
         let runs = AtomicUsize::new(0);
         let items = [("a", 1u32), ("b", 2), ("c", 3)];
         let answers = m
@@ -161,6 +168,7 @@ async fn a_lost_completion_reply_is_recognised_as_ours() {
             })
             .await;
         for (a, (_, v)) in answers.iter().zip(items) {
+            // Re-sent with the same owner token, each key is ours.
             assert_eq!(outcome(a), Some(("executed", v * 2)), "{fault:?}: {a:?}");
         }
         assert_eq!(runs.load(Ordering::SeqCst), 3, "{fault:?}");
@@ -203,34 +211,7 @@ async fn groups_are_the_concurrency_and_bound_the_running_handlers() {
 
 #[tokio::test(start_paused = true)]
 async fn a_lost_batch_reply_never_runs_a_handler_twice_nor_blocks_the_key() {
-    for fault in [
-        Fault::LoseReply,
-        Fault::Unavailable,
-        Fault::Resend,
-        Fault::Refuse,
-    ] {
-        let repo = store();
-        let m = manager(&repo, Config::default(), &TokioClock::starting_now());
-        repo.inject(Operation::ReserveMany, fault, 1);
-        let runs = AtomicUsize::new(0);
-        let items = [("a", 1), ("b", 2), ("c", 3)];
-        let answers = m
-            .execute_batch(&items, 8, |i, _ctx| {
-                runs.fetch_add(1, Ordering::SeqCst);
-                let v = items[i].1;
-                async move { Ok::<_, HandlerError<String>>(v) }
-            })
-            .await;
-        for (a, (_, v)) in answers.iter().zip(items) {
-            // Re-sent with the same owner token, each key is ours.
-            assert_eq!(outcome(a), Some(("executed", v)), "{fault:?}: {a:?}");
-        }
-        assert_eq!(runs.load(Ordering::SeqCst), 3, "{fault:?}");
-        let again = double(&m, &items, 8).await;
-        assert!(again
-            .iter()
-            .all(|a| outcome(a).is_some_and(|(o, _)| o == "cached")));
-    }
+    faulted_batches_run_once(Operation::ReserveMany).await;
 }
 
 #[tokio::test(start_paused = true)]

@@ -366,47 +366,41 @@ async fn fail_open_completes_the_record_a_lost_reserve_created() {
 ///    the key until its lease ends.
 #[tokio::test(start_paused = true)]
 async fn fail_closed_releases_the_record_a_lost_reserve_created() {
-    let repo = store();
-    repo.inject(Operation::Reserve, Fault::LoseReply, 3);
-    let clock = TokioClock::starting_now();
-    let m = manager(&repo, Config::default(), &clock);
-    let r = m
-        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
-        .await;
-    assert!(
-        matches!(r, Err(ExecuteError::Idempotency(Error::Timeout { .. }))),
-        "{r:?}"
-    );
-    let key = m.record_key("k").unwrap();
-    eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
-    let retry = m
-        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(2) })
-        .await;
-    assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
+    let r = lost_reserve_is_released(&[(Fault::LoseReply, 3)]).await;
+    assert!(matches!(r, Error::Timeout { .. }), "{r:?}");
 }
 
 /// 7b. A lost reply, then a store that refuses the re-send (a non-retryable
 ///     error): the record the lost attempt created is still released.
 #[tokio::test(start_paused = true)]
 async fn a_refusal_after_a_lost_reserve_still_releases_the_record() {
+    let r = lost_reserve_is_released(&[(Fault::LoseReply, 1), (Fault::Refuse, 1)]).await;
+    assert!(matches!(r, Error::Backend { .. }), "{r:?}");
+}
+
+/// Reserves through `faults` (each for its count of calls, in turn): the
+/// execution fails, the record a lost attempt created is released, and the
+/// next delivery runs. The execution's error.
+async fn lost_reserve_is_released(faults: &[(Fault, usize)]) -> Error {
     let repo = store();
-    repo.inject(Operation::Reserve, Fault::LoseReply, 1);
-    repo.inject(Operation::Reserve, Fault::Refuse, 1);
+    for &(fault, times) in faults {
+        repo.inject(Operation::Reserve, fault, times);
+    }
     let clock = TokioClock::starting_now();
     let m = manager(&repo, Config::default(), &clock);
     let r = m
         .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
         .await;
-    assert!(
-        matches!(r, Err(ExecuteError::Idempotency(Error::Backend { .. }))),
-        "{r:?}"
-    );
+    let Err(ExecuteError::Idempotency(error)) = r else {
+        panic!("the execution succeeded: {r:?}")
+    };
     let key = m.record_key("k").unwrap();
     eventually(async || repo.inner().get(&key, clock.now()).await.unwrap().is_none()).await;
     let retry = m
         .execute("k", &(), || async { Ok::<_, HandlerError<String>>(2) })
         .await;
     assert!(matches!(retry, Ok(Outcome::Executed(2))), "{retry:?}");
+    error
 }
 
 /// 8. Under store-and-retry a permanent failure is stored for good; only a
