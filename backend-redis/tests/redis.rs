@@ -668,11 +668,22 @@ async fn brace_ids_spread_over_the_cluster() {
         .map(|id| RecordKey::new(namespace.clone(), id, 256).unwrap())
         .collect();
     let mut former = std::collections::BTreeSet::new();
-    let mut now_slots = std::collections::BTreeSet::new();
+    let mut now_slots = std::collections::BTreeMap::<i64, Vec<String>>::new();
     for k in &keys {
         former.insert(keyslot(k.encode()).await);
-        now_slots.insert(keyslot(RedisRepository::redis_key(k)).await);
+        let redis_key = RedisRepository::redis_key(k);
+        now_slots
+            .entry(keyslot(redis_key.clone()).await)
+            .or_default()
+            .push(redis_key);
     }
+    // Keys sharing a slot, for the failure message (the expected number of
+    // such pairs among 200 keys is below one).
+    let shared: Vec<_> = now_slots
+        .iter()
+        .filter(|(_, k)| k.len() > 1)
+        .take(5)
+        .collect();
     assert_eq!(
         former.len(),
         1,
@@ -680,7 +691,7 @@ async fn brace_ids_spread_over_the_cluster() {
     );
     assert!(
         now_slots.len() >= 190,
-        "200 keys of one route on only {} slots",
+        "200 keys of one route on only {} slots; shared: {shared:?}",
         now_slots.len()
     );
     // `{}` + key hashes like the whole key: Redis's slot is the CRC16 of all
