@@ -120,7 +120,8 @@ async fn a_slow_handler_does_not_hold_the_others_completions() {
             .await
         })
     };
-    // The fast ones are recorded long before the slow handler ends.
+    // The fast ones are recorded long before the slow handler ends (paused
+    // time: the sleeps advance the test's clock, they do not wait).
     tokio::time::sleep(Duration::from_millis(100)).await;
     let fast = double(&m, &[("fast-1", 1), ("fast-2", 3)], 2).await;
     assert!(

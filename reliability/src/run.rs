@@ -241,8 +241,7 @@ async fn consume(
             .unwrap_or_else(PoisonError::into_inner)
             .pop_front();
         let Some(key) = next else { break };
-        let pace_us = u64::try_from(pace.as_micros()).unwrap_or(u64::MAX).max(1);
-        tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
+        arrive(&mut rng, pace).await;
         // Half the calls give up (every caller giving up on a slow store would
         // never see an answer: the key would go round forever).
         let cut_short = match scenario {
@@ -254,13 +253,31 @@ async fn consume(
         let (answer, crash) = deliver(&manager, scenario, key, consumer, cut_short, &shared).await;
         crashed |= crash;
         if let Some(pause) = answer {
-            tokio::time::sleep(pause).await;
-            queue
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push_back(key);
+            redeliver(&queue, pause, [key]).await;
         }
     }
+}
+
+/// The gap before a consumer's next delivery: uniform over `[0, 2 × pace)`, so
+/// that deliveries spread over the fault schedule (real time: the faults are a
+/// real server's and proxy's).
+async fn arrive(rng: &mut StdRng, pace: Duration) {
+    let pace_us = u64::try_from(pace.as_micros()).unwrap_or(u64::MAX).max(1);
+    tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
+}
+
+/// Puts `keys` back on the queue after `pause`, as a broker redelivers what was
+/// not acknowledged (a visibility timeout).
+async fn redeliver(
+    queue: &Mutex<VecDeque<usize>>,
+    pause: Duration,
+    keys: impl IntoIterator<Item = usize>,
+) {
+    tokio::time::sleep(pause).await;
+    queue
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .extend(keys);
 }
 
 /// One delivery of `key`, cut short after `cut_short` when set (the caller
@@ -341,15 +358,10 @@ async fn consume_polls(
         if keys.is_empty() {
             break;
         }
-        let pace_us = u64::try_from(poll.pace.as_micros())
-            .unwrap_or(u64::MAX)
-            .max(1);
-        tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
+        arrive(&mut rng, poll.pace).await;
         let again = deliver_batch(&manager, scenario, &keys, consumer, &shared).await;
         if let Some(pause) = again.iter().map(|(_, p)| *p).max() {
-            tokio::time::sleep(pause).await;
-            let mut q = queue.lock().unwrap_or_else(PoisonError::into_inner);
-            q.extend(again.into_iter().map(|(key, _)| key));
+            redeliver(&queue, pause, again.into_iter().map(|(key, _)| key)).await;
         }
     }
 }
