@@ -15,6 +15,7 @@ pub(crate) struct UrlOptions {
     pub(crate) max_connections: Option<u32>,
     pub(crate) acquire_timeout: Option<Duration>,
     pub(crate) operation_timeout: Option<Duration>,
+    pub(crate) held_connections: Option<usize>,
 }
 
 impl UrlOptions {
@@ -57,6 +58,11 @@ impl UrlOptions {
                     options.operation_timeout =
                         Some(positive_duration("operation_timeout", &value)?);
                 }
+                "held_connections" => {
+                    options.held_connections = Some(value.parse::<usize>().map_err(|_| {
+                        invalid("held_connections", &value, "a non-negative integer")
+                    })?);
+                }
                 other if is_sqlx_option(other) => {
                     if matches!(other, "sslmode" | "ssl-mode") {
                         check_tls_available(&value)?;
@@ -83,7 +89,7 @@ impl UrlOptions {
 
 /// This crate's own URL options, for messages.
 const OWN_OPTIONS: &str =
-    "schema, table, migrate, max_connections, acquire_timeout, operation_timeout";
+    "schema, table, migrate, max_connections, acquire_timeout, operation_timeout, held_connections";
 
 /// The connection options sqlx reads, for messages.
 const SQLX_OPTIONS: &str = "sslmode, sslrootcert, sslcert, sslkey, host, hostaddr, port, \
@@ -154,7 +160,7 @@ mod tests {
     #[test]
     fn strips_own_options_and_keeps_the_rest() {
         let o = UrlOptions::parse(
-            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms",
+            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0",
         )
         .unwrap();
         assert_eq!(o.sqlx_url, "postgresql://u:p@h:5/db?sslmode=disable");
@@ -164,6 +170,7 @@ mod tests {
         assert_eq!(o.max_connections, Some(3));
         assert_eq!(o.acquire_timeout, Some(Duration::from_secs(2)));
         assert_eq!(o.operation_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(o.held_connections, Some(0));
 
         let o = UrlOptions::parse("postgres://localhost/db?table=x").unwrap();
         assert_eq!(o.sqlx_url, "postgres://localhost/db");
@@ -180,6 +187,7 @@ mod tests {
         }
         assert!(UrlOptions::parse("postgres://h/db?migrate=maybe").is_err());
         assert!(UrlOptions::parse("postgres://h/db?max_connections=0").is_err());
+        assert!(UrlOptions::parse("postgres://h/db?held_connections=-1").is_err());
     }
 
     #[test]

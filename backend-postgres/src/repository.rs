@@ -14,6 +14,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool};
 
 use crate::error::{map_sqlx, BACKEND};
+use crate::held::{Held, Lent};
 use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
 use crate::ops;
 use crate::options::UrlOptions;
@@ -36,6 +37,8 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 #[derive(Clone)]
 pub struct PgRepository {
     pool: PgPool,
+    /// The connections kept between operations (see `held`).
+    held: Arc<Held>,
     sql: Arc<Statements>,
     /// The client-side bound on each operation on the pool.
     operation_timeout: Duration,
@@ -51,6 +54,7 @@ impl fmt::Debug for PgRepository {
         f.debug_struct("PgRepository")
             .field("table", &self.sql.qualified)
             .field("pool_size", &self.pool.size())
+            .field("held_connections", &self.held.limit())
             .field("operation_timeout", &self.operation_timeout)
             .finish_non_exhaustive()
     }
@@ -98,7 +102,9 @@ impl PgRepository {
     /// [`operation_timeout`](PgRepositoryBuilder::operation_timeout). Use
     /// [`PgRepositoryBuilder::build_with_pool`] to choose them.
     pub fn from_pool(pool: PgPool) -> Self {
+        let limit = shared_pool_share(&pool);
         PgRepository {
+            held: Arc::new(Held::new(pool.clone(), limit)),
             pool,
             sql: Arc::new(Statements::defaults()),
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
@@ -185,6 +191,68 @@ impl PgRepository {
                 operation,
             }))
     }
+
+    /// Runs `op` on a lent connection (see [`held_connections`](PgRepositoryBuilder::held_connections))
+    /// under the operation timeout.
+    async fn run<T>(
+        &self,
+        operation: &'static str,
+        op: impl AsyncFnOnce(&mut PgConnection) -> Result<T, Error>,
+    ) -> Result<T, Error> {
+        self.timed(operation, async { self.lend(operation, op).await? })
+            .await
+    }
+
+    /// Runs `op` on a lent connection, which is kept for the next operation
+    /// when `op` got the server's answer, and goes back to the pool otherwise
+    /// (also when this future is dropped before `op` ends).
+    async fn lend<R: Answered>(
+        &self,
+        operation: &'static str,
+        op: impl AsyncFnOnce(&mut PgConnection) -> R,
+    ) -> Result<R, Error> {
+        let mut conn = self.connection(operation).await?;
+        let answer = op(conn.connection()?).await;
+        conn.settle(answer.answered());
+        Ok(answer)
+    }
+
+    /// A connection lent by the repository, for `operation`.
+    pub(crate) async fn connection(&self, operation: &'static str) -> Result<Lent, Error> {
+        self.held
+            .lend()
+            .await
+            .map_err(|e| map_sqlx(e, operation, None, &self.sql.qualified))
+    }
+}
+
+/// Whether an operation's answer came from the server, so that its connection
+/// is in a known state.
+trait Answered {
+    fn answered(&self) -> bool;
+}
+
+impl<T> Answered for Result<T, Error> {
+    fn answered(&self) -> bool {
+        !matches!(self, Err(e) if e.is_store_outage())
+    }
+}
+
+impl<T> Answered for Vec<Result<T, Error>> {
+    fn answered(&self) -> bool {
+        self.iter().all(Answered::answered)
+    }
+}
+
+/// The pool's size.
+fn pool_size(pool: &PgPool) -> usize {
+    usize::try_from(pool.options().get_max_connections()).unwrap_or(usize::MAX)
+}
+
+/// The connections kept by default from a pool the caller passed in: half of
+/// it (at least one), the rest left to the caller's own queries.
+fn shared_pool_share(pool: &PgPool) -> usize {
+    pool_size(pool).div_ceil(2)
 }
 
 /// Builds a [`PgRepository`]: from a URL (connecting a new pool) or from an
@@ -213,6 +281,9 @@ pub struct PgRepositoryBuilder {
     /// Whether `operation_timeout` was set (builder or URL), which also bounds
     /// operations in a caller's transaction.
     explicit_timeout: bool,
+    /// How many connections the repository keeps between its operations; by
+    /// default the whole pool it creates, half of a pool it is given.
+    held_connections: Option<usize>,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -224,6 +295,7 @@ impl Default for PgRepositoryBuilder {
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
             explicit_timeout: false,
+            held_connections: None,
         }
     }
 }
@@ -283,6 +355,41 @@ impl PgRepositoryBuilder {
         self
     }
 
+    /// How many of the pool's connections the repository keeps checked out
+    /// between its own operations, and so how many of its operations run at
+    /// once (the others wait their turn, up to the pool's acquire timeout).
+    ///
+    /// sqlx's pool pings every connection it gets back, which would double the
+    /// round trips of each one-statement operation. A kept connection skips
+    /// that: an operation that got its answer leaves its connection to the
+    /// next operation; one that was cancelled or hit an outage or a timeout
+    /// gives it back to the pool, whose ping drains it in the background. A
+    /// connection unused for a second goes back to the pool, and every
+    /// connection does 30 s after it was taken, however busy.
+    ///
+    /// Default: the whole pool when the builder creates it
+    /// ([`connect`](Self::connect), [`connect_lazy`](Self::connect_lazy)), half
+    /// of a pool you pass in ([`build_with_pool`](Self::build_with_pool),
+    /// [`PgRepository::from_pool`]), so that your own queries on it keep their
+    /// share under load. Capped at the pool's size; `0` takes every
+    /// connection from the pool and gives it back after each operation (the
+    /// behaviour before this option, one ping per operation). Also the URL
+    /// option `held_connections=N`.
+    ///
+    /// The [`PgTransactionalManager`](crate::PgTransactionalManager) takes its
+    /// transactions' connections the same way, so the two modes share the
+    /// turns fairly. Queries of your own on [`PgRepository::pool`] do not: under
+    /// a steady load that keeps every connection busy, they wait in the pool's
+    /// queue for a connection that returns (at the latest 30 s after it was
+    /// taken); set this below `max_connections` to leave them a share. A kept
+    /// connection skips the pool's own checks on acquire (`test_before_acquire`,
+    /// `before_acquire`, `after_release` hooks of a pool you pass in); the
+    /// pool's release check runs each time it goes back.
+    pub fn held_connections(mut self, connections: usize) -> Self {
+        self.held_connections = Some(connections);
+        self
+    }
+
     fn apply_url_options(&mut self, options: &UrlOptions) {
         if let Some(schema) = &options.schema {
             self.schema.clone_from(schema);
@@ -299,6 +406,25 @@ impl PgRepositoryBuilder {
         if let Some(timeout) = options.operation_timeout {
             self.operation_timeout = timeout;
             self.explicit_timeout = true;
+        }
+        if let Some(held) = options.held_connections {
+            self.held_connections = Some(held);
+        }
+    }
+
+    /// The repository on `pool`: `own` when this builder created it.
+    fn assemble(&self, pool: PgPool, sql: Statements, own: bool) -> PgRepository {
+        let limit = match self.held_connections {
+            Some(limit) => limit.min(pool_size(&pool)),
+            None if own => pool_size(&pool),
+            None => shared_pool_share(&pool),
+        };
+        PgRepository {
+            held: Arc::new(Held::new(pool.clone(), limit)),
+            pool,
+            sql: Arc::new(sql),
+            operation_timeout: self.operation_timeout,
+            transaction_timeout: self.transaction_timeout(),
         }
     }
 
@@ -352,15 +478,7 @@ impl PgRepositoryBuilder {
             .connect_with(connect)
             .await
             .map_err(|e| map_sqlx(e, "connect", None, &sql.qualified))?;
-        Ok((
-            PgRepository {
-                pool,
-                sql: Arc::new(sql),
-                operation_timeout: self.operation_timeout,
-                transaction_timeout: self.transaction_timeout(),
-            },
-            options.migrate,
-        ))
+        Ok((self.assemble(pool, sql, true), options.migrate))
     }
 
     /// Opens and closes one connection, so that a refused connection, bad
@@ -395,12 +513,8 @@ impl PgRepositoryBuilder {
         self.apply_url_options(&options);
         let sql = self.validate()?;
         let connect = self.connect_options(&options)?;
-        Ok(PgRepository {
-            pool: self.pool_options().connect_lazy_with(connect),
-            sql: Arc::new(sql),
-            operation_timeout: self.operation_timeout,
-            transaction_timeout: self.transaction_timeout(),
-        })
+        let pool = self.pool_options().connect_lazy_with(connect);
+        Ok(self.assemble(pool, sql, true))
     }
 
     /// Uses the caller's pool (its size and timeouts are the pool's own; this
@@ -409,12 +523,8 @@ impl PgRepositoryBuilder {
     /// # Errors
     /// [`Error::Config`] for an invalid schema or table name or a zero timeout.
     pub fn build_with_pool(self, pool: PgPool) -> Result<PgRepository, Error> {
-        Ok(PgRepository {
-            pool,
-            sql: Arc::new(self.validate()?),
-            operation_timeout: self.operation_timeout,
-            transaction_timeout: self.transaction_timeout(),
-        })
+        let sql = self.validate()?;
+        Ok(self.assemble(pool, sql, false))
     }
 
     /// The connection options. No `statement_timeout` is set on the
@@ -449,8 +559,10 @@ impl Repository for PgRepository {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        self.timed("reserve", ops::reserve(&self.sql, &self.pool, &request))
-            .await
+        self.run("reserve", async |c| {
+            ops::reserve(&self.sql, c, &request).await
+        })
+        .await
     }
 
     /// One statement (and one round trip) for the whole batch: the
@@ -463,7 +575,9 @@ impl Repository for PgRepository {
             return futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await;
         }
         let count = requests.len();
-        let batch = async { Ok(ops::reserve_many(&self.sql, &self.pool, &requests).await) };
+        let batch = self.lend("reserve", async |c| {
+            ops::reserve_many(&self.sql, c, &requests).await
+        });
         match self.timed("reserve", batch).await {
             Ok(answers) => answers,
             Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
@@ -484,8 +598,9 @@ impl Repository for PgRepository {
             return futures::future::join_all(each).await;
         }
         let count = completions.len();
-        let batch =
-            async { Ok(ops::complete_many(&self.sql, &self.pool, &completions, now).await) };
+        let batch = self.lend("complete", async |c| {
+            ops::complete_many(&self.sql, c, &completions, now).await
+        });
         match self.timed("complete", batch).await {
             Ok(answers) => answers,
             Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
@@ -500,18 +615,14 @@ impl Repository for PgRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let fut = ops::finish(
-            &self.sql,
-            &self.pool,
-            key,
-            owner,
-            Status::Completed,
-            result,
-            false,
-            expires_at,
-            now,
-        );
-        self.timed("complete", fut).await
+        self.run("complete", async |c| {
+            let status = Status::Completed;
+            ops::finish(
+                &self.sql, c, key, owner, status, result, false, expires_at, now,
+            )
+            .await
+        })
+        .await
     }
 
     async fn fail(
@@ -523,18 +634,14 @@ impl Repository for PgRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let fut = ops::finish(
-            &self.sql,
-            &self.pool,
-            key,
-            owner,
-            Status::Failed,
-            error,
-            retryable,
-            expires_at,
-            now,
-        );
-        self.timed("fail", fut).await
+        self.run("fail", async |c| {
+            let status = Status::Failed;
+            ops::finish(
+                &self.sql, c, key, owner, status, error, retryable, expires_at, now,
+            )
+            .await
+        })
+        .await
     }
 
     async fn release(
@@ -543,10 +650,9 @@ impl Repository for PgRepository {
         owner: OwnerToken,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.timed(
-            "release",
-            ops::release(&self.sql, &self.pool, key, owner, now),
-        )
+        self.run("release", async |c| {
+            ops::release(&self.sql, c, key, owner, now).await
+        })
         .await
     }
 
@@ -558,33 +664,26 @@ impl Repository for PgRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let fut = ops::extend(
-            &self.sql,
-            &self.pool,
-            key,
-            owner,
-            lease_until,
-            expires_at,
-            now,
-        );
-        self.timed("extend", fut).await
+        self.run("extend", async |c| {
+            ops::extend(&self.sql, c, key, owner, lease_until, expires_at, now).await
+        })
+        .await
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
-        self.timed("get", ops::get(&self.sql, &self.pool, key, now))
+        self.run("get", async |c| ops::get(&self.sql, c, key, now).await)
             .await
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
-        self.timed("delete", ops::delete(&self.sql, &self.pool, key))
+        self.run("delete", async |c| ops::delete(&self.sql, c, key).await)
             .await
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
-        self.timed(
-            "purge_expired",
-            ops::purge(&self.sql, &self.pool, now, limit),
-        )
+        self.run("purge_expired", async |c| {
+            ops::purge(&self.sql, c, now, limit).await
+        })
         .await
     }
 }

@@ -415,7 +415,12 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         let sql = self.repo.statements();
         let map = |e| map_sqlx(e, "transaction", Some(&key), &sql.qualified);
 
-        let mut tx = self.repo.pool().begin().await.map_err(map)?;
+        // A connection lent by the repository, kept for its next operation
+        // only when the transaction ended with the server's answer.
+        let mut conn = self.repo.connection("transaction").await?;
+        let mut tx = sqlx::Connection::begin(conn.connection()?)
+            .await
+            .map_err(map)?;
         let now = self.clock.now();
         let owner = OwnerToken::random();
         let request = reserve_request(&self.config, &key, owner, fingerprint, now);
@@ -424,8 +429,11 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
             // Only a lock was taken; end the transaction before answering. A
             // failed rollback means a broken connection, which the server ends
             // (releasing the lock) anyway.
-            if let Err(e) = tx.rollback().await {
-                tracing::debug!(key = %key, error = %e, "rollback after a duplicate failed");
+            match tx.rollback().await {
+                Ok(()) => conn.settle(true),
+                Err(e) => {
+                    tracing::debug!(key = %key, error = %e, "rollback after a duplicate failed")
+                }
             }
             return self.answer_duplicate(&key, record, fingerprint.as_ref(), now);
         }
@@ -448,13 +456,18 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
                     Err(e) => return Err(e.into()),
                 }
                 tx.commit().await.map_err(map)?;
+                conn.settle(true);
                 Ok(Outcome::Executed(value))
             }
             Err(err) => {
-                if let Err(e) = tx.rollback().await {
+                match tx.rollback().await {
+                    Ok(()) => conn.settle(true),
                     // The connection is closed on error, which rolls back too.
-                    tracing::warn!(key = %key, error = %e, "rollback after a handler error failed");
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "rollback after a handler error failed")
+                    }
                 }
+                drop(conn);
                 let record = failure_record(
                     &self.config,
                     Some(MAX_RESULT_BYTES),
@@ -494,7 +507,10 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         let result: Result<(), Error> = async {
             let sql = self.repo.statements();
             let map = |e| map_sqlx(e, "fail", Some(key), &sql.qualified);
-            let mut tx = self.repo.pool().begin().await.map_err(map)?;
+            let mut conn = self.repo.connection("fail").await?;
+            let mut tx = sqlx::Connection::begin(conn.connection()?)
+                .await
+                .map_err(map)?;
             let now = self.clock.now();
             let owner = OwnerToken::random();
             let request = reserve_request(&self.config, key, owner, fingerprint, now);
@@ -504,6 +520,7 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
                 ops.fail(key, owner, Some(error), retryable, expires_at, now)
                     .await?;
                 tx.commit().await.map_err(map)?;
+                conn.settle(true);
             }
             // Existing: another attempt got there first; leave its record alone.
             Ok(())

@@ -441,3 +441,181 @@ async fn far_future_instants_keep_their_order() {
     assert_eq!(stored.lease_until, stored.expires_at);
     assert!(repo.delete(&key).await.unwrap());
 }
+
+/// Opens a transaction on its own connection that holds `key`'s row lock
+/// (an uncommitted reservation).
+async fn hold_row_lock(
+    repo: &PgRepository,
+    key: &RecordKey,
+) -> (sqlx::PgConnection, idempotency_core::OwnerToken) {
+    use sqlx::Connection;
+    let mut conn = sqlx::PgConnection::connect(&common::server_url().await)
+        .await
+        .unwrap();
+    sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+    let owner = OwnerToken::random();
+    let r = repo
+        .in_transaction(&mut conn)
+        .reserve(ReserveRequest {
+            owner,
+            ..req(key, now(), Duration::from_secs(30))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Reservation::Acquired { .. }));
+    (conn, owner)
+}
+
+/// A pool passed in keeps half of itself for its owner: with every one of
+/// the repository's turns blocked on a row lock, the caller's own queries
+/// still get connections at once, further operations wait their turn no
+/// longer than the pool's acquire timeout (`Unavailable`, never a hang), and
+/// all of them go on once the lock is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_pool_keeps_its_owners_share() {
+    let setup = common::repository(TABLE).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_millis(500))
+        .connect(&common::server_url().await)
+        .await
+        .unwrap();
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .build_with_pool(pool.clone())
+        .unwrap();
+    let ns = common::unique("share");
+    let key = RecordKey::new(ns.as_str(), "locked", 1024).unwrap();
+    let (mut holder, _) = hold_row_lock(&setup, &key).await;
+
+    // Two reservations (the repository's two turns) wait on the lock.
+    let blocked: Vec<_> = (0..2)
+        .map(|_| {
+            let repo = repo.clone();
+            let key = key.clone();
+            tokio::spawn(async move {
+                repo.reserve(req(&key, now(), Duration::from_secs(30)))
+                    .await
+            })
+        })
+        .collect();
+    tokio::task::yield_now().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while pool.size() < 2 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The owner's share: two connections at once.
+    let mut own = Vec::new();
+    for _ in 0..2 {
+        own.push(pool.acquire().await.expect("the owner's share of the pool"));
+    }
+    // A third operation has no turn within the acquire timeout.
+    let other = RecordKey::new(ns.as_str(), "other", 1024).unwrap();
+    let err = repo.get(&other, now()).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    drop(own);
+
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    let answers: Vec<Reservation> = futures::future::join_all(blocked)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap().unwrap())
+        .collect();
+    assert_eq!(
+        answers
+            .iter()
+            .filter(|r| matches!(r, Reservation::Acquired { .. }))
+            .count(),
+        1,
+        "{answers:?}"
+    );
+    assert!(repo.get(&other, now()).await.unwrap().is_none());
+    repo.delete(&key).await.unwrap();
+}
+
+/// Closing the pool is not held up by the connections the repository keeps:
+/// they go back at once, `close()` finishes, and operations then fail as an
+/// outage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_the_pool_takes_back_the_kept_connections() {
+    let repo = common::repository(TABLE).await;
+    let ns = common::unique("close");
+    let keys: Vec<RecordKey> = (0..8)
+        .map(|i| RecordKey::new(ns.as_str(), format!("k{i}"), 1024).unwrap())
+        .collect();
+    let ops = keys
+        .iter()
+        .map(|k| repo.reserve(req(k, now(), Duration::from_secs(30))));
+    for r in futures::future::join_all(ops).await {
+        r.unwrap();
+    }
+    for k in &keys {
+        repo.delete(k).await.unwrap();
+    }
+    assert!(repo.pool().size() > 0);
+    assert_eq!(repo.pool().num_idle(), 0, "the repository keeps them");
+    tokio::time::timeout(Duration::from_secs(10), repo.pool().close())
+        .await
+        .expect("close() finishes while connections are kept");
+    let err = repo.get(&keys[0], now()).await.unwrap_err();
+    assert!(err.is_store_outage(), "{err:?}");
+}
+
+/// A transactional execution leaves its connection outside any transaction,
+/// rolled back or committed, before the repository keeps it for the next
+/// operation: the server shows none of the repository's sessions idle inside
+/// a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_connection_is_never_inside_a_transaction() {
+    use idempotency_core::HandlerError;
+    let url = common::server_url().await;
+    common::repository(TABLE).await; // migrated
+    let app = common::unique("txkept");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .max_connections(2)
+        .connect(&format!("{url}{sep}application_name={app}"))
+        .await
+        .unwrap();
+    let admin = common::repository(TABLE).await;
+    let open_transactions = || async {
+        sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&app)
+        .fetch_one(admin.pool())
+        .await
+        .unwrap()
+    };
+    let manager =
+        idempotency_postgres::PgTransactionalManager::new(repo.clone(), Default::default())
+            .unwrap();
+    let failing = manager
+        .execute(&format!("{app}-fails"), &1, |conn| {
+            Box::pin(async move {
+                sqlx::query("SELECT 1").execute(conn).await.unwrap();
+                Err::<u32, _>(HandlerError::new("no".to_owned()))
+            })
+        })
+        .await;
+    assert!(failing.is_err());
+    assert_eq!(open_transactions().await, 0, "after a rollback");
+    let done = manager
+        .execute(&format!("{app}-ok"), &1, |_| {
+            Box::pin(async { Ok::<u32, HandlerError<String>>(7) })
+        })
+        .await
+        .unwrap();
+    assert!(matches!(done, idempotency_core::Outcome::Executed(7)));
+    assert_eq!(open_transactions().await, 0, "after a commit");
+    let again = manager
+        .execute(&format!("{app}-ok"), &1, |_| {
+            Box::pin(async { Ok::<u32, HandlerError<String>>(8) })
+        })
+        .await
+        .unwrap();
+    assert!(matches!(again, idempotency_core::Outcome::Cached(7)));
+    assert_eq!(open_transactions().await, 0, "after a duplicate");
+}

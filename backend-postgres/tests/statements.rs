@@ -252,13 +252,14 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
     conn.close().await.unwrap();
 }
 
-/// Waits until the pool's only connection is back (sqlx checks it on release).
-async fn settled(repo: &PgRepository) {
+/// Waits until the pool holds `idle` idle connections: those the repository
+/// gave back (sqlx pings each on its way back).
+async fn pool_idle(repo: &PgRepository, idle: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
-    while repo.pool().num_idle() < 1 && Instant::now() < deadline {
+    while repo.pool().num_idle() != idle && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
-    assert_eq!(repo.pool().num_idle(), 1);
+    assert_eq!(repo.pool().num_idle(), idle);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -290,30 +291,27 @@ async fn pooled_operations_execute_one_statement_each() {
         .await
         .unwrap();
     repo.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
-    settled(&repo).await;
 
-    // One Bind/Execute/Sync for the statement, plus the ping (a lone Sync) of
-    // sqlx's check of the connection when it returns to the pool (after the
-    // operation answered).
-    let expected: BTreeMap<char, u64> = [('B', 1), ('E', 1), ('C', 1), ('S', 1), (PING, 1)]
-        .into_iter()
-        .collect();
+    // One Bind/Execute/Sync for the statement, and nothing else: the
+    // repository keeps the connection for its next operation, so sqlx's check
+    // of a connection returning to the pool (a ping, a lone Sync) is not sent.
+    let expected = one_round_trip();
     let r = measured!(counts, "pooled reserve (fresh key)", expected, {
-        let r = repo.reserve(request(&fresh, t, lease)).await.unwrap();
-        settled(&repo).await;
-        r
+        repo.reserve(request(&fresh, t, lease)).await.unwrap()
     });
     assert!(matches!(r, Reservation::Acquired { .. }));
     let r = measured!(counts, "pooled reserve (duplicate)", expected, {
-        let r = repo.reserve(request(&key, t, lease)).await.unwrap();
-        settled(&repo).await;
-        r
+        repo.reserve(request(&key, t, lease)).await.unwrap()
     });
     assert!(matches!(r, Reservation::Existing(_)));
     measured!(counts, "pooled purge_expired", expected, {
         repo.purge_expired(Timestamp::EPOCH, 10).await.unwrap();
-        settled(&repo).await;
     });
+    assert_eq!(
+        repo.pool().num_idle(),
+        0,
+        "the connection is kept, not pooled"
+    );
 
     // A batch is one statement, fresh keys and duplicates alike.
     let batch: Vec<RecordKey> = (0..100)
@@ -330,19 +328,14 @@ async fn pooled_operations_execute_one_statement_each() {
         .collect();
     repo.reserve_many(warm.iter().map(|k| request(k, t, lease)).collect())
         .await;
-    settled(&repo).await;
     let answers = measured!(counts, "pooled reserve_many (100 fresh keys)", expected, {
-        let r = repo.reserve_many(requests()).await;
-        settled(&repo).await;
-        r
+        repo.reserve_many(requests()).await
     });
     assert!(answers
         .iter()
         .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
     let answers = measured!(counts, "pooled reserve_many (100 duplicates)", expected, {
-        let r = repo.reserve_many(requests()).await;
-        settled(&repo).await;
-        r
+        repo.reserve_many(requests()).await
     });
     assert!(answers
         .iter()
@@ -368,16 +361,80 @@ async fn pooled_operations_execute_one_statement_each() {
             .collect()
     }
     repo.complete_many(writes(&warm, &owners[..2], t), t).await;
-    settled(&repo).await;
     let answers = measured!(counts, "pooled complete_many (100 writes)", expected, {
-        let r = repo.complete_many(writes(&batch, &owners[2..], t), t).await;
-        settled(&repo).await;
-        r
+        repo.complete_many(writes(&batch, &owners[2..], t), t).await
     });
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     for k in batch.iter().chain(&warm).chain([&key, &fresh]) {
         repo.delete(k).await.unwrap();
     }
+
+    // Unused for a second, the connection goes back to the pool: one ping.
+    let ping: BTreeMap<char, u64> = [(PING, 1)].into_iter().collect();
+    measured!(
+        counts,
+        "an idle kept connection returning to the pool",
+        ping,
+        {
+            pool_idle(&repo, 1).await;
+        }
+    );
+}
+
+/// An operation that does not end with the server's answer gives its
+/// connection back to sqlx's pool, which drains it with its ping in the
+/// background; the next operation is one round trip on a clean connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_operation_gives_its_connection_back_to_the_pool() {
+    let (via, counts) = proxied().await;
+    common::repository(TABLE).await; // migrated
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .max_connections(1)
+        .connect(&via)
+        .await
+        .unwrap();
+    let ns = common::unique("cancel");
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
+    let warm = RecordKey::new(ns.as_str(), "warm", 1024).unwrap();
+    repo.reserve(request(&warm, t, lease)).await.unwrap();
+    repo.get(&warm, t).await.unwrap();
+
+    // Block the reservation on a row lock, and give up on it.
+    let mut holder = PgConnection::connect(&common::server_url().await)
+        .await
+        .unwrap();
+    let mut tx = holder.begin().await.unwrap();
+    let owner = OwnerToken::random();
+    repo.in_transaction(&mut tx)
+        .reserve(ReserveRequest {
+            owner,
+            ..request(&key, t, lease)
+        })
+        .await
+        .unwrap();
+    let gave_up = tokio::time::timeout(
+        Duration::from_millis(200),
+        repo.reserve(request(&key, t, lease)),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the reservation waits on the row lock");
+    assert_eq!(repo.pool().num_idle(), 0, "its statement is still running");
+    tx.rollback().await.unwrap();
+    // The statement ends; sqlx's ping drains its answer and pools the connection.
+    pool_idle(&repo, 1).await;
+
+    // The abandoned reservation took effect on the server (a timeout is "maybe
+    // applied"): the next one finds its record, in one round trip.
+    let before = counts.snapshot();
+    let r = repo.reserve(request(&key, t, lease)).await.unwrap();
+    assert!(matches!(r, Reservation::Existing(_)), "{r:?}");
+    assert_eq!(counts.since(&before), one_round_trip());
+    repo.delete(&key).await.unwrap();
+    repo.delete(&warm).await.unwrap();
+    holder.close().await.unwrap();
 }
 
 // ------------------------------------------------------------- server side

@@ -903,9 +903,14 @@ impl Repository for RedisRepository {
     }
 
     /// One pipeline of reservations on a standalone server (one round trip);
-    /// on a cluster, one command per key, which the cluster connection sends to
-    /// each key's node (a pipeline there may not span nodes, and keys of one
-    /// batch rarely share a slot).
+    /// on a cluster, one command per key, concurrently, each routed to its
+    /// key's node. Not a pipeline there: a record key hashes whole, so the
+    /// keys of a batch fall on as many slots as there are keys (a pipeline per
+    /// slot would be a command per key anyway), and a pipeline spanning the
+    /// slots of one node is unsafe through the `redis` crate's cluster
+    /// client, which re-sends the *whole* pipeline when one of its commands is
+    /// redirected (`MOVED`, `ASK`), running the others again — a completion
+    /// applied twice answers `LeaseLost` for a write that committed.
     async fn reserve_many(
         &self,
         requests: Vec<ReserveRequest<'_>>,

@@ -642,6 +642,140 @@ async fn cluster_conformance() {
     }
 }
 
+/// Batches on the cluster answer exactly as the single operations would:
+/// fresh keys, duplicates, a batch re-sent by its owners, completions (half of
+/// them refused), and — after `SCRIPT FLUSH` on every node — takeovers and
+/// completions that meet `NOSCRIPT`. On a cluster each key of a batch is its
+/// own command (see `RedisRepository`'s `reserve_many`: the client re-sends a
+/// whole pipeline when one of its commands is redirected, which would run the
+/// others twice).
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_batches_answer_as_single_operations() {
+    let (cluster, url) = cluster().await;
+    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        let repo = RedisRepository::connect(&url)
+            .await
+            .unwrap()
+            .with_reserve_strategy(strategy);
+        let clock = ManualClock::starting_now();
+        let keys: Vec<RecordKey> = (0..60).map(|i| key(&format!("batch-{i}"))).collect();
+        let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let requests = |owners: &[OwnerToken]| {
+            keys.iter()
+                .zip(owners)
+                .map(|(k, o)| request(k, *o, &clock))
+                .collect::<Vec<_>>()
+        };
+        let fresh = repo.reserve_many(requests(&owners)).await;
+        assert!(
+            fresh
+                .iter()
+                .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))),
+            "{strategy:?}: {fresh:?}"
+        );
+        let mut masters = std::collections::BTreeSet::new();
+        for k in &keys {
+            masters.insert(holder(&cluster, k).await);
+        }
+        assert_eq!(
+            masters.len(),
+            cluster.nodes().len(),
+            "the batch spans every master"
+        );
+
+        let others: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let duplicates = repo.reserve_many(requests(&others)).await;
+        for (answer, owner) in duplicates.iter().zip(&owners) {
+            assert!(
+                matches!(answer, Ok(Reservation::Existing(r)) if r.owner == *owner),
+                "{strategy:?}: {answer:?}"
+            );
+        }
+        let resent = repo.reserve_many(requests(&owners)).await;
+        assert!(resent
+            .iter()
+            .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+
+        let now = clock.now();
+        let writes = |owners: &[OwnerToken], now: idempotency_core::Timestamp| {
+            keys.iter()
+                .zip(owners)
+                .map(|(key, owner)| Completion {
+                    key,
+                    owner: *owner,
+                    result: Some(b"done"),
+                    expires_at: now + TTL,
+                })
+                .collect::<Vec<_>>()
+        };
+        // Half the keys completed by their owners, the other half attempted by
+        // strangers (refused, each on its own).
+        let mut mixed = owners.clone();
+        for o in mixed.iter_mut().skip(keys.len() / 2) {
+            *o = OwnerToken::random();
+        }
+        let done = repo.complete_many(writes(&mixed, now), now).await;
+        for (i, answer) in done.iter().enumerate() {
+            assert_eq!(
+                answer.is_ok(),
+                i < keys.len() / 2,
+                "{strategy:?} {i}: {answer:?}"
+            );
+        }
+        for (i, k) in keys.iter().enumerate() {
+            let record = repo.get(k, now).await.unwrap().unwrap();
+            let expected = if i < keys.len() / 2 {
+                Status::Completed
+            } else {
+                Status::Processing
+            };
+            assert_eq!(record.status, expected, "{strategy:?} {i}");
+        }
+
+        // Scripts flushed everywhere; the leases run out: the takeovers and
+        // their completions meet NOSCRIPT in the pipelines and still happen once.
+        for node in cluster.nodes() {
+            let mut admin = admin(node.url()).await;
+            let _: () = redis::cmd("SCRIPT")
+                .arg("FLUSH")
+                .query_async(&mut admin)
+                .await
+                .unwrap();
+        }
+        clock.advance(LEASE + Duration::from_secs(1));
+        let takers: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let taken = repo.reserve_many(requests(&takers)).await;
+        for (i, answer) in taken.iter().enumerate() {
+            if i < keys.len() / 2 {
+                assert!(
+                    matches!(answer, Ok(Reservation::Existing(r)) if r.status == Status::Completed),
+                    "{strategy:?} {i}: {answer:?}"
+                );
+            } else {
+                assert!(
+                    matches!(answer, Ok(Reservation::Acquired { attempt: 2 })),
+                    "{strategy:?} {i}: {answer:?}"
+                );
+            }
+        }
+        let now = clock.now();
+        let done = repo.complete_many(writes(&takers, now), now).await;
+        for (i, answer) in done.iter().enumerate() {
+            assert_eq!(
+                answer.is_ok(),
+                i >= keys.len() / 2,
+                "{strategy:?} {i}: {answer:?}"
+            );
+        }
+        for k in &keys {
+            let record = repo.get(k, now).await.unwrap().unwrap();
+            assert_eq!(record.status, Status::Completed);
+            assert!(repo.delete(k).await.unwrap());
+        }
+    }
+}
+
 /// Ids with braces — HTTP route templates such as `/orders/{id}` — must not
 /// form a Redis Cluster hash tag, or every key of a route lands on one slot.
 /// Checked against the real cluster's hashing (`CLUSTER KEYSLOT`), with the
