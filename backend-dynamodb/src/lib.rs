@@ -69,6 +69,7 @@
 //! | `get` | 1 | `GetItem`, strongly consistent |
 //! | `delete` | 1 | `DeleteItem` if `attribute_exists(pk)` |
 //! | `purge_expired` | 0 | DynamoDB TTL deletes expired items |
+//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per key | each key's `reserve` or `complete`, sent concurrently: `BatchWriteItem` cannot carry a condition, and `TransactWriteItems` would make one refused key fail the whole group (and costs two write units per item). A group of *n* costs *n* requests and their capacity — *n* write units for fresh keys, the failed `PutItem` of a duplicate consumes a write unit too — and takes as long as its slowest request |
 //!
 //! Through [`IdempotencyManager`](idempotency_core::IdempotencyManager): a first
 //! delivery is **2 requests** (reserve + complete), a duplicate **1**. A test

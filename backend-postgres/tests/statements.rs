@@ -252,6 +252,19 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
     conn.close().await.unwrap();
 }
 
+/// A repository with one connection, through a new counting proxy.
+async fn one_proxied_connection() -> (PgRepository, WireCounter) {
+    let (via, counts) = proxied().await;
+    common::repository(TABLE).await; // migrated
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .max_connections(1)
+        .connect(&via)
+        .await
+        .unwrap();
+    (repo, counts)
+}
+
 /// Waits until the pool holds `idle` idle connections: those the repository
 /// gave back (sqlx pings each on its way back).
 async fn pool_idle(repo: &PgRepository, idle: usize) {
@@ -264,14 +277,7 @@ async fn pool_idle(repo: &PgRepository, idle: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_operations_execute_one_statement_each() {
-    let (via, counts) = proxied().await;
-    common::repository(TABLE).await; // migrated
-    let repo = PgRepository::builder()
-        .table(TABLE)
-        .max_connections(1)
-        .connect(&via)
-        .await
-        .unwrap();
+    let (repo, counts) = one_proxied_connection().await;
     let ns = common::unique("pool");
     let t = SystemClock.now();
     let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
@@ -386,14 +392,7 @@ async fn pooled_operations_execute_one_statement_each() {
 /// background; the next operation is one round trip on a clean connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_operation_gives_its_connection_back_to_the_pool() {
-    let (via, counts) = proxied().await;
-    common::repository(TABLE).await; // migrated
-    let repo = PgRepository::builder()
-        .table(TABLE)
-        .max_connections(1)
-        .connect(&via)
-        .await
-        .unwrap();
+    let (repo, counts) = one_proxied_connection().await;
     let ns = common::unique("cancel");
     let t = SystemClock.now();
     let lease = Duration::from_secs(30);

@@ -571,6 +571,19 @@ async fn holder(cluster: &RedisClusterServer, key: &RecordKey) -> usize {
     holders[0]
 }
 
+/// `SCRIPT FLUSH` on every node of the cluster.
+#[cfg(feature = "cluster")]
+async fn flush_scripts_everywhere(cluster: &RedisClusterServer) {
+    for node in cluster.nodes() {
+        let mut admin = admin(node.url()).await;
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    }
+}
+
 /// The whole conformance suite, both strategies, against the harness's
 /// three-master Redis Cluster; then the cluster-specific facts: records spread
 /// over the masters, and a `SCRIPT FLUSH` on every node is survived.
@@ -607,14 +620,7 @@ async fn cluster_conformance() {
         masters.len() >= 2,
         "records of one namespace stay on one master"
     );
-    for node in cluster.nodes() {
-        let mut admin = admin(node.url()).await;
-        let _: () = redis::cmd("SCRIPT")
-            .arg("FLUSH")
-            .query_async(&mut admin)
-            .await
-            .unwrap();
-    }
+    flush_scripts_everywhere(&cluster).await;
     for k in &keys {
         let owner = OwnerToken::random();
         let taken = repo
@@ -735,14 +741,7 @@ async fn cluster_batches_answer_as_single_operations() {
 
         // Scripts flushed everywhere; the leases run out: the takeovers and
         // their completions meet NOSCRIPT in the pipelines and still happen once.
-        for node in cluster.nodes() {
-            let mut admin = admin(node.url()).await;
-            let _: () = redis::cmd("SCRIPT")
-                .arg("FLUSH")
-                .query_async(&mut admin)
-                .await
-                .unwrap();
-        }
+        flush_scripts_everywhere(&cluster).await;
         clock.advance(LEASE + Duration::from_secs(1));
         let takers: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
         let taken = repo.reserve_many(requests(&takers)).await;
