@@ -60,6 +60,7 @@
 //! | `get` | 1 | `GET` |
 //! | `delete` | 1 | `DEL` |
 //! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
+//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own). On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes through the cluster client on its own. On a cluster connection passed in (`from_cluster_*`), one command per key |
 //!
 //! So a **fresh execution** through the manager costs **2 commands** (reserve +
 //! complete) and a **duplicate 1**; the test `commands_per_operation` (in
@@ -188,6 +189,8 @@
 mod admin;
 mod codec;
 mod error;
+#[cfg(feature = "cluster")]
+mod nodes;
 mod options;
 mod repository;
 mod scripts;

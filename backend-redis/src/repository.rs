@@ -76,6 +76,10 @@ pub struct RedisRepository {
     /// Cleared when the server rejects `SET … NX … GET` (Redis < 7.0).
     set_nx_get_supported: Arc<AtomicBool>,
     max_result_bytes: usize,
+    /// On a cluster reached by URL: the slot table and our connections to its
+    /// primaries, for batches (see `nodes`).
+    #[cfg(feature = "cluster")]
+    nodes: Option<Arc<crate::nodes::Nodes>>,
 }
 
 impl fmt::Debug for RedisRepository {
@@ -204,6 +208,8 @@ impl RedisRepository {
             strategy: ReserveStrategy::default(),
             set_nx_get_supported: Arc::new(AtomicBool::new(true)),
             max_result_bytes: RedisOptions::default().max_result_bytes,
+            #[cfg(feature = "cluster")]
+            nodes: None,
         }
     }
 
@@ -211,13 +217,7 @@ impl RedisRepository {
         client: redis::Client,
         options: &RedisOptions,
     ) -> Result<Self, Error> {
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(options.connect_timeout))
-            .set_response_timeout(Some(options.response_timeout))
-            .set_number_of_retries(options.reconnect_retries)
-            .set_min_delay(Duration::from_millis(100))
-            .set_max_delay(Duration::from_secs(2));
-        let manager = ConnectionManager::new_with_config(client, config)
+        let manager = ConnectionManager::new_with_config(client, manager_config(options))
             .await
             .map_err(|e| map_redis_error(e, None, "connect"))?;
         Ok(Self::from_connection_manager(manager).with_options(options))
@@ -526,7 +526,7 @@ impl RedisRepository {
     /// server; a script the server lost is reloaded through the single path.
     async fn complete_pipelined(
         &self,
-        mut conn: ConnectionManager,
+        mut conn: impl redis::aio::ConnectionLike + Send,
         writes: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
@@ -578,7 +578,7 @@ impl RedisRepository {
             }
             *answer = match replies.next() {
                 Some(Ok(reply)) => Some(owned_reply(reply, writes[i].key, "complete")),
-                Some(Err(e)) if is_noscript(&e) => {
+                Some(Err(e)) if is_noscript(&e) || self.not_served(&e) => {
                     again.push(i);
                     None
                 }
@@ -626,7 +626,7 @@ impl RedisRepository {
     /// without `SET … GET`) goes through [`Repository::reserve`], concurrently.
     async fn reserve_pipelined(
         &self,
-        mut conn: ConnectionManager,
+        mut conn: impl redis::aio::ConnectionLike + Send,
         requests: Vec<ReserveRequest<'_>>,
     ) -> Vec<Result<Reservation, Error>> {
         let set_nx_get = self.effective_strategy() == ReserveStrategy::SetNxGet;
@@ -669,7 +669,7 @@ impl RedisRepository {
             answers.push(match reply {
                 Ok(reply) if set_nx_get => Self::set_nx_get_reservation(req, reply).transpose(),
                 Ok(reply) => Some(Self::script_reservation(req, reply)),
-                Err(e) if is_noscript(&e) || is_syntax_error(&e) => None,
+                Err(e) if is_noscript(&e) || is_syntax_error(&e) || self.not_served(&e) => None,
                 Err(e) => Some(Err(map_redis_error(e, Some(req.key), "reserve"))),
             });
         }
@@ -690,6 +690,131 @@ impl RedisRepository {
             })
             .collect()
     }
+}
+
+impl RedisRepository {
+    /// Whether a pipelined command came back refused by a node that does not
+    /// serve its key's slot now (it was not executed); the slot table is then
+    /// read again. Never on a standalone server.
+    fn not_served(&self, err: &RedisError) -> bool {
+        #[cfg(feature = "cluster")]
+        if let Some(nodes) = &self.nodes {
+            if crate::nodes::is_not_served(err) {
+                nodes.forget(None);
+                return true;
+            }
+        }
+        let _ = err;
+        false
+    }
+
+    /// The cluster's slot table: as last read, else read now (`CLUSTER
+    /// SLOTS`); `None` when it cannot be read or used.
+    #[cfg(feature = "cluster")]
+    async fn slot_table(
+        &self,
+        nodes: &crate::nodes::Nodes,
+    ) -> Option<Arc<crate::nodes::SlotTable>> {
+        if let Some(table) = nodes.known_table() {
+            return Some(table);
+        }
+        if !nodes.may_read() {
+            return None;
+        }
+        let mut cmd = redis::cmd("CLUSTER");
+        cmd.arg("SLOTS");
+        let table = match self.conn.query(&cmd).await {
+            Ok(reply) => crate::nodes::SlotTable::parse(&reply),
+            Err(_) => None,
+        };
+        match table {
+            Some(table) => Some(nodes.remember(table)),
+            None => {
+                // Unreadable (an outage) or unusable (unknown endpoints):
+                // key by key for a while, without asking on every batch.
+                nodes.unreadable();
+                None
+            }
+        }
+    }
+
+    /// A batch on a cluster: the keys grouped by the primary serving their
+    /// slot, one pipeline per primary on our connection to it (see `nodes`);
+    /// a key alone on its primary, or every key when the slot table or a
+    /// primary cannot be reached, through the cluster client one by one.
+    /// Answers in the batch's order.
+    #[cfg(feature = "cluster")]
+    async fn per_primary<'k, T, R, B, BF, S, SF>(
+        &self,
+        items: Vec<T>,
+        key: impl Fn(&T) -> &'k RecordKey,
+        batch: B,
+        single: S,
+    ) -> Vec<Result<R, Error>>
+    where
+        B: Fn(ConnectionManager, Vec<T>) -> BF,
+        BF: std::future::Future<Output = Vec<Result<R, Error>>>,
+        S: Fn(T) -> SF,
+        SF: std::future::Future<Output = Result<R, Error>>,
+    {
+        use crate::nodes::{by_primary, slot_of};
+        let one_by_one = |items: Vec<T>| futures::future::join_all(items.into_iter().map(&single));
+        let Some(nodes) = self.nodes.as_deref() else {
+            return one_by_one(items).await;
+        };
+        let Some(table) = self.slot_table(nodes).await else {
+            return one_by_one(items).await;
+        };
+        let count = items.len();
+        let slot = |item: &T| slot_of(Self::redis_key(key(item)).as_bytes());
+        let (batch, one_by_one, table) = (&batch, &one_by_one, &*table);
+        let sent =
+            by_primary(items, table, slot)
+                .into_iter()
+                .map(|(primary, at, group)| async move {
+                    let address = primary.and_then(|p| table.address(p));
+                    let link = match address {
+                        Some(address) if group.len() > 1 => nodes.link(address).await,
+                        _ => None,
+                    };
+                    let answers = match link {
+                        Some(link) => {
+                            let answers = batch(link, group).await;
+                            if answers
+                                .iter()
+                                .any(|a| matches!(a, Err(e) if e.is_store_outage()))
+                            {
+                                // The node failed as a whole: perhaps no longer a
+                                // primary. Read the table and reconnect next time.
+                                nodes.forget(address);
+                            }
+                            answers
+                        }
+                        None => one_by_one(group).await,
+                    };
+                    (at, answers)
+                });
+        let mut answers: Vec<Option<Result<R, Error>>> = (0..count).map(|_| None).collect();
+        for (at, group) in futures::future::join_all(sent).await {
+            for (i, answer) in at.into_iter().zip(group) {
+                answers[i] = Some(answer);
+            }
+        }
+        fill(answers, |_| {
+            Err(unexpected("batch", "fewer answers than keys"))
+        })
+    }
+}
+
+/// How a reconnecting connection (a standalone server's, or ours to a
+/// cluster's primary) connects, times out and retries.
+fn manager_config(options: &RedisOptions) -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(options.connect_timeout))
+        .set_response_timeout(Some(options.response_timeout))
+        .set_number_of_retries(options.reconnect_retries)
+        .set_min_delay(Duration::from_millis(100))
+        .set_max_delay(Duration::from_secs(2))
 }
 
 /// `SET key fresh NX PX px GET`: creates the reservation if there is no
@@ -841,6 +966,7 @@ async fn connect_cluster(
 ) -> Result<RedisRepository, Error> {
     #[cfg(feature = "tls")]
     install_crypto_provider();
+    let template = nodes.first().cloned().unwrap_or_default();
     let client = redis::cluster::ClusterClient::builder(nodes)
         .connection_timeout(options.connect_timeout)
         .response_timeout(options.response_timeout)
@@ -850,7 +976,9 @@ async fn connect_cluster(
         .get_async_connection()
         .await
         .map_err(|e| map_redis_error(e, None, "connect"))?;
-    Ok(RedisRepository::from_cluster_connection(conn))
+    let mut repo = RedisRepository::from_cluster_connection(conn);
+    repo.nodes = crate::nodes::Nodes::new(&template, manager_config(options)).map(Arc::new);
+    Ok(repo)
 }
 
 #[cfg(not(feature = "cluster"))]
@@ -903,14 +1031,10 @@ impl Repository for RedisRepository {
     }
 
     /// One pipeline of reservations on a standalone server (one round trip);
-    /// on a cluster, one command per key, concurrently, each routed to its
-    /// key's node. Not a pipeline there: a record key hashes whole, so the
-    /// keys of a batch fall on as many slots as there are keys (a pipeline per
-    /// slot would be a command per key anyway), and a pipeline spanning the
-    /// slots of one node is unsafe through the `redis` crate's cluster
-    /// client, which re-sends the *whole* pipeline when one of its commands is
-    /// redirected (`MOVED`, `ASK`), running the others again — a completion
-    /// applied twice answers `LeaseLost` for a write that committed.
+    /// on a cluster reached by URL, one pipeline per primary, on a connection
+    /// of the repository's own to it (one round trip per primary, in
+    /// parallel; see the crate docs); on a cluster connection passed in, one
+    /// command per key, concurrently.
     async fn reserve_many(
         &self,
         requests: Vec<ReserveRequest<'_>>,
@@ -919,12 +1043,18 @@ impl Repository for RedisRepository {
             Conn::Standalone(conn) if requests.len() > 1 => {
                 self.reserve_pipelined(conn.clone(), requests).await
             }
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) if requests.len() > 1 && self.nodes.is_some() => {
+                let batch = |link, group| self.reserve_pipelined(link, group);
+                self.per_primary(requests, |r| r.key, batch, |r| self.reserve(r))
+                    .await
+            }
             _ => futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await,
         }
     }
 
     /// One pipeline on a standalone server (one round trip); on a cluster,
-    /// one command per key, as for `reserve_many`.
+    /// as for `reserve_many`.
     async fn complete_many(
         &self,
         completions: Vec<Completion<'_>>,
@@ -934,6 +1064,17 @@ impl Repository for RedisRepository {
             Conn::Standalone(conn) if completions.len() > 1 => {
                 self.complete_pipelined(conn.clone(), completions, now)
                     .await
+            }
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) if completions.len() > 1 && self.nodes.is_some() => {
+                let batch = |link, group| self.complete_pipelined(link, group, now);
+                self.per_primary(
+                    completions,
+                    |c| c.key,
+                    batch,
+                    |c| self.complete(c.key, c.owner, c.result, c.expires_at, now),
+                )
+                .await
             }
             _ => {
                 let each = completions

@@ -26,6 +26,9 @@ use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
 const TTL: Duration = Duration::from_secs(3600);
 const LEASE: Duration = Duration::from_secs(30);
 
+/// The most executions `outage_and_recovery`'s load runs.
+const LOAD_BOUND: u32 = 200_000;
+
 async fn admin(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
         .unwrap()
@@ -407,19 +410,25 @@ async fn outage_and_recovery() {
             .with_clock(Arc::new(clock.clone())),
     );
 
-    // A load of executions running while the server is killed.
+    // A load of executions running while the server is killed: bounded, and
+    // it ends once 20 executions met the outage.
+    let executed = Arc::new(std::sync::atomic::AtomicU32::new(0));
     let load = {
         let manager = manager.clone();
+        let executed = executed.clone();
         tokio::spawn(async move {
             let (mut ok, mut outages) = (0u32, 0u32);
-            for i in 0..400u32 {
+            for i in 0..LOAD_BOUND {
                 match manager
                     .execute(&format!("load-{i}"), &i, || async {
                         Ok::<_, HandlerError<String>>(i)
                     })
                     .await
                 {
-                    Ok(_) => ok += 1,
+                    Ok(_) => {
+                        ok += 1;
+                        executed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     Err(e) => {
                         let e = e
                             .as_idempotency()
@@ -443,11 +452,16 @@ async fn outage_and_recovery() {
             (ok, outages)
         })
     };
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Stopped once the load is under way (not after a fixed sleep, which a
+    // fast machine outran: all the load done before the stop).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while executed.load(std::sync::atomic::Ordering::Relaxed) < 20 && Instant::now() < deadline {
+        tokio::task::yield_now().await;
+    }
     server.stop().await.expect("stop the container");
     let (ok, outages) = load.await.expect("no panic in the load task");
     println!("executions during the stop: {ok} ok, {outages} Unavailable/Timeout");
-    assert!(ok + outages <= 400);
+    assert!(ok + outages <= LOAD_BOUND);
     assert!(outages > 0, "the server stopped while the load ran");
 
     // While the server is down, every operation answers a typed error, quickly.
@@ -543,12 +557,7 @@ async fn cluster() -> (RedisClusterServer, String) {
     let cluster = containers::redis_cluster()
         .await
         .expect("a Redis Cluster from the harness (see docs/testing.md)");
-    let hosts: Vec<String> = cluster
-        .nodes()
-        .iter()
-        .map(|n| format!("{}:{}", n.host(), n.port()))
-        .collect();
-    let url = format!("redis+cluster://{}", hosts.join(","));
+    let url = cluster.cluster_url();
     (cluster, url)
 }
 
@@ -651,10 +660,8 @@ async fn cluster_conformance() {
 /// Batches on the cluster answer exactly as the single operations would:
 /// fresh keys, duplicates, a batch re-sent by its owners, completions (half of
 /// them refused), and — after `SCRIPT FLUSH` on every node — takeovers and
-/// completions that meet `NOSCRIPT`. On a cluster each key of a batch is its
-/// own command (see `RedisRepository`'s `reserve_many`: the client re-sends a
-/// whole pipeline when one of its commands is redirected, which would run the
-/// others twice).
+/// completions that meet `NOSCRIPT` in the pipelines and go through the single
+/// path.
 #[cfg(feature = "cluster")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_batches_answer_as_single_operations() {
@@ -772,6 +779,127 @@ async fn cluster_batches_answer_as_single_operations() {
             assert_eq!(record.status, Status::Completed);
             assert!(repo.delete(k).await.unwrap());
         }
+    }
+}
+
+/// Which client connection (`ip:port`) sent each command naming one of
+/// `keys`, as each node's `MONITOR` saw them, until `expected` such commands
+/// arrived (or 10 s passed): `(node, client, command)`.
+#[cfg(feature = "cluster")]
+async fn monitored(
+    cluster: &RedisClusterServer,
+    keys: &[String],
+    expected: usize,
+    run: impl std::future::Future<Output = ()>,
+) -> Vec<(usize, String, String)> {
+    use futures::StreamExt;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut watchers = Vec::new();
+    for (i, node) in cluster.nodes().iter().enumerate() {
+        let monitor = redis::Client::open(node.url())
+            .unwrap()
+            .get_async_monitor()
+            .await
+            .unwrap();
+        let tx = tx.clone();
+        watchers.push(tokio::spawn(async move {
+            let mut lines = monitor.into_on_message::<String>();
+            while let Some(line) = lines.next().await {
+                if tx.send((i, line)).is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    run.await;
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while seen.len() < expected {
+        let Ok(Some((node, line))) = tokio::time::timeout_at(deadline, rx.recv()).await else {
+            break;
+        };
+        // `1700000000.123456 [0 172.18.0.1:51234] "SET" "key" …`
+        let Some(client) = line.split('[').nth(1).and_then(|r| r.split(']').next()) else {
+            continue;
+        };
+        let client = client.split(' ').nth(1).unwrap_or_default().to_owned();
+        if client == "lua" || !keys.iter().any(|k| line.contains(&format!("\"{k}\""))) {
+            continue;
+        }
+        let command = line
+            .split('"')
+            .nth(1)
+            .unwrap_or_default()
+            .to_ascii_uppercase();
+        seen.push((node, client, command));
+    }
+    for w in watchers {
+        w.abort();
+    }
+    seen
+}
+
+/// A batch on the cluster goes as one pipeline per master, on a connection of
+/// the repository's own to that master — not through the cluster client,
+/// which re-sends a whole pipeline when one command is redirected: each
+/// master's `MONITOR` sees every reservation of the batch come from one
+/// connection, another than the one the single operations use.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_batches_are_one_pipeline_per_master() {
+    let (cluster, url) = cluster().await;
+    let repo = RedisRepository::connect(&url).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let singles: Vec<RecordKey> = (0..30).map(|i| key(&format!("single-{i}"))).collect();
+    let batch: Vec<RecordKey> = (0..60).map(|i| key(&format!("batch-{i}"))).collect();
+    let names = |keys: &[RecordKey]| {
+        keys.iter()
+            .map(RedisRepository::redis_key)
+            .collect::<Vec<_>>()
+    };
+
+    let single_clients = monitored(&cluster, &names(&singles), singles.len(), async {
+        for k in &singles {
+            repo.reserve(request(k, OwnerToken::random(), &clock))
+                .await
+                .unwrap();
+        }
+    })
+    .await;
+    let batch_clients = monitored(&cluster, &names(&batch), batch.len(), async {
+        let requests = batch
+            .iter()
+            .map(|k| request(k, OwnerToken::random(), &clock))
+            .collect();
+        let answers = repo.reserve_many(requests).await;
+        assert!(answers
+            .iter()
+            .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+    })
+    .await;
+    assert_eq!(batch_clients.len(), batch.len(), "{batch_clients:?}");
+    assert!(batch_clients.iter().all(|(_, _, command)| command == "SET"));
+    for node in 0..cluster.nodes().len() {
+        let of = |seen: &[(usize, String, String)]| {
+            seen.iter()
+                .filter(|(n, _, _)| *n == node)
+                .map(|(_, client, _)| client.clone())
+                .collect::<std::collections::BTreeSet<_>>()
+        };
+        let (single, batched) = (of(&single_clients), of(&batch_clients));
+        assert_eq!(
+            batched.len(),
+            1,
+            "node {node}: one connection for the batch: {batched:?}"
+        );
+        assert!(
+            single.is_disjoint(&batched),
+            "node {node}: the batch did not go through the cluster client's connection \
+             ({single:?} against {batched:?})"
+        );
+    }
+    for k in singles.iter().chain(&batch) {
+        repo.delete(k).await.unwrap();
     }
 }
 

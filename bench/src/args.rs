@@ -12,7 +12,8 @@ idempotency-bench: every store of idempotency-rs against its raw client, interle
 USAGE: cargo run --release -p idempotency-bench -- [OPTIONS]
 
 OPTIONS:
-  --backends LIST         memory,sqlite,redis,postgres,mysql,dynamodb (default: all compiled in)
+  --backends LIST         memory,sqlite,redis,redis-cluster,postgres,mysql,dynamodb (default:
+                          all compiled in; redis-cluster needs the feature of that name)
   --ops N                 measured operations per variant, scenario and concurrency
                           (default 20000; split over the rounds; at least, see
                           --min-round-ms)
@@ -30,6 +31,8 @@ OPTIONS:
   --count-ops N           operations of the untimed round-trip counting pass (default 200)
   --redis-url URL         Redis server (default $IDEMPOTENCY_BENCH_REDIS_URL, else the
                           test harness: $IDEMPOTENCY_TEST_REDIS_URL or a container)
+  --redis-cluster-url URL redis+cluster://h:p,h:p,… (default
+                          $IDEMPOTENCY_BENCH_REDIS_CLUSTER_URL, else the harness's cluster)
   --postgres-url URL      PostgreSQL server (default $IDEMPOTENCY_BENCH_POSTGRES_URL, else
                           the harness)
   --postgres-pool N       connections in the pool shared by library and raw (default 32)
@@ -60,6 +63,8 @@ pub struct Args {
     pub dynamodb_ops: usize,
     /// Redis URL, if given.
     pub redis_url: Option<String>,
+    /// Redis Cluster URL (`redis+cluster://…`), if given.
+    pub redis_cluster_url: Option<String>,
     /// PostgreSQL URL, if given.
     pub postgres_url: Option<String>,
     /// Pool size for PostgreSQL.
@@ -88,6 +93,9 @@ pub fn compiled_backends() -> Vec<String> {
     }
     if cfg!(feature = "redis") {
         all.push("redis");
+    }
+    if cfg!(feature = "redis-cluster") {
+        all.push("redis-cluster");
     }
     if cfg!(feature = "postgres") {
         all.push("postgres");
@@ -149,6 +157,7 @@ impl Args {
             memory_ops: 400_000,
             dynamodb_ops: 2_000,
             redis_url: env("IDEMPOTENCY_BENCH_REDIS_URL"),
+            redis_cluster_url: env("IDEMPOTENCY_BENCH_REDIS_CLUSTER_URL"),
             postgres_url: env("IDEMPOTENCY_BENCH_POSTGRES_URL"),
             postgres_pool: 32,
             mysql_url: env("IDEMPOTENCY_BENCH_MYSQL_URL"),
@@ -216,6 +225,7 @@ impl Args {
                         .collect::<Result<_, _>>()?;
                 }
                 "--redis-url" => a.redis_url = Some(value()?),
+                "--redis-cluster-url" => a.redis_cluster_url = Some(value()?),
                 "--postgres-url" => a.postgres_url = Some(value()?),
                 "--postgres-pool" => a.postgres_pool = number(&flag, &value()?)?,
                 "--mysql-url" => a.mysql_url = Some(value()?),

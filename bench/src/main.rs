@@ -138,6 +138,21 @@ async fn connect(
                 idempotency_bench::workloads::redis::RedisWorkload::connect(&url).await?,
             ))
         }
+        #[cfg(feature = "redis-cluster")]
+        "redis-cluster" => {
+            let url = match &args.redis_cluster_url {
+                Some(url) => url.clone(),
+                None => {
+                    let cluster = idempotency_conformance::containers::redis_cluster().await?;
+                    let url = cluster.cluster_url();
+                    keep.push(Box::new(cluster));
+                    url
+                }
+            };
+            Ok(Arc::new(
+                idempotency_bench::workloads::redis::RedisClusterWorkload::connect(&url).await?,
+            ))
+        }
         #[cfg(feature = "postgres")]
         "postgres" => {
             let url = match &args.postgres_url {

@@ -337,12 +337,7 @@ fn usage_errors_and_missing_stores_are_reported() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_slots_are_checked_and_listing_says_where_to_run() {
     let cluster = containers::redis_cluster().await.expect("a Redis Cluster");
-    let hosts: Vec<String> = cluster
-        .nodes()
-        .iter()
-        .map(|n| format!("{}:{}", n.host(), n.port()))
-        .collect();
-    let url = format!("redis+cluster://{}", hosts.join(","));
+    let url = cluster.cluster_url();
     let (code, report, err) = tool(&url, &["doctor"]);
     assert_eq!(code, 0, "{report} {err}");
     assert_eq!(verdict(&report, "cluster slots"), "pass");

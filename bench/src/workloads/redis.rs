@@ -9,24 +9,26 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_conformance::containers::WireCounter;
 use idempotency_core::{Clock, IdempotencyManager, SystemClock};
-use idempotency_redis::redis::aio::{ConnectionManager, MultiplexedConnection};
+use idempotency_redis::redis::aio::{ConnectionLike, ConnectionManager, MultiplexedConnection};
+#[cfg(feature = "redis-cluster")]
+use idempotency_redis::redis::cluster_async::ClusterConnection;
 use idempotency_redis::redis::{self, Value};
 use idempotency_redis::RedisRepository;
 
 use super::{config, execute, key_id, populate, receipt_bytes, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
 
-/// The library and the raw client over one connection manager.
-struct Side {
+/// The library and the raw client (`C`: a connection manager, or a cluster
+/// connection).
+struct Side<C> {
     manager: IdempotencyManager,
-    conn: ConnectionManager,
+    conn: C,
     finish_sha: String,
 }
 
-impl Side {
-    async fn connect(url: &str) -> Result<Self, BoxError> {
-        let conn = redis::Client::open(url)?.get_connection_manager().await?;
-        let repo = RedisRepository::from_connection_manager(conn.clone());
+impl<C> Side<C> {
+    /// The manager over `repo` (its scripts loaded), beside `conn`.
+    async fn new(repo: RedisRepository, conn: C) -> Result<Self, BoxError> {
         repo.load_scripts().await?;
         let finish_sha = repo
             .scripts()
@@ -43,11 +45,35 @@ impl Side {
     }
 }
 
+impl<C: ConnectionLike + Clone + Send + Sync> Side<C> {
+    /// One operation on key `i` of `ns`, by the library or the raw client.
+    async fn op(
+        &self,
+        ttl: Duration,
+        variant: Variant,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+    ) -> Result<(), BoxError> {
+        match variant {
+            Variant::Library => execute(&self.manager, scenario, ns, i).await,
+            Variant::Raw => raw(self, ttl, scenario, ns, i).await,
+        }
+    }
+}
+
+impl Side<ConnectionManager> {
+    async fn connect(url: &str) -> Result<Self, BoxError> {
+        let conn = redis::Client::open(url)?.get_connection_manager().await?;
+        Side::new(RedisRepository::from_connection_manager(conn.clone()), conn).await
+    }
+}
+
 /// Redis workload: a timed side, a side through the round-trip counter, and an
 /// admin connection for `INFO`.
 pub struct RedisWorkload {
-    timed: Side,
-    counted: Side,
+    timed: Side<ConnectionManager>,
+    counted: Side<ConnectionManager>,
     counter: WireCounter,
     admin: MultiplexedConnection,
     version: String,
@@ -93,67 +119,6 @@ impl RedisWorkload {
             ttl: config().ttl,
         })
     }
-
-    /// The raw reservation: the 87-byte record a user would write (format 1,
-    /// `Processing`, with a fingerprint), `SET key record NX PX ttl GET`.
-    async fn raw(
-        &self,
-        side: &Side,
-        scenario: Scenario,
-        ns: &str,
-        i: usize,
-    ) -> Result<(), BoxError> {
-        let mut conn = side.conn.clone();
-        let key = format!("bench:{}", key_id(ns, i));
-        let now = SystemClock.now().as_millis();
-        let ttl_ms = u64::try_from(self.ttl.as_millis()).unwrap_or(u64::MAX);
-        let expires = now + ttl_ms;
-        let owner = rand::random::<u128>().to_be_bytes();
-        let mut record = Vec::with_capacity(87);
-        record.extend_from_slice(&[1, b'P']);
-        record.extend_from_slice(&1u32.to_be_bytes());
-        record.extend_from_slice(&now.to_be_bytes());
-        record.extend_from_slice(&owner);
-        record.extend_from_slice(&(now + 300_000).to_be_bytes());
-        record.extend_from_slice(&expires.to_be_bytes());
-        record.extend_from_slice(&now.to_be_bytes());
-        record.push(1);
-        record.extend_from_slice(&[0xab; 32]);
-        let reply: Value = redis::cmd("SET")
-            .arg(&key)
-            .arg(&record)
-            .arg("NX")
-            .arg("PX")
-            .arg(ttl_ms)
-            .arg("GET")
-            .query_async(&mut conn)
-            .await?;
-        match (scenario, reply) {
-            (Scenario::Duplicate, Value::BulkString(_)) => Ok(()),
-            (Scenario::Fresh, Value::Nil) => {
-                let done: Value = redis::cmd("EVALSHA")
-                    .arg(&side.finish_sha)
-                    .arg(1)
-                    .arg(&key)
-                    .arg(&owner[..])
-                    .arg(&now.to_be_bytes()[..])
-                    .arg(&expires.to_be_bytes()[..])
-                    .arg(ttl_ms)
-                    .arg("C")
-                    .arg("1")
-                    .arg(receipt_bytes(i))
-                    .query_async(&mut conn)
-                    .await?;
-                match done {
-                    Value::Int(1) => Ok(()),
-                    other => Err(format!("raw complete of {key} answered {other:?}").into()),
-                }
-            }
-            (scenario, other) => {
-                Err(format!("raw {scenario} reserve of {key} answered {other:?}").into())
-            }
-        }
-    }
 }
 
 #[async_trait]
@@ -192,10 +157,7 @@ impl Workload for RedisWorkload {
             Lane::Timed => &self.timed,
             Lane::Counted => &self.counted,
         };
-        match variant {
-            Variant::Library => execute(&side.manager, scenario, ns, i).await,
-            Variant::Raw => self.raw(side, scenario, ns, i).await,
-        }
+        side.op(self.ttl, variant, scenario, ns, i).await
     }
 
     async fn round_trips(&self) -> Result<Option<u64>, BoxError> {
@@ -209,6 +171,155 @@ impl Workload for RedisWorkload {
             .query_async(&mut admin)
             .await?;
         Ok(Some(commandstats_total(&info)))
+    }
+}
+
+/// The raw reservation: the 87-byte record a user would write (format 1,
+/// `Processing`, with a fingerprint), `SET key record NX PX ttl GET`, then (a
+/// fresh key) `EVALSHA` of the library's `finish` script.
+async fn raw<C: ConnectionLike + Clone + Send>(
+    side: &Side<C>,
+    ttl: Duration,
+    scenario: Scenario,
+    ns: &str,
+    i: usize,
+) -> Result<(), BoxError> {
+    let mut conn = side.conn.clone();
+    let key = format!("bench:{}", key_id(ns, i));
+    let now = SystemClock.now().as_millis();
+    let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+    let expires = now + ttl_ms;
+    let owner = rand::random::<u128>().to_be_bytes();
+    let mut record = Vec::with_capacity(87);
+    record.extend_from_slice(&[1, b'P']);
+    record.extend_from_slice(&1u32.to_be_bytes());
+    record.extend_from_slice(&now.to_be_bytes());
+    record.extend_from_slice(&owner);
+    record.extend_from_slice(&(now + 300_000).to_be_bytes());
+    record.extend_from_slice(&expires.to_be_bytes());
+    record.extend_from_slice(&now.to_be_bytes());
+    record.push(1);
+    record.extend_from_slice(&[0xab; 32]);
+    let reply: Value = redis::cmd("SET")
+        .arg(&key)
+        .arg(&record)
+        .arg("NX")
+        .arg("PX")
+        .arg(ttl_ms)
+        .arg("GET")
+        .query_async(&mut conn)
+        .await?;
+    match (scenario, reply) {
+        (Scenario::Duplicate, Value::BulkString(_)) => Ok(()),
+        (Scenario::Fresh, Value::Nil) => {
+            let done: Value = redis::cmd("EVALSHA")
+                .arg(&side.finish_sha)
+                .arg(1)
+                .arg(&key)
+                .arg(&owner[..])
+                .arg(&now.to_be_bytes()[..])
+                .arg(&expires.to_be_bytes()[..])
+                .arg(ttl_ms)
+                .arg("C")
+                .arg("1")
+                .arg(receipt_bytes(i))
+                .query_async(&mut conn)
+                .await?;
+            match done {
+                Value::Int(1) => Ok(()),
+                other => Err(format!("raw complete of {key} answered {other:?}").into()),
+            }
+        }
+        (scenario, other) => {
+            Err(format!("raw {scenario} reserve of {key} answered {other:?}").into())
+        }
+    }
+}
+
+#[cfg(feature = "redis-cluster")]
+/// Redis Cluster: the library (`RedisRepository::connect` of the cluster URL)
+/// against the `redis` crate's cluster client issuing the same commands; no
+/// round-trip counter (the nodes are reached at the addresses they announce).
+pub struct RedisClusterWorkload {
+    side: Side<ClusterConnection>,
+    masters: usize,
+    ttl: Duration,
+}
+
+#[cfg(feature = "redis-cluster")]
+impl std::fmt::Debug for RedisClusterWorkload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisClusterWorkload")
+            .field("masters", &self.masters)
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "redis-cluster")]
+impl RedisClusterWorkload {
+    /// Connects both sides to `url` (`redis+cluster://h:p,h:p,…`). With
+    /// `IDEMPOTENCY_BENCH_REDIS_CLUSTER_PER_KEY=1` in the environment, the
+    /// library runs on a cluster connection passed in
+    /// (`RedisRepository::from_cluster_connection`), whose batches go key by
+    /// key — for comparison with the pipelines per master of a repository
+    /// connected by URL.
+    ///
+    /// # Errors
+    /// When the cluster cannot be reached.
+    pub async fn connect(url: &str) -> Result<Self, BoxError> {
+        let hosts = url
+            .strip_prefix("redis+cluster://")
+            .ok_or("a Redis Cluster URL starts with redis+cluster://")?;
+        let nodes: Vec<String> = hosts.split(',').map(|h| format!("redis://{h}")).collect();
+        let client = redis::cluster::ClusterClient::new(nodes.clone())?;
+        let conn = client.get_async_connection().await?;
+        let repo = if std::env::var("IDEMPOTENCY_BENCH_REDIS_CLUSTER_PER_KEY").as_deref() == Ok("1")
+        {
+            RedisRepository::from_cluster_connection(client.get_async_connection().await?)
+        } else {
+            RedisRepository::connect(url).await?
+        };
+        let side = Side::new(repo, conn).await?;
+        Ok(RedisClusterWorkload {
+            side,
+            masters: nodes.len(),
+            ttl: config().ttl,
+        })
+    }
+}
+
+#[cfg(feature = "redis-cluster")]
+#[async_trait]
+impl Workload for RedisClusterWorkload {
+    fn backend(&self) -> &'static str {
+        "redis-cluster"
+    }
+
+    fn manager(&self, _lane: Lane) -> &IdempotencyManager {
+        &self.side.manager
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "Redis Cluster of {} masters — the library's cluster connection, raw on the redis \
+             crate's cluster client",
+            self.masters
+        )
+    }
+
+    async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError> {
+        populate(&self.side.manager, ns, ops, 256).await
+    }
+
+    async fn op(
+        &self,
+        variant: Variant,
+        scenario: Scenario,
+        ns: &str,
+        i: usize,
+        _lane: Lane,
+    ) -> Result<(), BoxError> {
+        self.side.op(self.ttl, variant, scenario, ns, i).await
     }
 }
 

@@ -36,6 +36,17 @@ impl RedisClusterServer {
     pub fn urls(&self) -> Vec<&str> {
         self.nodes.iter().map(RedisServer::url).collect()
     }
+
+    /// `redis+cluster://host:port,host:port,…`: the URL of the whole cluster,
+    /// as `idempotency-redis` (feature `cluster`) and the root crate read it.
+    pub fn cluster_url(&self) -> String {
+        let hosts: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("{}:{}", n.host(), n.port()))
+            .collect();
+        format!("redis+cluster://{}", hosts.join(","))
+    }
 }
 
 /// A Redis Cluster of three masters (no replicas) shared by every test of this

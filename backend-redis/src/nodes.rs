@@ -1,0 +1,386 @@
+//! Batches on Redis Cluster: one pipeline per primary, on a connection of our
+//! own to that primary.
+//!
+//! A record key hashes whole (the namespace escapes braces, and an id with a
+//! brace gets an empty hash tag, see
+//! [`RedisRepository::redis_key`](crate::RedisRepository::redis_key)), so the
+//! keys of a batch fall on about as many slots as there are keys: a pipeline
+//! per slot would be a command per key. A pipeline may carry commands for
+//! many slots as long as one node serves them all — each command names one
+//! key, so there is never a cross-slot command — and the keys of a batch are
+//! grouped by the primary that serves their slot, from the cluster's slot table
+//! (`CLUSTER SLOTS`, read when first needed and again after any sign that it
+//! changed).
+//!
+//! The pipelines do not go through the `redis` crate's cluster client: when
+//! one command of a pipeline is redirected, it re-sends the *whole* pipeline,
+//! which would run the others again (a completion applied twice answers
+//! `LeaseLost` for a write that committed). They go on a reconnecting
+//! connection to each primary instead, opened like the cluster's own (same
+//! credentials, TLS and timeouts), where a command the node does not serve now
+//! comes back as its own reply — `MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`,
+//! `LOADING`, `READONLY`: not executed — and that key alone goes through the
+//! cluster client, which follows redirections. A failure of a node's pipeline
+//! as a whole is every one of its keys' error, as ambiguous as a lost reply,
+//! and the table is read again.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+
+/// The number of hash slots of a Redis Cluster.
+const SLOTS: u16 = 16384;
+
+/// The slot of a Redis key: CRC16 (XMODEM) of its hash tag — the part between
+/// its first `{` and the next `}`, when not empty — or of the whole key.
+pub(crate) fn slot_of(key: &[u8]) -> u16 {
+    let tag = key.iter().position(|&b| b == b'{').and_then(|open| {
+        let rest = &key[open + 1..];
+        let close = rest.iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &rest[..close])
+    });
+    crc16::State::<crc16::XMODEM>::calculate(tag.unwrap_or(key)) % SLOTS
+}
+
+/// Whether the node refused a command without executing it because it does
+/// not serve the command's slot now (or cannot yet): the key may go through
+/// the cluster client, which finds the node that does.
+pub(crate) fn is_not_served(err: &RedisError) -> bool {
+    matches!(
+        err.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::BusyLoading
+                | ServerErrorKind::ReadOnly
+        )
+    )
+}
+
+/// Which primary serves each slot, as `CLUSTER SLOTS` last said.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct SlotTable {
+    /// `(first slot, last slot, primary)`, sorted by first slot.
+    ranges: Vec<(u16, u16, usize)>,
+    /// Each primary's host and port.
+    primaries: Vec<(String, u16)>,
+}
+
+impl SlotTable {
+    /// Parses a `CLUSTER SLOTS` reply: per range, its first and last slot and
+    /// its primary's `[host, port, …]`. `None` for a reply of another shape or
+    /// a primary without a usable host (empty or `?`: an unknown endpoint).
+    pub(crate) fn parse(reply: &Value) -> Option<Self> {
+        let Value::Array(entries) = reply else {
+            return None;
+        };
+        let mut table = SlotTable::default();
+        let mut known: HashMap<(String, u16), usize> = HashMap::new();
+        for entry in entries {
+            let Value::Array(fields) = entry else {
+                return None;
+            };
+            let (Some(Value::Int(first)), Some(Value::Int(last)), Some(Value::Array(primary))) =
+                (fields.first(), fields.get(1), fields.get(2))
+            else {
+                return None;
+            };
+            let host = match primary.first() {
+                Some(Value::BulkString(host)) => String::from_utf8(host.clone()).ok()?,
+                Some(Value::SimpleString(host)) => host.clone(),
+                _ => return None,
+            };
+            if host.is_empty() || host == "?" {
+                return None;
+            }
+            let Some(Value::Int(port)) = primary.get(1) else {
+                return None;
+            };
+            let address = (host, u16::try_from(*port).ok()?);
+            let next = table.primaries.len();
+            let node = *known.entry(address.clone()).or_insert_with(|| {
+                table.primaries.push(address);
+                next
+            });
+            let (first, last) = (u16::try_from(*first).ok()?, u16::try_from(*last).ok()?);
+            table.ranges.push((first, last, node));
+        }
+        table.ranges.sort_unstable();
+        Some(table)
+    }
+
+    /// The primary serving `slot`, if the table knows one.
+    pub(crate) fn primary(&self, slot: u16) -> Option<usize> {
+        let at = self.ranges.partition_point(|&(first, _, _)| first <= slot);
+        let (first, last, node) = *self.ranges.get(at.checked_sub(1)?)?;
+        (first..=last).contains(&slot).then_some(node)
+    }
+
+    /// A primary's host and port.
+    pub(crate) fn address(&self, primary: usize) -> Option<&(String, u16)> {
+        self.primaries.get(primary)
+    }
+}
+
+/// Splits `items` into groups by the primary serving each one's slot, keeping
+/// each item's index in the batch. Items of slots the table does not know
+/// are groups of their own, without a primary.
+pub(crate) fn by_primary<T>(
+    items: Vec<T>,
+    table: &SlotTable,
+    slot: impl Fn(&T) -> u16,
+) -> Vec<(Option<usize>, Vec<usize>, Vec<T>)> {
+    let mut groups: Vec<(Option<usize>, Vec<usize>, Vec<T>)> = Vec::new();
+    let mut of_primary: HashMap<usize, usize> = HashMap::new();
+    for (i, item) in items.into_iter().enumerate() {
+        let primary = table.primary(slot(&item));
+        let group = match primary {
+            Some(p) => *of_primary.entry(p).or_insert_with(|| {
+                groups.push((primary, Vec::new(), Vec::new()));
+                groups.len() - 1
+            }),
+            None => {
+                groups.push((None, Vec::new(), Vec::new()));
+                groups.len() - 1
+            }
+        };
+        groups[group].1.push(i);
+        groups[group].2.push(item);
+    }
+    groups
+}
+
+/// The slot table and our connections to the primaries, for batches.
+pub(crate) struct Nodes {
+    /// The first node's URL: credentials, TLS and database, with the host and
+    /// port replaced per primary.
+    template: url::Url,
+    config: ConnectionManagerConfig,
+    table: RwLock<Option<Arc<SlotTable>>>,
+    /// Until when not to ask for the table again after it could not be read
+    /// or used (the batches go key by key meanwhile).
+    unreadable_until: Mutex<Option<Instant>>,
+    links: Mutex<HashMap<(String, u16), ConnectionManager>>,
+}
+
+/// How long a table that could not be read or used is not asked for again.
+const UNREADABLE_FOR: Duration = Duration::from_secs(5);
+
+impl std::fmt::Debug for Nodes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Nodes").finish_non_exhaustive()
+    }
+}
+
+impl Nodes {
+    /// Connections opened like `template`'s (a node URL of the cluster), with
+    /// `config`'s timeouts and retries. `None` for a URL that cannot be read.
+    pub(crate) fn new(template: &str, config: ConnectionManagerConfig) -> Option<Self> {
+        Some(Nodes {
+            template: url::Url::parse(template).ok()?,
+            config,
+            table: RwLock::default(),
+            unreadable_until: Mutex::default(),
+            links: Mutex::default(),
+        })
+    }
+
+    /// The table as last read, if any.
+    pub(crate) fn known_table(&self) -> Option<Arc<SlotTable>> {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Whether the table may be asked for now (not within [`UNREADABLE_FOR`]
+    /// of a failure to read or use it).
+    pub(crate) fn may_read(&self) -> bool {
+        let until = *self
+            .unreadable_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        until.is_none_or(|until| Instant::now() >= until)
+    }
+
+    /// Records that the table could not be read or used.
+    pub(crate) fn unreadable(&self) {
+        *self
+            .unreadable_until
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + UNREADABLE_FOR);
+    }
+
+    /// Keeps `table` until something says it changed.
+    pub(crate) fn remember(&self, table: SlotTable) -> Arc<SlotTable> {
+        let table = Arc::new(table);
+        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&table));
+        table
+    }
+
+    /// Forgets the table (a node refused a key it no longer serves, or failed
+    /// as a whole), and the link to a node that failed.
+    pub(crate) fn forget(&self, failed: Option<&(String, u16)>) {
+        *self.table.write().unwrap_or_else(|e| e.into_inner()) = None;
+        if let Some(address) = failed {
+            self.lock_links().remove(address);
+        }
+    }
+
+    /// Our connection to the primary at `address`, opened on first use;
+    /// `None` when it cannot be opened (the keys then go one by one).
+    pub(crate) async fn link(&self, address: &(String, u16)) -> Option<ConnectionManager> {
+        if let Some(link) = self.lock_links().get(address) {
+            return Some(link.clone());
+        }
+        let mut url = self.template.clone();
+        let host = if address.0.contains(':') {
+            format!("[{}]", address.0)
+        } else {
+            address.0.clone()
+        };
+        url.set_host(Some(&host)).ok()?;
+        url.set_port(Some(address.1)).ok()?;
+        let client = redis::Client::open(url.as_str()).ok()?;
+        let link = ConnectionManager::new_with_config(client, self.config.clone())
+            .await
+            .ok()?;
+        self.lock_links()
+            .entry(address.clone())
+            .or_insert(link.clone());
+        Some(link)
+    }
+
+    fn lock_links(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u16), ConnectionManager>> {
+        // Nothing panics while holding it; the map stays consistent.
+        self.links.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::cluster_routing::{Route, SlotAddr};
+
+    fn node(host: &str, port: i64) -> Value {
+        Value::Array(vec![
+            Value::BulkString(host.as_bytes().to_vec()),
+            Value::Int(port),
+            Value::BulkString(b"id".to_vec()),
+        ])
+    }
+
+    fn range(first: i64, last: i64, primary: Value) -> Value {
+        Value::Array(vec![Value::Int(first), Value::Int(last), primary])
+    }
+
+    #[test]
+    fn slots_map_to_their_primaries() {
+        let reply = Value::Array(vec![
+            range(10923, 16383, node("10.0.0.3", 6379)),
+            range(100, 5460, node("10.0.0.1", 6379)),
+            range(5461, 10922, node("10.0.0.2", 6379)),
+            range(0, 99, node("10.0.0.1", 6379)),
+        ]);
+        let table = SlotTable::parse(&reply).expect("a CLUSTER SLOTS reply");
+        let (a, b, c) = (table.primary(0), table.primary(5461), table.primary(16383));
+        assert_eq!(
+            table.address(a.unwrap()).unwrap(),
+            &("10.0.0.1".to_owned(), 6379)
+        );
+        assert_eq!(
+            table.address(b.unwrap()).unwrap(),
+            &("10.0.0.2".to_owned(), 6379)
+        );
+        assert_eq!(
+            table.address(c.unwrap()).unwrap(),
+            &("10.0.0.3".to_owned(), 6379)
+        );
+        assert_eq!(table.primary(5460), a);
+        assert_eq!(table.primary(10922), b);
+        assert_eq!(table.primary(99), a, "two ranges of one primary");
+        assert_eq!(table.primary(100), a);
+        assert_eq!(table.primary(16384), None);
+        let partial = SlotTable::parse(&Value::Array(vec![range(0, 99, node("h", 1))])).unwrap();
+        assert_eq!(
+            partial.primary(100),
+            None,
+            "an uncovered slot has no primary"
+        );
+    }
+
+    #[test]
+    fn other_replies_are_not_tables() {
+        for reply in [
+            Value::Nil,
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![Value::Array(vec![Value::Int(0), Value::Int(1)])]),
+            Value::Array(vec![range(-1, 5, node("h", 1))]),
+            Value::Array(vec![range(0, 5, node("h", 70000))]),
+            Value::Array(vec![range(0, 5, Value::Array(vec![Value::Int(1)]))]),
+            Value::Array(vec![range(0, 5, node("", 6379))]),
+            Value::Array(vec![range(0, 5, node("?", 6379))]),
+        ] {
+            assert!(SlotTable::parse(&reply).is_none(), "{reply:?}");
+        }
+    }
+
+    #[test]
+    fn groups_follow_primaries_and_keep_indices() {
+        let reply = Value::Array(vec![
+            range(0, 8191, node("a", 1)),
+            range(8192, 16000, node("b", 1)),
+        ]);
+        let table = SlotTable::parse(&reply).unwrap();
+        let slots = [1_u16, 9000, 2, 16383, 8191, 16001];
+        let groups = by_primary(slots.to_vec(), &table, |s| *s);
+        assert_eq!(
+            groups,
+            vec![
+                (Some(0), vec![0, 2, 4], vec![1, 2, 8191]),
+                (Some(1), vec![1], vec![9000]),
+                (None, vec![3], vec![16383]),
+                (None, vec![5], vec![16001]),
+            ]
+        );
+    }
+
+    #[test]
+    fn slots_are_the_clusters() {
+        // The cluster specification's example, and hash tags.
+        assert_eq!(slot_of(b"123456789"), 0x31C3);
+        assert_eq!(slot_of(b"{user1000}.following"), slot_of(b"user1000"));
+        assert_eq!(slot_of(b"foo{{bar}}zap"), slot_of(b"{bar"));
+        // The client's own hashing agrees, hash tags and empty tags included.
+        for key in [
+            "{user1000}.following",
+            "x",
+            "",
+            "foo{}{bar}",
+            "foo{bar}{zap}",
+            "{}idempotency%3Apayments:/orders/{id}",
+            "idempotency%3Apayments:order-42",
+        ] {
+            let theirs = Route::with_key(key, SlotAddr::Master);
+            assert_eq!(
+                Route::new(slot_of(key.as_bytes()), SlotAddr::Master),
+                theirs,
+                "{key}"
+            );
+        }
+    }
+
+    #[test]
+    fn refusals_that_executed_nothing() {
+        let moved = RedisError::from((
+            ErrorKind::Server(ServerErrorKind::Moved),
+            "MOVED",
+            "3999 127.0.0.1:6381".to_owned(),
+        ));
+        assert!(is_not_served(&moved));
+        let other = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "ERR"));
+        assert!(!is_not_served(&other));
+    }
+}
