@@ -36,7 +36,9 @@
 //! URL query options taken by this crate: `schema` (default `public`), `table`
 //! (default `idempotency_records`), `migrate`, `max_connections` (default 10),
 //! `acquire_timeout` (default `5s`), `operation_timeout` (default `5s`; both
-//! must be positive). sqlx's connection options (`sslmode`, `sslrootcert`,
+//! must be positive), `held_connections` (connections kept between
+//! operations; default: the whole pool, see
+//! [`PgRepositoryBuilder::held_connections`]). sqlx's connection options (`sslmode`, `sslrootcert`,
 //! `sslcert`, `sslkey`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`, `options[NAME]`, `statement-cache-capacity`)
 //! pass through; any other option is an
@@ -255,7 +257,8 @@ pub use sqlx;
 /// `idempotency::connect` calls it for those schemes.
 ///
 /// Query options: `schema`, `table`, `migrate`, `max_connections`,
-/// `acquire_timeout`, `operation_timeout` (see the [crate docs](crate)); the
+/// `acquire_timeout`, `operation_timeout`, `held_connections` (see the
+/// [crate docs](crate)); the
 /// others go to sqlx.
 ///
 /// # Errors

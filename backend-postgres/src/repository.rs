@@ -447,7 +447,7 @@ impl PgRepositoryBuilder {
     ///
     /// The URL's query may carry this crate's options — `schema`, `table`,
     /// `max_connections`, `acquire_timeout`, `operation_timeout` (durations such
-    /// as `5s` or `500ms`) and `migrate=true` (run [`PgRepository::migrate`]) —
+    /// as `5s` or `500ms`), `held_connections` and `migrate=true` (run [`PgRepository::migrate`]) —
     /// which override the builder's; every other option (`sslmode`,
     /// `application_name`, …) is sqlx's.
     ///

@@ -938,8 +938,7 @@ async fn brace_ids_spread_over_the_cluster() {
             .or_default()
             .push(redis_key);
     }
-    // Keys sharing a slot, for the failure message (the expected number of
-    // such pairs among 200 keys is below one).
+    // Keys sharing a slot, for the failure message.
     let shared: Vec<_> = now_slots
         .iter()
         .filter(|(_, k)| k.len() > 1)
@@ -950,8 +949,13 @@ async fn brace_ids_spread_over_the_cluster() {
         1,
         "the control: `{{id}}` is the hash tag of every key of the route"
     );
+    // CRC16 is linear, not a random hash: keys differing only in a numeric
+    // suffix share slots more often than chance would have it, and how often
+    // depends on the (random) namespace — 200 such keys fell on 110 to 200
+    // distinct slots over 3,000 namespaces (184 in one CI run). A hash tag
+    // would put all of them on one.
     assert!(
-        now_slots.len() >= 190,
+        now_slots.len() >= 100,
         "200 keys of one route on only {} slots; shared: {shared:?}",
         now_slots.len()
     );
