@@ -183,6 +183,7 @@ async fn sweep(shared: Weak<Shared>) {
     // that the next `keep` starts a new one rather than trusting a dead task.
     let _ended = SweepEnded(shared.clone());
     loop {
+        // The sweeper's period (real time: idleness is measured in real time).
         tokio::time::sleep(IDLE).await;
         let Some(shared) = shared.upgrade() else {
             return;

@@ -502,6 +502,8 @@ async fn a_shared_pool_keeps_its_owners_share() {
     tokio::task::yield_now().await;
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
     while pool.size() < 2 && std::time::Instant::now() < deadline {
+        // Polls a real pool opening real connections (no clock drives that),
+        // up to the deadline.
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     // The owner's share: two connections at once.

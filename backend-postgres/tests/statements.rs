@@ -270,6 +270,8 @@ async fn one_proxied_connection() -> (PgRepository, WireCounter) {
 async fn pool_idle(repo: &PgRepository, idle: usize) {
     let deadline = Instant::now() + Duration::from_secs(10);
     while repo.pool().num_idle() != idle && Instant::now() < deadline {
+        // Polls for sqlx's background release (its ping to a real server, and
+        // the repository's real-time idle period), up to the deadline.
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     assert_eq!(repo.pool().num_idle(), idle);

@@ -580,6 +580,28 @@ async fn holder(cluster: &RedisClusterServer, key: &RecordKey) -> usize {
     holders[0]
 }
 
+/// A repository on the cluster, reserving with `strategy`.
+#[cfg(feature = "cluster")]
+async fn cluster_repo(url: &str, strategy: ReserveStrategy) -> RedisRepository {
+    RedisRepository::connect(url)
+        .await
+        .unwrap()
+        .with_reserve_strategy(strategy)
+}
+
+/// The masters holding `keys`.
+#[cfg(feature = "cluster")]
+async fn masters_of(
+    cluster: &RedisClusterServer,
+    keys: &[RecordKey],
+) -> std::collections::BTreeSet<usize> {
+    let mut masters = std::collections::BTreeSet::new();
+    for k in keys {
+        masters.insert(holder(cluster, k).await);
+    }
+    masters
+}
+
 /// `SCRIPT FLUSH` on every node of the cluster.
 #[cfg(feature = "cluster")]
 async fn flush_scripts_everywhere(cluster: &RedisClusterServer) {
@@ -601,10 +623,7 @@ async fn flush_scripts_everywhere(cluster: &RedisClusterServer) {
 async fn cluster_conformance() {
     let (cluster, url) = cluster().await;
     for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
-        let repo = RedisRepository::connect(&url)
-            .await
-            .unwrap()
-            .with_reserve_strategy(strategy);
+        let repo = cluster_repo(&url, strategy).await;
         let report = idempotency_conformance::run_all(Arc::new(repo)).await;
         println!("cluster, {strategy:?}: {} checks passed", report.passed());
         report.assert_all_passed();
@@ -621,10 +640,7 @@ async fn cluster_conformance() {
             .await
             .unwrap();
     }
-    let mut masters = std::collections::BTreeSet::new();
-    for k in &keys {
-        masters.insert(holder(&cluster, k).await);
-    }
+    let masters = masters_of(&cluster, &keys).await;
     assert!(
         masters.len() >= 2,
         "records of one namespace stay on one master"
@@ -667,10 +683,7 @@ async fn cluster_conformance() {
 async fn cluster_batches_answer_as_single_operations() {
     let (cluster, url) = cluster().await;
     for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
-        let repo = RedisRepository::connect(&url)
-            .await
-            .unwrap()
-            .with_reserve_strategy(strategy);
+        let repo = cluster_repo(&url, strategy).await;
         let clock = ManualClock::starting_now();
         let keys: Vec<RecordKey> = (0..60).map(|i| key(&format!("batch-{i}"))).collect();
         let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
@@ -687,10 +700,7 @@ async fn cluster_batches_answer_as_single_operations() {
                 .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))),
             "{strategy:?}: {fresh:?}"
         );
-        let mut masters = std::collections::BTreeSet::new();
-        for k in &keys {
-            masters.insert(holder(&cluster, k).await);
-        }
+        let masters = masters_of(&cluster, &keys).await;
         assert_eq!(
             masters.len(),
             cluster.nodes().len(),

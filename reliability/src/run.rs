@@ -263,6 +263,7 @@ async fn consume(
 /// real server's and proxy's).
 async fn arrive(rng: &mut StdRng, pace: Duration) {
     let pace_us = u64::try_from(pace.as_micros()).unwrap_or(u64::MAX).max(1);
+    // Real-time pacing of a soak against real servers (see above).
     tokio::time::sleep(Duration::from_micros(rng.random_range(0..2 * pace_us))).await;
 }
 
@@ -273,6 +274,7 @@ async fn redeliver(
     pause: Duration,
     keys: impl IntoIterator<Item = usize>,
 ) {
+    // A real-time pause: the broker's redelivery delay against real servers.
     tokio::time::sleep(pause).await;
     queue
         .lock()
