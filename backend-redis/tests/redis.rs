@@ -96,6 +96,18 @@ fn request<'a>(key: &'a RecordKey, owner: OwnerToken, clock: &ManualClock) -> Re
     }
 }
 
+/// A reservation of each key by its owner.
+fn requests_of<'a>(
+    keys: &'a [RecordKey],
+    owners: &[OwnerToken],
+    clock: &ManualClock,
+) -> Vec<ReserveRequest<'a>> {
+    keys.iter()
+        .zip(owners)
+        .map(|(k, o)| request(k, *o, clock))
+        .collect()
+}
+
 fn key(id: &str) -> RecordKey {
     RecordKey::new(format!("dedicated-{:x}", rand::random::<u32>()), id, 256).unwrap()
 }
@@ -687,12 +699,7 @@ async fn cluster_batches_answer_as_single_operations() {
         let clock = ManualClock::starting_now();
         let keys: Vec<RecordKey> = (0..60).map(|i| key(&format!("batch-{i}"))).collect();
         let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
-        let requests = |owners: &[OwnerToken]| {
-            keys.iter()
-                .zip(owners)
-                .map(|(k, o)| request(k, *o, &clock))
-                .collect::<Vec<_>>()
-        };
+        let requests = |owners: &[OwnerToken]| requests_of(&keys, owners, &clock);
         let fresh = repo.reserve_many(requests(&owners)).await;
         assert!(
             fresh
@@ -1334,12 +1341,7 @@ async fn batches_are_one_pipeline() {
         let clock = ManualClock::starting_now();
         let keys: Vec<RecordKey> = (0..100).map(|i| key(&format!("batch-{i}"))).collect();
         let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
-        let requests = |owners: &[OwnerToken]| {
-            keys.iter()
-                .zip(owners)
-                .map(|(k, o)| request(k, *o, &clock))
-                .collect::<Vec<_>>()
-        };
+        let requests = |owners: &[OwnerToken]| requests_of(&keys, owners, &clock);
         let before = counter.snapshot();
         let fresh = repo.reserve_many(requests(&owners)).await;
         assert_eq!(counter.round_trips_since(&before), 1, "{strategy:?}: fresh");
