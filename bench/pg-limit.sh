@@ -11,7 +11,8 @@
 # pgbench) and a `postgres` user to run them as; it installs nothing. The
 # equivalent SQL, per execution:
 #   fresh:     INSERT … ON CONFLICT DO NOTHING RETURNING, then the owner-checked
-#              UPDATE to completed (two statements, like the library);
+#              UPDATE to completed (two statements, like the library), whose
+#              expiry is later than the reservation's, as the library's is;
 #   duplicate: one SELECT of the record by key (what any design must read).
 # The table is the library's own (migrated), so indexes are alike.
 set -euo pipefail
@@ -56,13 +57,13 @@ OWNER="'\\x000102030405060708090a0b0c0d0e0f'"
 NS="'\\x62656e6368'"
 cat > "$WORK/fresh-simple.sql" <<EOF
 \\set id random(1, 9000000000000000000)
-INSERT INTO pglimit (namespace, id, status, owner, attempt, fingerprint, retryable, lease_until, expires_at, created_at, updated_at) VALUES ($NS, int8send(:id), 'processing', $OWNER, 1, NULL, false, 2000000000000, 2000000600000, 1, 1) ON CONFLICT DO NOTHING RETURNING attempt;
-UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600000, updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
+INSERT INTO pglimit (namespace, id, status, owner, attempt, fingerprint, retryable, lease_until, expires_at, created_at, updated_at, purge_after) VALUES ($NS, int8send(:id), 'processing', $OWNER, 1, NULL, false, 2000000000000, 2000000600000, 1, 1, 2000000600000) ON CONFLICT DO NOTHING RETURNING attempt;
+UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600002, updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
 EOF
 cat > "$WORK/fresh-library.sql" <<EOF
 \\set id random(1, 9000000000000000000)
 SELECT * FROM pglimit_reserve($NS, int8send(:id), $OWNER, NULL, 1, 1, 2000000000000, 2000000600000, false);
-UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600000, updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
+UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600002, purge_after = LEAST(purge_after, 2000000600002), updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
 EOF
 cat > "$WORK/duplicate-simple.sql" <<EOF
 \\set id random(1, 100000)
@@ -84,7 +85,7 @@ for fsync in on off; do
          -c max_connections=300 -c fsync=$fsync -c shared_buffers=256MB" >/dev/null
     url="postgres://bench@127.0.0.1:$port/postgres"
     "$CLI" --url "$url?table=pglimit" migrate >/dev/null
-    psql -q "$url" -c "INSERT INTO pglimit (namespace, id, status, owner, attempt, result, retryable, lease_until, expires_at, created_at, updated_at) SELECT $NS, int8send(g), 'completed', $OWNER, 1, '\\x7b7d', false, 1, 4000000000000, 1, 1 FROM generate_series(1, 100000) g" >/dev/null
+    psql -q "$url" -c "INSERT INTO pglimit (namespace, id, status, owner, attempt, result, retryable, lease_until, expires_at, created_at, updated_at, purge_after) SELECT $NS, int8send(g), 'completed', $OWNER, 1, '\\x7b7d', false, 1, 4000000000000, 1, 1, 4000000000000 FROM generate_series(1, 100000) g" >/dev/null
     settings=$(psql -At "$url" -c "SELECT string_agg(name || '=' || setting, ', ' ORDER BY name) FROM pg_settings WHERE name IN ('fsync','synchronous_commit','full_page_writes','shared_buffers','wal_level','server_version')")
     echo
     echo "== fsync=$fsync: $settings; $CLIENTS clients, $SECONDS_PER s per pgbench run, $ROUNDS rounds"

@@ -14,14 +14,77 @@ use crate::names::RECORD_COLUMNS;
 use crate::ops::{decode_record, ts};
 use crate::PgRepository;
 
+/// The columns a completion, a failure or an extension writes (besides
+/// `purge_after`, which they keep as a rule): an index on any of them makes
+/// those updates write new index entries (not HOT).
+const UPDATED_COLUMNS: [&str; 7] = [
+    "status",
+    "result",
+    "error",
+    "retryable",
+    "lease_until",
+    "expires_at",
+    "updated_at",
+];
+
+/// The verdict on whether the table's updates can be HOT: `indexed` are the
+/// columns of [`UPDATED_COLUMNS`] some index depends on (key, expression or
+/// predicate), `fillfactor` the table's; `updates` and `hot` are the server's
+/// counts since its statistics were reset, reported but not judged (they
+/// include everything from before migration 4).
+fn hot_verdict(indexed: &[String], fillfactor: Option<i32>, updates: i64, hot: i64) -> Check {
+    const NAME: &str = "HOT updates";
+    let counted = match updates {
+        0 => "no updates counted yet".to_owned(),
+        _ => format!(
+            "{}% of {updates} updates HOT since the statistics were reset",
+            i128::from(hot) * 100 / i128::from(updates)
+        ),
+    };
+    if !indexed.is_empty() {
+        return Check::warn(
+            NAME,
+            format!(
+                "completions change the indexed {}: each writes new index entries \
+                 ({counted})",
+                indexed.join(", ")
+            ),
+            "run `idempotency migrate` (migration 4 moves the purge index to purge_after, \
+             which completions keep); move or drop indexes of your own on these columns",
+        );
+    }
+    let fillfactor = fillfactor.unwrap_or(100);
+    if fillfactor >= 100 {
+        return Check::warn(
+            NAME,
+            format!("fillfactor 100: full pages keep no room for completed versions ({counted})"),
+            "run `idempotency migrate` (migration 4 sets fillfactor 85; it applies to pages \
+             written from then on)",
+        );
+    }
+    Check::pass(
+        NAME,
+        format!("no index on a column completions change; fillfactor {fillfactor} ({counted})"),
+    )
+}
+
 impl PgRepository {
     fn map(&self) -> impl Fn(sqlx::Error) -> Error + '_ {
         |e| map_sqlx(e, "admin", None, &self.statements().qualified)
     }
 
+    /// How many records have expired by `now`: through the purge index on a
+    /// table at migration 4 or later, by `expires_at` on an older one (which
+    /// has no `purge_after`).
     async fn expired(&self, now: Timestamp) -> Result<u64, Error> {
+        let at = crate::migrate::version(self.pool(), self.statements()).await?;
+        let filter = if at >= crate::migrate::PURGE_AFTER {
+            "purge_after <= $1 AND expires_at <= $1"
+        } else {
+            "expires_at <= $1"
+        };
         let n: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {} WHERE expires_at <= $1",
+            "SELECT count(*) FROM {} WHERE {filter}",
             self.statements().qualified
         ))
         .bind(ts(now))
@@ -39,29 +102,72 @@ impl PgRepository {
             .map_err(self.map())
     }
 
-    async fn index_check(&self) -> Result<Check, Error> {
+    /// Whether purges find expired rows by index: on `purge_after` since
+    /// migration 4, on `expires_at` before (`at` is the table's version).
+    async fn index_check(&self, at: i32) -> Result<Check, Error> {
         let names = self.statements();
+        let column = if at >= crate::migrate::PURGE_AFTER {
+            "purge_after"
+        } else {
+            "expires_at"
+        };
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
-             AND indexdef LIKE '%(expires_at)%'",
+             AND indexdef LIKE '%(' || $3 || ')%'",
         )
         .bind(&names.schema)
         .bind(&names.table)
+        .bind(column)
         .fetch_one(self.pool())
         .await
         .map_err(self.map())?;
         Ok(if n > 0 {
             Check::pass(
-                "expires_at index",
-                "present: purges find expired rows by index",
+                "purge index",
+                format!("present: purges find expired rows by index (on {column})"),
             )
         } else {
             Check::warn(
-                "expires_at index",
-                "missing: every purge scans the whole table",
+                "purge index",
+                format!("missing (on {column}): every purge scans the whole table"),
                 "run `idempotency migrate` (it creates the index)",
             )
         })
+    }
+
+    /// Whether the table's updates (completions, failures, extensions) can be
+    /// HOT: no index on a column they change, room left on each page.
+    async fn hot_check(&self) -> Result<Check, Error> {
+        let table = &self.statements().qualified;
+        // Key columns from `pg_index`; columns of expressions and predicates
+        // from the index's dependencies.
+        let indexed: Vec<String> = sqlx::query_scalar(
+            "SELECT DISTINCT a.attname::text FROM pg_index i \
+             JOIN pg_attribute a ON a.attrelid = i.indrelid \
+             WHERE i.indrelid = to_regclass($1) AND a.attname = ANY($2) \
+             AND (a.attnum = ANY(i.indkey) OR EXISTS (SELECT 1 FROM pg_depend d \
+                  WHERE d.classid = 'pg_class'::regclass AND d.objid = i.indexrelid \
+                  AND d.refclassid = 'pg_class'::regclass AND d.refobjid = i.indrelid \
+                  AND d.refobjsubid = a.attnum)) \
+             ORDER BY 1",
+        )
+        .bind(table)
+        .bind(&UPDATED_COLUMNS[..])
+        .fetch_all(self.pool())
+        .await
+        .map_err(self.map())?;
+        let (fillfactor, updates, hot): (Option<i32>, i64, i64) = sqlx::query_as(
+            "SELECT (SELECT split_part(o, '=', 2)::int FROM unnest(c.reloptions) o \
+                     WHERE o LIKE 'fillfactor=%'), \
+                    COALESCE(s.n_tup_upd, 0), COALESCE(s.n_tup_hot_upd, 0) \
+             FROM pg_class c LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
+             WHERE c.oid = to_regclass($1)",
+        )
+        .bind(table)
+        .fetch_one(self.pool())
+        .await
+        .map_err(self.map())?;
+        Ok(hot_verdict(&indexed, fillfactor, updates, hot))
     }
 
     async fn lock_timeout_check(&self) -> Result<Check, Error> {
@@ -182,10 +288,49 @@ impl Admin for PgRepository {
             checks.push(self.clock_check(options).await?);
             return Ok(checks);
         }
-        checks.push(self.index_check().await?);
+        checks.push(self.index_check(at).await?);
+        checks.push(self.hot_check().await?);
         checks.push(self.lock_timeout_check().await?);
         checks.push(self.clock_check(options).await?);
         checks.push(Check::purge_backlog(self.expired(SystemClock.now()).await?));
         Ok(checks)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use idempotency_core::admin::Verdict;
+
+    use super::hot_verdict;
+
+    #[test]
+    fn hot_verdicts() {
+        let ok = hot_verdict(&[], Some(85), 10_000, 9_990);
+        assert_eq!(ok.verdict, Verdict::Pass);
+        assert!(
+            ok.detail.contains("fillfactor 85 (99% of 10000"),
+            "{}",
+            ok.detail
+        );
+        assert!(hot_verdict(&[], Some(85), 0, 0)
+            .detail
+            .contains("no updates"));
+        assert_eq!(
+            hot_verdict(&[], Some(90), i64::MAX, i64::MAX).verdict,
+            Verdict::Pass
+        );
+        let indexed = hot_verdict(&["expires_at".to_owned()], Some(85), 10, 0);
+        assert_eq!(indexed.verdict, Verdict::Warn);
+        assert!(
+            indexed.detail.contains("indexed expires_at"),
+            "{}",
+            indexed.detail
+        );
+        assert!(indexed.fix.as_deref().unwrap_or("").contains("migrate"));
+        for full in [None, Some(100)] {
+            let full = hot_verdict(&[], full, 10, 10);
+            assert_eq!(full.verdict, Verdict::Warn);
+            assert!(full.detail.starts_with("fillfactor 100"), "{}", full.detail);
+        }
     }
 }

@@ -87,15 +87,15 @@
 //!
 //! | operation | round trips | statement |
 //! |---|---|---|
-//! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: a plain read finds no row, then its `INSERT … ON CONFLICT DO NOTHING` inserts |
-//! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered from a plain read (no row lock, no transaction id, nothing written — since migration 2) |
+//! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: a plain read finds no row, then its `INSERT … ON CONFLICT DO NOTHING RETURNING` inserts and answers |
+//! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered by one plain read that also decides (no row lock, no transaction id, nothing written — since migration 2; one query since migration 4) |
 //! | `reserve`, takeover / expired row / key inserted concurrently | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the newest row version, the function decides; a takeover adds one `UPDATE` of the locked row |
 //! | `reserve_many`, `complete_many` (batches) | 1 | the same function, or the completing `UPDATE`, over arrays (`unnest`) |
-//! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`extend` sets `expires_at = GREATEST(expires_at, $new)`) |
+//! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`complete` and `fail` set `purge_after = LEAST(purge_after, $expiry)`, unchanged as a rule, so the update is HOT; `extend` sets `expires_at = GREATEST(expires_at, $new)`) |
 //! | `release` | 1 | `DELETE …` with the same condition |
 //! | `get` | 1 | `SELECT … WHERE key AND expires_at > now` |
 //! | `delete` | 1 | `DELETE … WHERE key` |
-//! | `purge_expired(now, limit)` | 1 | `WITH doomed AS (SELECT … WHERE expires_at <= now ORDER BY expires_at LIMIT n FOR UPDATE SKIP LOCKED) DELETE …` |
+//! | `purge_expired(now, limit)` | 1 | `WITH doomed AS (SELECT … WHERE purge_after <= now AND expires_at <= now ORDER BY purge_after LIMIT n FOR UPDATE SKIP LOCKED) DELETE …` |
 //!
 //! # Why a function for `reserve`
 //!
@@ -108,12 +108,13 @@
 //! new row version for every duplicate. The PL/pgSQL function created by the
 //! migration has none of these problems, in one round trip:
 //!
-//! 0. A plain read of the key (no lock): a live record that the call may not
-//!    take over (a duplicate), or that the caller's owner token already holds
-//!    (a re-sent reserve), is answered as read — nothing is locked or written.
-//! 1. `INSERT … ON CONFLICT (namespace, id) DO NOTHING` — a fresh key is
-//!    reserved here. If another transaction is inserting the same key, this
-//!    waits for it to commit or roll back.
+//! 0. One plain query of the key (no lock) that reads and decides: a live
+//!    record that the call may not take over (a duplicate), or that the
+//!    caller's owner token already holds (a re-sent reserve), is answered as
+//!    read — nothing is locked or written.
+//! 1. `INSERT … ON CONFLICT (namespace, id) DO NOTHING RETURNING …` — a fresh
+//!    key is reserved and answered here. If another transaction is inserting
+//!    the same key, this waits for it to commit or roll back.
 //! 2. Otherwise `SELECT … FOR UPDATE` locks the newest committed version of the
 //!    row (each PL/pgSQL statement takes a fresh snapshot under READ COMMITTED,
 //!    and a locked row is re-read after the lock holder finishes); if it vanished
@@ -127,12 +128,14 @@
 //!    `created_at` kept, the stored fingerprint kept when the request has none)
 //!    unless the fingerprints conflict; otherwise the row is returned unchanged.
 //!
-//! A plain-SQL alternative that skips the function on the common paths (a CTE
-//! reading the row, a conditional `INSERT … ON CONFLICT DO NOTHING`, and the
-//! function only behind a one-time filter) was measured with pgbench on
-//! PostgreSQL 15, 16 clients: no faster for fresh keys and about 10 % slower
-//! for duplicates than the function (the CTEs' materialization costs more than
-//! PL/pgSQL's cached plans), so the function stays.
+//! Two plain-SQL alternatives that skip the function on the common paths were
+//! measured with pgbench on PostgreSQL 15, 16 clients, and dropped: CTEs
+//! reading the row and inserting conditionally, the function behind a
+//! one-time filter, ran fresh keys at the same rate and duplicates about 10 %
+//! slower (the CTEs' materialization costs more than PL/pgSQL's cached plans);
+//! without the CTEs (a `SELECT` answering the duplicate, the function behind
+//! `WHERE NOT EXISTS`), duplicates ran level with migration 4's function and
+//! fresh keys 5–12 % slower (two more index probes).
 //!
 //! Every decision is made by the one transaction holding the row lock, on the
 //! row's newest version, so exactly one concurrent reserver acquires a given
@@ -157,10 +160,11 @@
 //!     expires_at  bigint NOT NULL,
 //!     created_at  bigint NOT NULL,
 //!     updated_at  bigint NOT NULL,
+//!     purge_after bigint NOT NULL DEFAULT 0, -- where purges look, ≤ expires_at (migration 4)
 //!     PRIMARY KEY (namespace, id),
 //!     CHECK (status IN ('processing', 'completed', 'failed'))
-//! );
-//! CREATE INDEX "idempotency_records_expires_at_idx" ON "public"."idempotency_records" (expires_at);
+//! ) WITH (fillfactor = 85);
+//! CREATE INDEX "idempotency_records_purge_idx" ON "public"."idempotency_records" (purge_after);
 //! -- plus the function "public"."idempotency_records_reserve"(…) and the
 //! -- bookkeeping table "public"."idempotency_records_migrations".
 //! ```
@@ -172,7 +176,7 @@
 //!
 //! Expired rows are invisible at once but stay on disk until
 //! [`purge_expired`](idempotency_core::Repository::purge_expired) deletes them:
-//! batches of `limit` rows, oldest first through the `expires_at` index, with
+//! batches of `limit` rows, oldest first through the `purge_after` index, with
 //! `FOR UPDATE SKIP LOCKED` so several processes can purge at once without
 //! waiting on each other or on reservations.
 //! [`RepositoryExt::purge_all_expired`](idempotency_core::RepositoryExt::purge_all_expired)
@@ -200,8 +204,9 @@
 //! SELECT cron.schedule('idempotency-purge', '* * * * *', $$
 //!   DELETE FROM "public"."idempotency_records" WHERE (namespace, id) IN (
 //!     SELECT namespace, id FROM "public"."idempotency_records"
-//!     WHERE expires_at <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
-//!     ORDER BY expires_at LIMIT 10000 FOR UPDATE SKIP LOCKED)
+//!     WHERE purge_after <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+//!       AND expires_at <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+//!     ORDER BY purge_after LIMIT 10000 FOR UPDATE SKIP LOCKED)
 //! $$);
 //! ```
 //!
@@ -213,8 +218,27 @@
 //! `ALTER TABLE "public"."idempotency_records" SET (autovacuum_vacuum_scale_factor = 0.02,
 //! autovacuum_vacuum_insert_scale_factor = 0.05)`, purge often in small batches
 //! rather than rarely in huge ones, and watch `n_dead_tup` in
-//! `pg_stat_user_tables`. Completion changes the indexed `expires_at`, so those
-//! updates are not HOT; a `fillfactor` below 100 helps only lease extensions.
+//! `pg_stat_user_tables`.
+//!
+//! Completions, failures and lease extensions are HOT updates as a rule (since
+//! migration 4): the only indexed instant is `purge_after`, the expiry a record
+//! was reserved with, which they leave as it is (a completion's expiry is
+//! later; `LEAST` lowers it only for a shorter one), and the table's
+//! `fillfactor` of 85 keeps room on each page for the new versions of its
+//! rows. PostgreSQL then writes the new version beside the old one with no new
+//! index entry, and prunes the old one from the page without a vacuum. A
+//! version that does not fit in the page's free space (a result stored inline
+//! larger than about a kilobyte, on a page whose old versions are not yet
+//! prunable) is written elsewhere, as before; results past about 2 kB are
+//! stored out of line (TOAST) and do not count. Takeovers and overwrites of
+//! expired rows change `purge_after` and are not HOT. `idempotency doctor`
+//! checks the indexes and the fillfactor and reports `n_tup_hot_upd` against
+//! `n_tup_upd`. `expires_at` is the record's expiry for every statement;
+//! `purge_after` is not later than it (only a completion by a process of the
+//! previous version, during a rolling upgrade, can leave it later: that record
+//! is purged later, never earlier), so the purge's index finds every expired
+//! row, and its `expires_at` filter skips the few records completed after
+//! their reservation's expiry would have passed.
 //!
 //! # Transactional mode
 //!

@@ -30,7 +30,16 @@ const MIGRATIONS: &[Migration] = &[
         description: "retryable failures, re-sent reserves, fingerprint kept on takeover",
         sql: include_str!("sql/0003_contract_v2.sql"),
     },
+    Migration {
+        version: 4,
+        description: "completions are HOT: purge_after index instead of expires_at; leaner reserve",
+        sql: include_str!("sql/0004_hot_completion.sql"),
+    },
 ];
+
+/// The migration that added `purge_after` and its index (in place of the
+/// index on `expires_at`).
+pub(crate) const PURGE_AFTER: i32 = 4;
 
 /// The advisory lock every `migrate()` of this crate takes (two `int4` keys:
 /// "idem" and "pg  " in ASCII). One lock for all schemas and tables: migrations
@@ -192,6 +201,15 @@ mod tests {
             assert!(sql.contains("\"s\".\"t\""));
             assert!(sql.contains("\"s\".\"t_reserve\""));
         }
+        // An index is named in its table's schema, never found on the search
+        // path (where another schema's table of the same name may have one).
+        let hot = MIGRATIONS
+            .iter()
+            .find(|m| m.version == 4)
+            .map(|m| render(m.sql, &names));
+        assert!(
+            hot.is_some_and(|sql| sql.contains("DROP INDEX IF EXISTS \"s\".\"t_expires_at_idx\""))
+        );
         let versions: Vec<i32> = MIGRATIONS.iter().map(|m| m.version).collect();
         assert!(versions.windows(2).all(|w| w[0] < w[1]));
     }

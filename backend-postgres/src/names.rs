@@ -175,11 +175,13 @@ impl Statements {
             ),
             complete: format!(
                 "UPDATE {qualified} SET status = 'completed', result = $4, expires_at = $5, \
-                 updated_at = $6 WHERE {live_owned} AND expires_at > $6"
+                 purge_after = LEAST(purge_after, $5), updated_at = $6 \
+                 WHERE {live_owned} AND expires_at > $6"
             ),
             complete_many: format!(
                 "UPDATE {qualified} AS t SET status = 'completed', result = u.result, \
-                 expires_at = u.expires_at, updated_at = $6 \
+                 expires_at = u.expires_at, purge_after = LEAST(t.purge_after, u.expires_at), \
+                 updated_at = $6 \
                  FROM unnest({LOCK_TIMEOUT_FIRST}$1::bytea[] END, $2::bytea[], $3::bytea[], $4::bytea[], \
                  $5::int8[]) \
                  WITH ORDINALITY AS u(namespace, id, owner, result, expires_at, ord) \
@@ -188,7 +190,8 @@ impl Statements {
             ),
             fail: format!(
                 "UPDATE {qualified} SET status = 'failed', error = $4, expires_at = $5, \
-                 updated_at = $6, retryable = $7 WHERE {live_owned} AND expires_at > $6"
+                 purge_after = LEAST(purge_after, $5), updated_at = $6, retryable = $7 \
+                 WHERE {live_owned} AND expires_at > $6"
             ),
             release: format!("DELETE FROM {qualified} WHERE {live_owned} AND expires_at > $4"),
             extend: format!(
@@ -201,8 +204,9 @@ impl Statements {
             ),
             delete: format!("DELETE FROM {qualified} WHERE namespace = $1 AND id = $2"),
             purge: format!(
-                "WITH doomed AS (SELECT namespace, id FROM {qualified} WHERE expires_at <= $1 \
-                 ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+                "WITH doomed AS (SELECT namespace, id FROM {qualified} \
+                 WHERE purge_after <= $1 AND expires_at <= $1 \
+                 ORDER BY purge_after LIMIT $2 FOR UPDATE SKIP LOCKED) \
                  DELETE FROM {qualified} AS t USING doomed \
                  WHERE t.namespace = doomed.namespace AND t.id = doomed.id AND t.expires_at <= $1"
             ),
@@ -212,13 +216,15 @@ impl Statements {
     }
 
     /// The placeholders of the migration scripts and their quoted values.
-    pub(crate) fn placeholders(&self) -> [(&'static str, String); 5] {
+    pub(crate) fn placeholders(&self) -> [(&'static str, String); 7] {
         let (schema, table) = (&self.schema, &self.table);
         [
+            ("{schema}", quote(schema)),
             ("{table}", self.qualified.clone()),
             ("{pkey}", quote(&format!("{table}_pkey"))),
             ("{status_check}", quote(&format!("{table}_status_check"))),
             ("{expires_index}", quote(&format!("{table}_expires_at_idx"))),
+            ("{purge_index}", quote(&format!("{table}_purge_idx"))),
             (
                 "{reserve_fn}",
                 format!("{}.{}", quote(schema), quote(&format!("{table}_reserve"))),

@@ -443,7 +443,7 @@ pub(crate) async fn delete<'e>(
 }
 
 /// `purge_expired`: one batched `DELETE` of up to `limit` expired rows, oldest
-/// first through the `expires_at` index, skipping rows another purger (or a
+/// first through the `purge_after` index, skipping rows another purger (or a
 /// reservation) has locked.
 pub(crate) async fn purge<'e>(
     sql: &Statements,

@@ -69,7 +69,7 @@ async fn concurrent_migrate_applies_once() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2, 3]);
+    assert_eq!(versions, vec![1, 2, 3, 4]);
 
     // Idempotent: again, and the table works.
     let repo = PgRepository::builder()
@@ -257,25 +257,32 @@ async fn unreachable_server_is_unavailable() {
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
+/// A repository on table `records` of a schema of its own (named after
+/// `prefix`), migrated to the latest version.
+async fn migrated_in_own_schema(prefix: &str) -> (String, PgRepository) {
+    let schema = common::unique(prefix);
+    let repo = PgRepository::builder()
+        .schema(schema.as_str())
+        .table("records")
+        .connect(&common::server_url().await)
+        .await
+        .unwrap();
+    repo.migrate().await.unwrap();
+    (schema, repo)
+}
+
 /// Migration 3 over a table at migration 2: the `retryable` column is added,
 /// failed rows written before it stay open to a retrying takeover (as they
 /// were), and the new reservation function answers a re-sent reserve as ours.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migration_3_upgrades_a_table_at_migration_2() {
-    let schema = common::unique("idem_mig3");
-    let url = common::server_url().await;
-    let repo = PgRepository::builder()
-        .schema(schema.as_str())
-        .table("records")
-        .connect(&url)
-        .await
-        .unwrap();
-    repo.migrate().await.unwrap();
+    let (schema, repo) = migrated_in_own_schema("idem_mig3").await;
     // Back to the shape of migration 2, with a failed row written then.
     let pool = admin().await;
     for statement in [
-        format!("DELETE FROM \"{schema}\".records_migrations WHERE version = 3"),
+        format!("DELETE FROM \"{schema}\".records_migrations WHERE version >= 3"),
         format!("ALTER TABLE \"{schema}\".records DROP COLUMN retryable"),
+        format!("ALTER TABLE \"{schema}\".records DROP COLUMN purge_after"),
         format!(
             "INSERT INTO \"{schema}\".records (namespace, id, status, owner, attempt, \
              fingerprint, result, error, lease_until, expires_at, created_at, updated_at) \
@@ -292,7 +299,7 @@ async fn migration_3_upgrades_a_table_at_migration_2() {
     .fetch_all(&pool)
     .await
     .unwrap();
-    assert_eq!(versions, vec![1, 2, 3]);
+    assert_eq!(versions, vec![1, 2, 3, 4]);
     let key = RecordKey::new("ns", "old-failure", 256).unwrap();
     let now = Timestamp::from_millis(1_000_000);
     let old = repo.get(&key, now).await.unwrap().unwrap();
@@ -318,5 +325,94 @@ async fn migration_3_upgrades_a_table_at_migration_2() {
         Reservation::Acquired { attempt: 2 }
     );
     assert_eq!(repo.get(&key, now).await.unwrap().unwrap(), before);
+    drop_schema(&schema).await;
+}
+
+/// Migration 4 over a table at migration 3: `purge_after` is filled in from
+/// each row's expiry, its index replaces the one on `expires_at`, the table's
+/// fillfactor leaves room for HOT completions, and rows written before the
+/// upgrade are read, purged and reserved as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migration_4_upgrades_a_table_at_migration_3() {
+    let (schema, repo) = migrated_in_own_schema("idem_mig4").await;
+    // Back to the shape of migration 3, with a live and an expired row.
+    let pool = admin().await;
+    let row = |id: &str, expires: i64| {
+        format!(
+            "INSERT INTO \"{schema}\".records (namespace, id, status, owner, attempt, \
+             fingerprint, result, error, retryable, lease_until, expires_at, created_at, \
+             updated_at) VALUES ('ns', '{id}', 'completed', \
+             '\\x000102030405060708090a0b0c0d0e0f', 1, NULL, 'done', NULL, false, 1000000, \
+             {expires}, 1000000, 1000000)"
+        )
+    };
+    for statement in [
+        format!("DELETE FROM \"{schema}\".records_migrations WHERE version = 4"),
+        format!("ALTER TABLE \"{schema}\".records DROP COLUMN purge_after"),
+        format!("ALTER TABLE \"{schema}\".records RESET (fillfactor)"),
+        format!("CREATE INDEX records_expires_at_idx ON \"{schema}\".records (expires_at)"),
+        row("live", 9_000_000),
+        row("expired", 1_500_000),
+    ] {
+        sqlx::query(&statement).execute(&pool).await.unwrap();
+    }
+    repo.migrate().await.unwrap();
+    let filled: Vec<(Vec<u8>, i64, i64)> = sqlx::query_as(&format!(
+        "SELECT id, purge_after, expires_at FROM \"{schema}\".records ORDER BY id"
+    ))
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        filled,
+        vec![
+            (b"expired".to_vec(), 1_500_000, 1_500_000),
+            (b"live".to_vec(), 9_000_000, 9_000_000)
+        ]
+    );
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 AND tablename = 'records' \
+         ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert_eq!(indexes, vec!["records_pkey", "records_purge_idx"]);
+    let options: Option<Vec<String>> = sqlx::query_scalar(
+        "SELECT reloptions FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = 'records'",
+    )
+    .bind(&schema)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(options, Some(vec!["fillfactor=85".to_owned()]));
+
+    // A writer of the previous version, which does not know `purge_after`
+    // (a reservation function still running when the migration committed):
+    // the default lets it insert, and its expired row is purged.
+    sqlx::query(&row("old-writer", 1_600_000))
+        .execute(&pool)
+        .await
+        .unwrap();
+
+    let now = Timestamp::from_millis(2_000_000);
+    assert_eq!(repo.purge_expired(now, 100).await.unwrap(), 2);
+    let live = RecordKey::new("ns", "live", 256).unwrap();
+    assert_eq!(
+        repo.get(&live, now)
+            .await
+            .unwrap()
+            .unwrap()
+            .result
+            .as_deref(),
+        Some(&b"done"[..])
+    );
+    let fresh = RecordKey::new("ns", "fresh", 256).unwrap();
+    assert_eq!(
+        repo.reserve(request(&fresh)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
     drop_schema(&schema).await;
 }

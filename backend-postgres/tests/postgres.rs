@@ -178,11 +178,7 @@ async fn several_processes_purge_concurrently_without_double_counting() {
     assert_eq!(left, 1, "only the live row remains");
     assert!(repo.get(&live, t0).await.unwrap().is_some());
     assert_eq!(repo.purge_expired(purge_at, 0).await.unwrap(), 0);
-    let _ = sqlx::raw_sql(&format!(
-        "DROP TABLE IF EXISTS \"{table}\"; DROP TABLE IF EXISTS \"{table}_migrations\"; DROP FUNCTION IF EXISTS \"{table}_reserve\""
-    ))
-    .execute(repo.pool())
-    .await;
+    drop_table(&repo, &table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -620,4 +616,177 @@ async fn a_kept_connection_is_never_inside_a_transaction() {
         .unwrap();
     assert!(matches!(again, idempotency_core::Outcome::Cached(7)));
     assert_eq!(open_transactions().await, 0, "after a duplicate");
+}
+
+/// Drops a table the test made for itself, with its bookkeeping and function.
+async fn drop_table(repo: &PgRepository, table: &str) {
+    let _ = sqlx::raw_sql(&format!(
+        "DROP TABLE IF EXISTS \"{table}\"; DROP TABLE IF EXISTS \"{table}_migrations\"; \
+         DROP FUNCTION IF EXISTS \"{table}_reserve\""
+    ))
+    .execute(repo.pool())
+    .await;
+}
+
+/// Completions and lease extensions are HOT updates (migration 4): with the
+/// instants the manager uses (a reservation expiring `ttl` after it is made,
+/// a completion `ttl` after it ends), no indexed column changes, so PostgreSQL
+/// writes each new version beside the old one without new index entries. The
+/// counts are the transaction's own (`pg_stat_xact_user_tables`), exact and
+/// immediate.
+#[tokio::test]
+async fn completions_and_extensions_are_hot_updates() {
+    let table = common::unique("idem_hot");
+    let repo = common::repository(&table).await;
+    let ns = common::unique("hot");
+    let (ttl, lease) = (Duration::from_secs(3600), Duration::from_secs(30));
+    let t0 = now();
+    let mut tx = repo.pool().begin().await.unwrap();
+    let n = 40_u64;
+    for i in 0..n {
+        let key = RecordKey::new(ns.as_str(), format!("k{i}"), 1024).unwrap();
+        let request = ReserveRequest {
+            expires_at: t0 + ttl,
+            ..req(&key, t0, lease)
+        };
+        let owner = request.owner;
+        let mut ops = repo.in_transaction(&mut tx);
+        assert_eq!(
+            ops.reserve(request).await.unwrap(),
+            Reservation::Acquired { attempt: 1 }
+        );
+        let later = t0 + Duration::from_millis(10 + i);
+        if i % 2 == 0 {
+            ops.extend(&key, owner, later + lease, later + lease, later)
+                .await
+                .unwrap();
+        }
+        let result = format!("receipt {i}");
+        ops.complete(&key, owner, Some(result.as_bytes()), later + ttl, later)
+            .await
+            .unwrap();
+    }
+    let (updates, hot): (i64, i64) = sqlx::query_as(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables WHERE relname = $1",
+    )
+    .bind(&table)
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(updates, i64::try_from(n + n / 2).unwrap());
+    assert_eq!(hot, updates, "every completion and extension is HOT");
+    drop_table(&repo, &table).await;
+}
+
+/// `purge_after` only chooses where a purge looks; the expiry decides what it
+/// deletes: a completion that shortens the expiry is purged on time, and a
+/// record whose expiry a completion or an extension moved past its
+/// reservation's is not purged before it.
+#[tokio::test]
+async fn purges_follow_the_expiry_the_last_write_set() {
+    let table = common::unique("idem_purge_at");
+    let repo = common::repository(&table).await;
+    let ns = common::unique("purge_at");
+    let t0 = now();
+    let s = Duration::from_secs;
+    let key = |id: &str| RecordKey::new(ns.as_str(), id, 1024).unwrap();
+    let (shortened, extended, completed_late) =
+        (key("shortened"), key("extended"), key("completed-late"));
+    let reserve = |key, expires| {
+        let request = ReserveRequest {
+            expires_at: t0 + expires,
+            ..req(key, t0, s(5))
+        };
+        let owner = request.owner;
+        let repo = repo.clone();
+        async move {
+            assert!(matches!(
+                repo.reserve(request).await.unwrap(),
+                Reservation::Acquired { .. }
+            ));
+            owner
+        }
+    };
+    // Reserved for an hour, completed with ten seconds left.
+    let owner = reserve(&shortened, s(3600)).await;
+    repo.complete(&shortened, owner, None, t0 + s(10), t0 + s(1))
+        .await
+        .unwrap();
+    // Reserved for ten seconds, the lease extended to twenty.
+    let owner = reserve(&extended, s(10)).await;
+    repo.extend(&extended, owner, t0 + s(20), t0 + s(20), t0 + s(1))
+        .await
+        .unwrap();
+    // Reserved for ten seconds, completed at five for ten more.
+    let owner = reserve(&completed_late, s(10)).await;
+    repo.complete(&completed_late, owner, None, t0 + s(15), t0 + s(5))
+        .await
+        .unwrap();
+
+    // Physically present: what a purge deleted is gone from the table.
+    let stored = |key: &RecordKey| {
+        let (repo, table, id) = (repo.clone(), table.clone(), key.id().to_owned());
+        async move {
+            sqlx::query_scalar::<_, bool>(&format!(
+                "SELECT EXISTS (SELECT 1 FROM \"{table}\" WHERE id = $1)"
+            ))
+            .bind(id.as_bytes())
+            .fetch_one(repo.pool())
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(repo.purge_expired(t0 + s(11), 100).await.unwrap(), 1);
+    assert!(
+        !stored(&shortened).await,
+        "purged when its shortened expiry passed"
+    );
+    assert!(stored(&extended).await && stored(&completed_late).await);
+    assert!(repo
+        .get(&completed_late, t0 + s(11))
+        .await
+        .unwrap()
+        .is_some());
+    assert_eq!(repo.purge_expired(t0 + s(16), 100).await.unwrap(), 1);
+    assert!(!stored(&completed_late).await);
+    assert!(repo.get(&extended, t0 + s(16)).await.unwrap().is_some());
+    assert_eq!(repo.purge_expired(t0 + s(21), 100).await.unwrap(), 1);
+    assert!(!stored(&extended).await);
+    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{table}\""))
+        .fetch_one(repo.pool())
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    drop_table(&repo, &table).await;
+}
+
+/// `doctor`'s HOT check passes on a migrated table and, once an index covers a
+/// column that completions change (here through an expression), warns and
+/// names the column.
+#[tokio::test]
+async fn the_doctor_names_an_index_that_stops_hot_completions() {
+    use idempotency_core::admin::{Admin, Check, DoctorOptions, Verdict};
+    let table = common::unique("idem_doc_hot");
+    let repo = common::repository(&table).await;
+    let checks = || async {
+        let checks = repo.doctor(&DoctorOptions::default()).await.unwrap();
+        let named =
+            |name: &str| -> Check { checks.iter().find(|c| c.name == name).cloned().unwrap() };
+        (named("HOT updates"), named("purge index"))
+    };
+    let (hot, index) = checks().await;
+    assert_eq!(hot.verdict, Verdict::Pass, "{hot:?}");
+    assert!(hot.detail.contains("fillfactor 85"), "{hot:?}");
+    assert_eq!(index.verdict, Verdict::Pass, "{index:?}");
+    sqlx::query(&format!(
+        "CREATE INDEX \"{table}_by_second\" ON \"{table}\" ((expires_at / 1000))"
+    ))
+    .execute(repo.pool())
+    .await
+    .unwrap();
+    let (hot, _) = checks().await;
+    assert_eq!(hot.verdict, Verdict::Warn, "{hot:?}");
+    assert!(hot.detail.contains("indexed expires_at"), "{hot:?}");
+    drop_table(&repo, &table).await;
 }

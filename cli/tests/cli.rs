@@ -251,7 +251,7 @@ async fn postgres_commands_and_an_unmigrated_postgres() {
     assert_eq!(tool(&url, &["migrate"]).0, 0);
     let (code, report, err) = tool(&url, &["doctor"]);
     assert_eq!(code, 0, "{report} {err}");
-    assert_eq!(verdict(&report, "expires_at index"), "pass");
+    assert_eq!(verdict(&report, "purge index"), "pass");
 
     common_commands(&url, &containers::unique_namespace("cli")).await;
     let (code, purged, _) = tool(&url, &["purge"]);
