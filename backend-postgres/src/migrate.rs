@@ -146,9 +146,16 @@ async fn apply(conn: &mut PgConnection, names: &Statements) -> Result<(), Error>
 /// The version the table is at (0: never migrated).
 pub(crate) async fn version(pool: &PgPool, names: &Statements) -> Result<i32, Error> {
     let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
+    let mut conn = pool.acquire().await.map_err(map)?;
+    version_on(&mut conn, names).await
+}
+
+/// [`version`], on `conn`.
+pub(crate) async fn version_on(conn: &mut PgConnection, names: &Statements) -> Result<i32, Error> {
+    let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(&names.migrations)
-        .fetch_one(pool)
+        .fetch_one(&mut *conn)
         .await
         .map_err(map)?;
     if !exists {
@@ -159,9 +166,30 @@ pub(crate) async fn version(pool: &PgPool, names: &Statements) -> Result<i32, Er
         names.migrations
     ))
     .persistent(false)
-    .fetch_one(pool)
+    .fetch_one(&mut *conn)
     .await
     .map_err(map)
+}
+
+/// Whether this crate may start work on a table at version `at`: not on one
+/// that its migrations left behind (1 to the latest but one), where a
+/// reservation could succeed and the completion after the handler fail on a
+/// column the table does not have yet — the handler would run again once the
+/// lease ended. A table at version 0 (none of this crate's bookkeeping: made
+/// by hand, or missing, which its statements report) and a newer one (a
+/// rolling upgrade: every migration keeps the previous version's statements
+/// working) are let through.
+pub(crate) fn require_current(at: i32, names: &Statements) -> Result<(), Error> {
+    let latest = latest_version();
+    if at == 0 || at >= latest {
+        return Ok(());
+    }
+    Err(Error::config(format!(
+        "the idempotency table {} is at schema version {at} and this version of \
+         idempotency-postgres needs {latest}: run its migrations first (PgRepository::migrate(), \
+         `idempotency migrate`, or connect without migrate=false); nothing was reserved",
+        names.qualified
+    )))
 }
 
 /// The migrations the table has not had yet, described (`version N: …`).
@@ -185,6 +213,22 @@ async fn simple(conn: &mut PgConnection, sql: String, names: &Statements) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn work_starts_only_on_a_table_not_left_behind() {
+        let names = Statements::new("s", "t").unwrap();
+        let latest = latest_version();
+        for fine in [0, latest, latest + 1] {
+            assert!(require_current(fine, &names).is_ok(), "{fine}");
+        }
+        for behind in 1..latest {
+            let err = require_current(behind, &names).unwrap_err();
+            assert!(
+                matches!(&err, Error::Config { message } if message.contains("\"s\".\"t\"")),
+                "{err:?}"
+            );
+        }
+    }
 
     #[test]
     fn renders_every_placeholder() {

@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -47,6 +48,9 @@ pub struct PgRepository {
     /// statement still waiting on the server would leave the caller's
     /// connection busy behind the row lock it waits for.
     transaction_timeout: Option<Duration>,
+    /// Set once the table was found at a schema version this crate may work
+    /// on (see [`PgRepository::ensure_schema`]); shared by clones.
+    schema_current: Arc<AtomicBool>,
 }
 
 impl fmt::Debug for PgRepository {
@@ -102,14 +106,7 @@ impl PgRepository {
     /// [`operation_timeout`](PgRepositoryBuilder::operation_timeout). Use
     /// [`PgRepositoryBuilder::build_with_pool`] to choose them.
     pub fn from_pool(pool: PgPool) -> Self {
-        let limit = shared_pool_share(&pool);
-        PgRepository {
-            held: Arc::new(Held::new(pool.clone(), limit)),
-            pool,
-            sql: Arc::new(Statements::defaults()),
-            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
-            transaction_timeout: None,
-        }
+        PgRepositoryBuilder::default().assemble(pool, Statements::defaults(), false)
     }
 
     /// Creates or upgrades the schema, the table, its index and the reservation
@@ -125,7 +122,23 @@ impl PgRepository {
     /// [`Error::Unavailable`] when the server cannot be reached,
     /// [`Error::Config`] for a refused DDL statement (missing privilege).
     pub async fn migrate(&self) -> Result<(), Error> {
-        crate::migrate::run(&self.pool, &self.sql).await
+        crate::migrate::run(&self.pool, &self.sql).await?;
+        self.schema_current.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Before the first reservation of this repository (and its clones), on
+    /// `conn`: refuses, with [`Error::Config`], a table that this crate's
+    /// migrations left behind — a handler must not run when its completion
+    /// would fail on the older schema. One query, once; nothing afterwards.
+    pub(crate) async fn ensure_schema(&self, conn: &mut PgConnection) -> Result<(), Error> {
+        if self.schema_current.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let at = crate::migrate::version_on(conn, &self.sql).await?;
+        crate::migrate::require_current(at, &self.sql)?;
+        self.schema_current.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The pool, e.g. to run business statements beside the repository.
@@ -425,6 +438,7 @@ impl PgRepositoryBuilder {
             sql: Arc::new(sql),
             operation_timeout: self.operation_timeout,
             transaction_timeout: self.transaction_timeout(),
+            schema_current: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -560,6 +574,7 @@ impl Repository for PgRepository {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         self.run("reserve", async |c| {
+            self.ensure_schema(c).await?;
             ops::reserve(&self.sql, c, &request).await
         })
         .await
@@ -576,6 +591,9 @@ impl Repository for PgRepository {
         }
         let count = requests.len();
         let batch = self.lend("reserve", async |c| {
+            if let Err(e) = self.ensure_schema(c).await {
+                return (0..count).map(|_| Err(e.for_another())).collect();
+            }
             ops::reserve_many(&self.sql, c, &requests).await
         });
         match self.timed("reserve", batch).await {

@@ -89,9 +89,12 @@ impl<'a> PgTransactionRepository<'a> {
     /// longer than a `lock_timeout`, or an explicitly set operation timeout, is
     /// [`Error::Timeout`].
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let sql = self.repo.statements();
-        let fut = ops::reserve(sql, &mut *self.conn, &request);
-        self.repo.timed_in_transaction("reserve", fut).await
+        let (repo, conn) = (self.repo, &mut *self.conn);
+        let fut = async {
+            repo.ensure_schema(&mut *conn).await?;
+            ops::reserve(repo.statements(), &mut *conn, &request).await
+        };
+        repo.timed_in_transaction("reserve", fut).await
     }
 
     /// [`Repository::complete`] on the caller's connection.

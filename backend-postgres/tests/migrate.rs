@@ -32,6 +32,22 @@ async fn admin() -> sqlx::PgPool {
         .unwrap()
 }
 
+/// The statements that take a migrated table back to migration 3's shape
+/// (its index on `expires_at` and fillfactor aside).
+fn back_to_migration_3(schema: &str) -> [String; 2] {
+    [
+        format!("DELETE FROM \"{schema}\".records_migrations WHERE version >= 4"),
+        format!("ALTER TABLE \"{schema}\".records DROP COLUMN purge_after"),
+    ]
+}
+
+/// Runs `statements` in order, each on its own.
+async fn execute_all(pool: &sqlx::PgPool, statements: impl IntoIterator<Item = String>) {
+    for statement in statements {
+        sqlx::query(&statement).execute(pool).await.unwrap();
+    }
+}
+
 async fn drop_schema(schema: &str) {
     sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&admin().await)
@@ -261,14 +277,20 @@ async fn unreachable_server_is_unavailable() {
 /// `prefix`), migrated to the latest version.
 async fn migrated_in_own_schema(prefix: &str) -> (String, PgRepository) {
     let schema = common::unique(prefix);
-    let repo = PgRepository::builder()
-        .schema(schema.as_str())
+    let repo = unmigrated_on(&schema).await;
+    repo.migrate().await.unwrap();
+    (schema, repo)
+}
+
+/// A repository on table `records` of `schema` that does not migrate (the
+/// builder's default).
+async fn unmigrated_on(schema: &str) -> PgRepository {
+    PgRepository::builder()
+        .schema(schema)
         .table("records")
         .connect(&common::server_url().await)
         .await
-        .unwrap();
-    repo.migrate().await.unwrap();
-    (schema, repo)
+        .unwrap()
 }
 
 /// Migration 3 over a table at migration 2: the `retryable` column is added,
@@ -279,19 +301,20 @@ async fn migration_3_upgrades_a_table_at_migration_2() {
     let (schema, repo) = migrated_in_own_schema("idem_mig3").await;
     // Back to the shape of migration 2, with a failed row written then.
     let pool = admin().await;
-    for statement in [
-        format!("DELETE FROM \"{schema}\".records_migrations WHERE version >= 3"),
-        format!("ALTER TABLE \"{schema}\".records DROP COLUMN retryable"),
-        format!("ALTER TABLE \"{schema}\".records DROP COLUMN purge_after"),
-        format!(
-            "INSERT INTO \"{schema}\".records (namespace, id, status, owner, attempt, \
+    execute_all(
+        &pool,
+        back_to_migration_3(&schema).into_iter().chain([
+            format!("DELETE FROM \"{schema}\".records_migrations WHERE version = 3"),
+            format!("ALTER TABLE \"{schema}\".records DROP COLUMN retryable"),
+            format!(
+                "INSERT INTO \"{schema}\".records (namespace, id, status, owner, attempt, \
              fingerprint, result, error, lease_until, expires_at, created_at, updated_at) \
              VALUES ('ns', 'old-failure', 'failed', '\\x000102030405060708090a0b0c0d0e0f', 1, \
              NULL, NULL, 'e', 1000000, 9000000, 1000000, 1000000)"
-        ),
-    ] {
-        sqlx::query(&statement).execute(&pool).await.unwrap();
-    }
+            ),
+        ]),
+    )
+    .await;
     repo.migrate().await.unwrap();
     let versions: Vec<i32> = sqlx::query_scalar(&format!(
         "SELECT version FROM \"{schema}\".records_migrations ORDER BY version"
@@ -346,16 +369,16 @@ async fn migration_4_upgrades_a_table_at_migration_3() {
              {expires}, 1000000, 1000000)"
         )
     };
-    for statement in [
-        format!("DELETE FROM \"{schema}\".records_migrations WHERE version = 4"),
-        format!("ALTER TABLE \"{schema}\".records DROP COLUMN purge_after"),
-        format!("ALTER TABLE \"{schema}\".records RESET (fillfactor)"),
-        format!("CREATE INDEX records_expires_at_idx ON \"{schema}\".records (expires_at)"),
-        row("live", 9_000_000),
-        row("expired", 1_500_000),
-    ] {
-        sqlx::query(&statement).execute(&pool).await.unwrap();
-    }
+    execute_all(
+        &pool,
+        back_to_migration_3(&schema).into_iter().chain([
+            format!("ALTER TABLE \"{schema}\".records RESET (fillfactor)"),
+            format!("CREATE INDEX records_expires_at_idx ON \"{schema}\".records (expires_at)"),
+            row("live", 9_000_000),
+            row("expired", 1_500_000),
+        ]),
+    )
+    .await;
     repo.migrate().await.unwrap();
     let filled: Vec<(Vec<u8>, i64, i64)> = sqlx::query_as(&format!(
         "SELECT id, purge_after, expires_at FROM \"{schema}\".records ORDER BY id"
@@ -412,6 +435,52 @@ async fn migration_4_upgrades_a_table_at_migration_3() {
     let fresh = RecordKey::new("ns", "fresh", 256).unwrap();
     assert_eq!(
         repo.reserve(request(&fresh)).await.unwrap(),
+        Reservation::Acquired { attempt: 1 }
+    );
+    drop_schema(&schema).await;
+}
+
+/// A process of this version on a table that the migrations left behind (here
+/// at version 3) reserves nothing — a handler must not run when its
+/// completion would then fail on the older schema — on any reservation path,
+/// until the table is migrated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_reserved_on_a_table_behind_this_version() {
+    let (schema, _) = migrated_in_own_schema("idem_behind").await;
+    let pool = admin().await;
+    execute_all(&pool, back_to_migration_3(&schema)).await;
+    // A process that does not migrate.
+    let repo = unmigrated_on(&schema).await;
+    let (key, other) = (
+        RecordKey::new("ns", "behind", 256).unwrap(),
+        RecordKey::new("ns", "behind-too", 256).unwrap(),
+    );
+    let behind = |result: Result<Reservation, Error>| match result {
+        Err(Error::Config { message }) => {
+            assert!(message.contains("version 3"), "{message}");
+            assert!(message.contains("migrate"), "{message}");
+        }
+        other => panic!("reserved on a table behind: {other:?}"),
+    };
+    behind(repo.reserve(request(&key)).await);
+    for answer in repo
+        .reserve_many(vec![request(&key), request(&other)])
+        .await
+    {
+        behind(answer);
+    }
+    let mut tx = repo.pool().begin().await.unwrap();
+    behind(repo.in_transaction(&mut tx).reserve(request(&key)).await);
+    tx.rollback().await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".records"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+
+    repo.migrate().await.unwrap();
+    assert_eq!(
+        repo.reserve(request(&key)).await.unwrap(),
         Reservation::Acquired { attempt: 1 }
     );
     drop_schema(&schema).await;
