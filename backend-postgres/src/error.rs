@@ -13,7 +13,8 @@ pub(crate) const BACKEND: &str = "postgres";
 ///   definition) → [`Error::Unavailable`], and so is a server that refuses
 ///   writes (`25006`: a standby, or a primary demoted in a failover);
 /// - `statement_timeout` (`57014`) and `lock_timeout` (`55P03`) → [`Error::Timeout`];
-/// - a missing schema, table or function (`3F000`, `42P01`, `42883`) →
+/// - a missing schema, table, column or function (`3F000`, `42P01`, `42703`,
+///   `42883`) →
 ///   [`Error::Config`] naming the table and `migrate()`;
 /// - refused credentials (class `28`), a missing database (`3D000`), a missing
 ///   privilege (`42501`) → [`Error::Config`] saying what to fix;
@@ -85,10 +86,10 @@ pub(crate) fn map_sqlx(
                          or run migrate() as a role that may create it) ({err})"
                     ),
                 },
-                "3F000" | "42P01" | "42883" => Error::Config {
+                "3F000" | "42P01" | "42883" | "42703" => Error::Config {
                     message: format!(
-                        "{operation}: the idempotency table {table} (or its schema or reserve function) \
-                         does not exist or is outdated; run PgRepository::migrate() ({err})"
+                        "{operation}: the idempotency table {table} (or its schema, a column or the \
+                         reserve function) does not exist or is outdated; run PgRepository::migrate() ({err})"
                     ),
                 },
                 _ => Error::backend(BACKEND, err),

@@ -51,15 +51,15 @@
 //!
 //! [`PgRepository::migrate`] applies the embedded migrations: idempotent, in one
 //! transaction under an advisory lock, so processes starting together are safe.
-//! A repository that did not migrate reads the table's schema version before
-//! its first reservation, and refuses to reserve (an
-//! [`Error::Config`](idempotency_core::Error::Config) saying so; nothing is
-//! written) on a table that an older version of this crate migrated: there a
-//! reservation could succeed and the completion after the handler fail on a
-//! column the table lacks, and the handler would run again when the lease
-//! ended. Run the migrations first; a table migrated by a newer version is
-//! used as it is (each migration keeps the previous version's statements
-//! working, for rolling upgrades).
+//! Before its first reservation, a repository checks (in the catalogs) that
+//! the table has every column its statements write, and refuses to reserve (an
+//! [`Error::Config`](idempotency_core::Error::Config) naming the columns;
+//! nothing is written) on a table an older version of this crate migrated, or
+//! one made by hand from an older release's SQL: there a reservation could
+//! succeed and the completion after the handler fail on the missing column,
+//! and the handler would run again when the lease ended. Run the migrations
+//! first. A table migrated by a newer version is used as it is (each migration
+//! keeps the previous version's statements working, for rolling upgrades).
 //!
 //! # Support table
 //!

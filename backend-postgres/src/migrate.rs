@@ -146,16 +146,9 @@ async fn apply(conn: &mut PgConnection, names: &Statements) -> Result<(), Error>
 /// The version the table is at (0: never migrated).
 pub(crate) async fn version(pool: &PgPool, names: &Statements) -> Result<i32, Error> {
     let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
-    let mut conn = pool.acquire().await.map_err(map)?;
-    version_on(&mut conn, names).await
-}
-
-/// [`version`], on `conn`.
-pub(crate) async fn version_on(conn: &mut PgConnection, names: &Statements) -> Result<i32, Error> {
-    let map = |e| map_sqlx(e, "migrate", None, &names.qualified);
     let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
         .bind(&names.migrations)
-        .fetch_one(&mut *conn)
+        .fetch_one(pool)
         .await
         .map_err(map)?;
     if !exists {
@@ -166,29 +159,52 @@ pub(crate) async fn version_on(conn: &mut PgConnection, names: &Statements) -> R
         names.migrations
     ))
     .persistent(false)
-    .fetch_one(&mut *conn)
+    .fetch_one(pool)
     .await
     .map_err(map)
 }
 
-/// Whether this crate may start work on a table at version `at`: not on one
-/// that its migrations left behind (1 to the latest but one), where a
-/// reservation could succeed and the completion after the handler fail on a
-/// column the table does not have yet — the handler would run again once the
-/// lease ended. A table at version 0 (none of this crate's bookkeeping: made
-/// by hand, or missing, which its statements report) and a newer one (a
-/// rolling upgrade: every migration keeps the previous version's statements
-/// working) are let through.
-pub(crate) fn require_current(at: i32, names: &Statements) -> Result<(), Error> {
-    let latest = latest_version();
-    if at == 0 || at >= latest {
+/// The columns this version's statements write that earlier migrations did
+/// not create (migration 3's `retryable`, migration 4's `purge_after`).
+pub(crate) const NEWER_COLUMNS: [&str; 2] = ["retryable", "purge_after"];
+
+/// Which of [`NEWER_COLUMNS`] the table lacks, on `conn`; `None` when the
+/// table does not exist (its statements then report that, naming
+/// `migrate()`). Reads only the catalogs, which every role may.
+pub(crate) async fn missing_columns(
+    conn: &mut PgConnection,
+    names: &Statements,
+) -> Result<Option<Vec<String>>, Error> {
+    let (exists, missing): (bool, Vec<String>) = sqlx::query_as(
+        "SELECT c.oid IS NOT NULL, ARRAY(SELECT n FROM unnest($2::text[]) n \
+         WHERE NOT EXISTS (SELECT 1 FROM pg_catalog.pg_attribute a \
+             WHERE a.attrelid = c.oid AND a.attname = n AND NOT a.attisdropped)) \
+         FROM (SELECT to_regclass($1)::oid AS oid) c",
+    )
+    .bind(&names.qualified)
+    .bind(&NEWER_COLUMNS[..])
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(|e| map_sqlx(e, "reserve", None, &names.qualified))?;
+    Ok(exists.then_some(missing))
+}
+
+/// Whether this crate may start work on a table lacking `missing` columns:
+/// not when it lacks any, where a reservation could succeed and the completion
+/// after the handler fail on a column the table does not have (the handler
+/// would run again once the lease ended). The columns are checked, not the
+/// recorded version, so a table made by hand or by another migration tool is
+/// judged alike; a table migrated by a newer version has them all.
+pub(crate) fn require_columns(missing: &[String], names: &Statements) -> Result<(), Error> {
+    if missing.is_empty() {
         return Ok(());
     }
     Err(Error::config(format!(
-        "the idempotency table {} is at schema version {at} and this version of \
-         idempotency-postgres needs {latest}: run its migrations first (PgRepository::migrate(), \
+        "the idempotency table {} lacks the column(s) {} that this version of \
+         idempotency-postgres writes: run its migrations first (PgRepository::migrate(), \
          `idempotency migrate`, or connect without migrate=false); nothing was reserved",
-        names.qualified
+        names.qualified,
+        missing.join(", ")
     )))
 }
 
@@ -215,17 +231,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn work_starts_only_on_a_table_not_left_behind() {
+    fn work_starts_only_on_a_table_with_every_column() {
         let names = Statements::new("s", "t").unwrap();
-        let latest = latest_version();
-        for fine in [0, latest, latest + 1] {
-            assert!(require_current(fine, &names).is_ok(), "{fine}");
-        }
-        for behind in 1..latest {
-            let err = require_current(behind, &names).unwrap_err();
+        assert!(require_columns(&[], &names).is_ok());
+        let err = require_columns(&["purge_after".to_owned()], &names).unwrap_err();
+        assert!(
+            matches!(&err, Error::Config { message }
+                if message.contains("\"s\".\"t\"") && message.contains("purge_after")),
+            "{err:?}"
+        );
+    }
+
+    #[test]
+    fn every_newer_column_is_created_by_a_migration() {
+        let names = Statements::new("s", "t").unwrap();
+        for column in NEWER_COLUMNS {
+            let added = format!("ADD COLUMN IF NOT EXISTS {column} ");
             assert!(
-                matches!(&err, Error::Config { message } if message.contains("\"s\".\"t\"")),
-                "{err:?}"
+                MIGRATIONS
+                    .iter()
+                    .any(|m| render(m.sql, &names).contains(&added)),
+                "{column}"
             );
         }
     }

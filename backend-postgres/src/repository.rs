@@ -128,16 +128,19 @@ impl PgRepository {
     }
 
     /// Before the first reservation of this repository (and its clones), on
-    /// `conn`: refuses, with [`Error::Config`], a table that this crate's
-    /// migrations left behind — a handler must not run when its completion
-    /// would fail on the older schema. One query, once; nothing afterwards.
+    /// `conn`: refuses, with [`Error::Config`], a table lacking a column this
+    /// version's statements write — a handler must not run when its
+    /// completion would fail on the older schema. One catalog query until the
+    /// table is found complete, nothing afterwards. A missing table is left to
+    /// the reservation's own statement, which reports it.
     pub(crate) async fn ensure_schema(&self, conn: &mut PgConnection) -> Result<(), Error> {
         if self.schema_current.load(Ordering::Acquire) {
             return Ok(());
         }
-        let at = crate::migrate::version_on(conn, &self.sql).await?;
-        crate::migrate::require_current(at, &self.sql)?;
-        self.schema_current.store(true, Ordering::Release);
+        if let Some(missing) = crate::migrate::missing_columns(conn, &self.sql).await? {
+            crate::migrate::require_columns(&missing, &self.sql)?;
+            self.schema_current.store(true, Ordering::Release);
+        }
         Ok(())
     }
 
