@@ -99,6 +99,39 @@ async fn unmigrated_row(server: &str) -> ErrorRow {
     )
 }
 
+/// A table an older version migrated (here back at migration 3's shape):
+/// refused before the first reservation, nothing reserved.
+async fn outdated_row(server: &str) -> ErrorRow {
+    let table = common::unique("outdated");
+    let admin = common::repository(&table).await;
+    let shape_of_3 = format!(
+        "DELETE FROM \"{table}_migrations\" WHERE version >= 4; \
+         ALTER TABLE \"{table}\" DROP COLUMN purge_after"
+    );
+    sqlx::raw_sql(&shape_of_3)
+        .execute(admin.pool())
+        .await
+        .unwrap();
+    let repo = idempotency_postgres::connect(&url_with::query(
+        server,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await
+    .unwrap();
+    let answer = reserve_once(&repo, "x").await;
+    let drop = format!(
+        "DROP TABLE \"{table}\"; DROP TABLE \"{table}_migrations\"; \
+         DROP FUNCTION \"{table}_reserve\""
+    );
+    sqlx::raw_sql(&drop).execute(admin.pool()).await.unwrap();
+    ErrorRow::new(
+        "table an older version migrated (`migrate=false`)",
+        answer,
+        Expected::Config,
+        &[&table, "purge_after", "migrate()"],
+    )
+}
+
 /// A role without the privilege to create the schema.
 async fn privilege_row(server: &str) -> ErrorRow {
     let admin = common::repository(&common::unique("errors_admin")).await;
@@ -162,6 +195,7 @@ async fn every_cause_has_its_error_and_message() {
     rows.push(refused_row(&server).await);
     rows.push(foreign_row(&server).await);
     rows.push(unmigrated_row(&server).await);
+    rows.push(outdated_row(&server).await);
     rows.push(privilege_row(&server).await);
     rows.push(black_hole_row(&server).await);
     assert_error_table("postgres", &rows);
