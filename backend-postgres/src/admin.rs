@@ -73,18 +73,12 @@ impl PgRepository {
         |e| map_sqlx(e, "admin", None, &self.statements().qualified)
     }
 
-    /// How many records have expired by `now`: through the purge index on a
-    /// table at migration 4 or later, by `expires_at` on an older one (which
-    /// has no `purge_after`).
-    async fn expired(&self, now: Timestamp) -> Result<u64, Error> {
-        let at = crate::migrate::version(self.pool(), self.statements()).await?;
-        let filter = if at >= crate::migrate::PURGE_AFTER {
-            "purge_after <= $1 AND expires_at <= $1"
-        } else {
-            "expires_at <= $1"
-        };
+    /// How many records have expired by `now`, found through the purge index
+    /// of a table at version `at`.
+    async fn expired(&self, now: Timestamp, at: i32) -> Result<u64, Error> {
+        let column = crate::migrate::purge_column(at);
         let n: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {} WHERE {filter}",
+            "SELECT count(*) FROM {} WHERE {column} <= $1 AND expires_at <= $1",
             self.statements().qualified
         ))
         .bind(ts(now))
@@ -106,11 +100,7 @@ impl PgRepository {
     /// migration 4, on `expires_at` before (`at` is the table's version).
     async fn index_check(&self, at: i32) -> Result<Check, Error> {
         let names = self.statements();
-        let column = if at >= crate::migrate::PURGE_AFTER {
-            "purge_after"
-        } else {
-            "expires_at"
-        };
+        let column = crate::migrate::purge_column(at);
         let n: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
              AND indexdef LIKE '%(' || $3 || ')%'",
@@ -266,7 +256,8 @@ impl Admin for PgRepository {
                 stats.add(&namespace, status, stuck, u64::try_from(n).unwrap_or(0));
             }
         }
-        stats.expired = self.expired(now).await?;
+        let at = crate::migrate::version(self.pool(), self.statements()).await?;
+        stats.expired = self.expired(now, at).await?;
         Ok(stats)
     }
 
@@ -292,7 +283,9 @@ impl Admin for PgRepository {
         checks.push(self.hot_check().await?);
         checks.push(self.lock_timeout_check().await?);
         checks.push(self.clock_check(options).await?);
-        checks.push(Check::purge_backlog(self.expired(SystemClock.now()).await?));
+        checks.push(Check::purge_backlog(
+            self.expired(SystemClock.now(), at).await?,
+        ));
         Ok(checks)
     }
 }

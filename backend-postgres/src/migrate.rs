@@ -39,7 +39,17 @@ const MIGRATIONS: &[Migration] = &[
 
 /// The migration that added `purge_after` and its index (in place of the
 /// index on `expires_at`).
-pub(crate) const PURGE_AFTER: i32 = 4;
+const PURGE_AFTER: i32 = 4;
+
+/// The indexed column through which purges find the expired rows of a table
+/// at version `at` (never later than `expires_at`).
+pub(crate) fn purge_column(at: i32) -> &'static str {
+    if at >= PURGE_AFTER {
+        "purge_after"
+    } else {
+        "expires_at"
+    }
+}
 
 /// The advisory lock every `migrate()` of this crate takes (two `int4` keys:
 /// "idem" and "pg  " in ASCII). One lock for all schemas and tables: migrations

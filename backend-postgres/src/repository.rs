@@ -144,6 +144,17 @@ impl PgRepository {
         Ok(())
     }
 
+    /// `reserve` on `conn` (the repository's or the caller's), after
+    /// [`ensure_schema`](Self::ensure_schema).
+    pub(crate) async fn reserve_on(
+        &self,
+        conn: &mut PgConnection,
+        request: &ReserveRequest<'_>,
+    ) -> Result<Reservation, Error> {
+        self.ensure_schema(conn).await?;
+        ops::reserve(&self.sql, conn, request).await
+    }
+
     /// The pool, e.g. to run business statements beside the repository.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -576,11 +587,8 @@ impl Repository for PgRepository {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        self.run("reserve", async |c| {
-            self.ensure_schema(c).await?;
-            ops::reserve(&self.sql, c, &request).await
-        })
-        .await
+        self.run("reserve", async |c| self.reserve_on(c, &request).await)
+            .await
     }
 
     /// One statement (and one round trip) for the whole batch: the

@@ -89,12 +89,8 @@ impl<'a> PgTransactionRepository<'a> {
     /// longer than a `lock_timeout`, or an explicitly set operation timeout, is
     /// [`Error::Timeout`].
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let (repo, conn) = (self.repo, &mut *self.conn);
-        let fut = async {
-            repo.ensure_schema(&mut *conn).await?;
-            ops::reserve(repo.statements(), &mut *conn, &request).await
-        };
-        repo.timed_in_transaction("reserve", fut).await
+        let fut = self.repo.reserve_on(&mut *self.conn, &request);
+        self.repo.timed_in_transaction("reserve", fut).await
     }
 
     /// [`Repository::complete`] on the caller's connection.

@@ -119,11 +119,7 @@ async fn outdated_row(server: &str) -> ErrorRow {
     .await
     .unwrap();
     let answer = reserve_once(&repo, "x").await;
-    let drop = format!(
-        "DROP TABLE \"{table}\"; DROP TABLE \"{table}_migrations\"; \
-         DROP FUNCTION \"{table}_reserve\""
-    );
-    sqlx::raw_sql(&drop).execute(admin.pool()).await.unwrap();
+    common::drop_table(&admin, &table).await;
     ErrorRow::new(
         "table an older version migrated (`migrate=false`)",
         answer,

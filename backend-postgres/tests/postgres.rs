@@ -178,7 +178,7 @@ async fn several_processes_purge_concurrently_without_double_counting() {
     assert_eq!(left, 1, "only the live row remains");
     assert!(repo.get(&live, t0).await.unwrap().is_some());
     assert_eq!(repo.purge_expired(purge_at, 0).await.unwrap(), 0);
-    drop_table(&repo, &table).await;
+    common::drop_table(&repo, &table).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -618,16 +618,6 @@ async fn a_kept_connection_is_never_inside_a_transaction() {
     assert_eq!(open_transactions().await, 0, "after a duplicate");
 }
 
-/// Drops a table the test made for itself, with its bookkeeping and function.
-async fn drop_table(repo: &PgRepository, table: &str) {
-    let _ = sqlx::raw_sql(&format!(
-        "DROP TABLE IF EXISTS \"{table}\"; DROP TABLE IF EXISTS \"{table}_migrations\"; \
-         DROP FUNCTION IF EXISTS \"{table}_reserve\""
-    ))
-    .execute(repo.pool())
-    .await;
-}
-
 /// Completions and lease extensions are HOT updates (migration 4): with the
 /// instants the manager uses (a reservation expiring `ttl` after it is made,
 /// a completion `ttl` after it ends), no indexed column changes, so PostgreSQL
@@ -676,7 +666,7 @@ async fn completions_and_extensions_are_hot_updates() {
     tx.commit().await.unwrap();
     assert_eq!(updates, i64::try_from(n + n / 2).unwrap());
     assert_eq!(hot, updates, "every completion and extension is HOT");
-    drop_table(&repo, &table).await;
+    common::drop_table(&repo, &table).await;
 }
 
 /// `purge_after` only chooses where a purge looks; the expiry decides what it
@@ -758,7 +748,7 @@ async fn purges_follow_the_expiry_the_last_write_set() {
         .await
         .unwrap();
     assert_eq!(left, 0);
-    drop_table(&repo, &table).await;
+    common::drop_table(&repo, &table).await;
 }
 
 /// `doctor`'s HOT check passes on a migrated table and, once an index covers a
@@ -788,5 +778,5 @@ async fn the_doctor_names_an_index_that_stops_hot_completions() {
     let (hot, _) = checks().await;
     assert_eq!(hot.verdict, Verdict::Warn, "{hot:?}");
     assert!(hot.detail.contains("indexed expires_at"), "{hot:?}");
-    drop_table(&repo, &table).await;
+    common::drop_table(&repo, &table).await;
 }

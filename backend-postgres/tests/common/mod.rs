@@ -32,3 +32,14 @@ pub(crate) async fn repository(table: &str) -> PgRepository {
     repo.migrate().await.expect("migrate");
     repo
 }
+
+/// Drops a table a test made for itself (in the default schema), with its
+/// bookkeeping table and reservation function.
+pub(crate) async fn drop_table(repo: &PgRepository, table: &str) {
+    let _ = sqlx::raw_sql(&format!(
+        "DROP TABLE IF EXISTS \"{table}\"; DROP TABLE IF EXISTS \"{table}_migrations\"; \
+         DROP FUNCTION IF EXISTS \"{table}_reserve\""
+    ))
+    .execute(repo.pool())
+    .await;
+}
