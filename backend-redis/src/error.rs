@@ -60,7 +60,8 @@ fn tls_misconfiguration(err: &RedisError) -> Option<String> {
 ///
 /// Connection trouble (I/O, refused, reset, dropped), server states that pass
 /// (`LOADING`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`
-/// during a failover, redirections the cluster client gave up on) →
+/// during a failover, redirections the cluster client or this crate gave up
+/// on) →
 /// [`Error::Unavailable`]; an I/O timeout → [`Error::Timeout`]; a value of the
 /// wrong type or format under the key → [`Error::Corrupt`]; bad credentials or
 /// an untrusted TLS certificate, a connection whose first reply is not Redis's

@@ -32,6 +32,21 @@
 //! reconnects by itself after a connection loss; meanwhile calls fail fast with
 //! [`Error::Unavailable`](idempotency_core::Error::Unavailable) (retryable).
 //!
+//! On Redis Cluster reached by URL (`redis+cluster://`, feature `cluster`),
+//! every command on a record goes on a connection of the repository's own to
+//! the master serving its key's slot (from `CLUSTER SLOTS`, read again whenever a node
+//! says the slot moved), and follows `MOVED` and `ASK` itself, `ASK` with
+//! `ASKING` in the same pipeline as the command: while a slot migrates, the
+//! `redis` crate's cluster client lets another request take the `ASKING`
+//! flag under load, and after a migration its slot refresh was seen to hold
+//! every request until its response timeout. A command none of this placed
+//! (the table unreadable, no connection to the master, redirections run out,
+//! a node answering `TRYAGAIN`, `CLUSTERDOWN`, `LOADING` or `READONLY` during
+//! a failover: executed nowhere) goes through the cluster client, which waits
+//! those out; so do the commands that name no record (`CLUSTER SLOTS`,
+//! `SCRIPT LOAD`, the operator's `SCAN`). A cluster connection passed in (`from_cluster_*`) is used
+//! as it is, redirections included.
+//!
 //! # What it guarantees
 //!
 //! | | |
@@ -60,7 +75,7 @@
 //! | `get` | 1 | `GET` |
 //! | `delete` | 1 | `DEL` |
 //! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
-//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own). On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes through the cluster client on its own. On a cluster connection passed in (`from_cluster_*`), one command per key |
+//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own). On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes on its own, as a single operation. On a cluster connection passed in (`from_cluster_*`), one command per key |
 //!
 //! So a **fresh execution** through the manager costs **2 commands** (reserve +
 //! complete) and a **duplicate 1**; the test `commands_per_operation` (in

@@ -19,20 +19,32 @@
 //! connection to each primary instead, opened like the cluster's own (same
 //! credentials, TLS and timeouts), where a command the node does not serve now
 //! comes back as its own reply — `MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`,
-//! `LOADING`, `READONLY`: not executed — and that key alone goes through the
-//! cluster client, which follows redirections. A failure of a node's pipeline
-//! as a whole is every one of its keys' error, as ambiguous as a lost reply,
-//! and the table is read again.
+//! `LOADING`, `READONLY`: not executed — and that key alone goes again as a
+//! single command. A failure of a node's pipeline as a whole is every one of
+//! its keys' error, as ambiguous as a lost reply, and the table is read again.
+//!
+//! Single commands take the same connections ([`Nodes::send`]) and follow
+//! `MOVED` and `ASK` themselves: the cluster client sends `ASKING` and the
+//! command as two requests on a connection every task shares, so under load
+//! another request can take the flag between them (the command then comes
+//! back `MOVED` to the node that answered `ASK`, and finally fails `ASK`), and
+//! right after a slot moved its slot refresh has been seen to stall every
+//! request until the response timeout (redis 1.8;
+//! `batches_run_once_while_their_slot_moves` in `tests/redis.rs`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{ErrorKind, RedisError, ServerErrorKind, Value};
+use redis::{Cmd, ErrorKind, RedisError, ServerErrorKind, Value};
 
 /// The number of hash slots of a Redis Cluster.
 const SLOTS: u16 = 16384;
+
+/// The most `MOVED` and `ASK` redirections one command follows (a slot can
+/// move while a command chases it).
+const REDIRECTS: usize = 5;
 
 /// The slot of a Redis key: CRC16 (XMODEM) of its hash tag — the part between
 /// its first `{` and the next `}`, when not empty — or of the whole key.
@@ -46,8 +58,8 @@ pub(crate) fn slot_of(key: &[u8]) -> u16 {
 }
 
 /// Whether the node refused a command without executing it because it does
-/// not serve the command's slot now (or cannot yet): the key may go through
-/// the cluster client, which finds the node that does.
+/// not serve the command's slot now (or cannot yet): the key may go again on
+/// its own, to the node that does.
 pub(crate) fn is_not_served(err: &RedisError) -> bool {
     matches!(
         err.kind(),
@@ -60,6 +72,35 @@ pub(crate) fn is_not_served(err: &RedisError) -> bool {
                 | ServerErrorKind::ReadOnly
         )
     )
+}
+
+/// Where a `MOVED` or `ASK` reply sends its command (not executed), and
+/// whether the slot moved there (`MOVED`) rather than is moving (`ASK`: the
+/// key is no longer, or not yet, on the node asked). `None` for other errors.
+pub(crate) fn redirected_to(err: &RedisError) -> Option<((String, u16), bool)> {
+    let moved = match err.kind() {
+        ErrorKind::Server(ServerErrorKind::Moved) => true,
+        ErrorKind::Server(ServerErrorKind::Ask) => false,
+        _ => return None,
+    };
+    let (node, _slot) = err.redirect_node()?;
+    let (host, port) = node.rsplit_once(':')?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    Some(((host.to_owned(), port.parse().ok()?), moved))
+}
+
+/// The node an `ASK` reply names.
+pub(crate) fn asked_at(err: &RedisError) -> Option<(String, u16)> {
+    redirected_to(err).and_then(|(address, moved)| (!moved).then_some(address))
+}
+
+/// Whether the node may have failed (no answer, or the connection broke):
+/// its connection is dropped and the table read again.
+fn node_failed(err: &RedisError) -> bool {
+    err.is_io_error()
+        || err.is_connection_dropped()
+        || err.is_connection_refusal()
+        || err.is_timeout()
 }
 
 /// Which primary serves each slot, as `CLUSTER SLOTS` last said.
@@ -155,7 +196,8 @@ pub(crate) fn by_primary<T>(
     groups
 }
 
-/// The slot table and our connections to the primaries, for batches.
+/// The slot table and our connections to the primaries, for keyed commands
+/// and batches.
 pub(crate) struct Nodes {
     /// The first node's URL: credentials, TLS and database, with the host and
     /// port replaced per primary.
@@ -163,7 +205,8 @@ pub(crate) struct Nodes {
     config: ConnectionManagerConfig,
     table: RwLock<Option<Arc<SlotTable>>>,
     /// Until when not to ask for the table again after it could not be read
-    /// or used (the batches go key by key meanwhile).
+    /// or used (commands go through the cluster client meanwhile, and
+    /// batches key by key).
     unreadable_until: Mutex<Option<Instant>>,
     links: Mutex<HashMap<(String, u16), ConnectionManager>>,
 }
@@ -230,7 +273,8 @@ impl Nodes {
     }
 
     /// Our connection to the primary at `address`, opened on first use;
-    /// `None` when it cannot be opened (the keys then go one by one).
+    /// `None` when it cannot be opened (a batch's keys then go one by one,
+    /// and a single command through the cluster client).
     pub(crate) async fn link(&self, address: &(String, u16)) -> Option<ConnectionManager> {
         if let Some(link) = self.lock_links().get(address) {
             return Some(link.clone());
@@ -251,6 +295,93 @@ impl Nodes {
             .entry(address.clone())
             .or_insert(link.clone());
         Some(link)
+    }
+
+    /// `cmd`, whose key is in `slot`, on our connection to the primary that
+    /// `table` says serves the slot, following `MOVED` (the table is read
+    /// again next time) and `ASK` (see [`Nodes::asking`]) to the node named,
+    /// at most [`REDIRECTS`] times. A node that does not answer loses its
+    /// connection and the table is read again. `None` when the command was
+    /// executed nowhere, and goes through the cluster client instead (which
+    /// waits out what a failover or a migration makes the nodes answer): the
+    /// table names no primary for the slot, no connection to the node opens
+    /// (the table is then read again, and that connection tried again, next
+    /// time), the redirections run out, or a node refuses the slot for now
+    /// (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`).
+    pub(crate) async fn send(
+        &self,
+        table: &SlotTable,
+        slot: u16,
+        cmd: &Cmd,
+    ) -> Option<Result<Value, RedisError>> {
+        let mut address = table.address(table.primary(slot)?)?.clone();
+        let mut asking = false;
+        for _ in 0..=REDIRECTS {
+            let Some(mut link) = self.link(&address).await else {
+                self.forget(Some(&address));
+                return None;
+            };
+            let reply = if asking {
+                Self::asking_on(&mut link, cmd).await
+            } else {
+                cmd.query_async::<Value>(&mut link).await
+            };
+            let Err(err) = &reply else {
+                return Some(reply);
+            };
+            if let Some((to, moved)) = redirected_to(err) {
+                if moved {
+                    self.forget(None);
+                }
+                (address, asking) = (to, !moved);
+                continue;
+            }
+            if node_failed(err) {
+                self.forget(Some(&address));
+                return Some(reply);
+            }
+            if is_not_served(err) {
+                self.forget(None);
+                return None;
+            }
+            return Some(reply);
+        }
+        None
+    }
+
+    /// `cmd` on the node at `address` right after `ASKING`, as one pipeline
+    /// on our connection to it: nothing can run between the two on that
+    /// connection, so the node accepts the command for the slot it is
+    /// importing. (The `redis` crate's cluster client sends `ASKING` and the
+    /// command as two requests on a connection every task shares; under load
+    /// another request takes the flag in between, the command comes back
+    /// `MOVED` to the node that answered `ASK`, and once the client's retries
+    /// are spent it fails with `ASK`.) `None` when no connection opens.
+    pub(crate) async fn asking(
+        &self,
+        address: &(String, u16),
+        cmd: &Cmd,
+    ) -> Option<Result<Value, RedisError>> {
+        let mut link = self.link(address).await?;
+        Some(Self::asking_on(&mut link, cmd).await)
+    }
+
+    /// `ASKING` and `cmd` in one pipeline on `link`: the command's own reply,
+    /// its error as the node gave it (a `MOVED` keeps its address).
+    async fn asking_on(link: &mut ConnectionManager, cmd: &Cmd) -> Result<Value, RedisError> {
+        let mut pipe = redis::pipe();
+        pipe.ignore_errors();
+        pipe.cmd("ASKING").ignore().add_command(cmd.clone());
+        let mut replies = pipe
+            .query_async::<Vec<redis::RedisResult<Value>>>(link)
+            .await?;
+        match (replies.pop(), replies.is_empty()) {
+            (Some(reply), true) => reply,
+            _ => Err(RedisError::from((
+                ErrorKind::Client,
+                "ASKING pipeline: not one reply for the command",
+            ))),
+        }
     }
 
     fn lock_links(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u16), ConnectionManager>> {
@@ -382,5 +513,36 @@ mod tests {
         assert!(is_not_served(&moved));
         let other = RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "ERR"));
         assert!(!is_not_served(&other));
+    }
+
+    fn redirect(kind: ServerErrorKind, detail: &str) -> RedisError {
+        RedisError::from((ErrorKind::Server(kind), "redirect", detail.to_owned()))
+    }
+
+    #[test]
+    fn redirections_name_the_node_and_whether_the_slot_moved() {
+        let at = |host: &str, port| (host.to_owned(), port);
+        let moved = redirect(ServerErrorKind::Moved, "3999 127.0.0.1:6381");
+        assert_eq!(redirected_to(&moved), Some((at("127.0.0.1", 6381), true)));
+        assert_eq!(asked_at(&moved), None);
+        let asked = redirect(ServerErrorKind::Ask, "3999 10.0.0.7:7002");
+        assert_eq!(redirected_to(&asked), Some((at("10.0.0.7", 7002), false)));
+        assert_eq!(asked_at(&asked), Some(at("10.0.0.7", 7002)));
+        // IPv6 endpoints are announced without brackets; host names as given.
+        let v6 = redirect(ServerErrorKind::Ask, "12 ::1:7000");
+        assert_eq!(asked_at(&v6), Some(at("::1", 7000)));
+        let named = redirect(ServerErrorKind::Moved, "12 redis-2.internal:6379");
+        assert_eq!(
+            redirected_to(&named),
+            Some((at("redis-2.internal", 6379), true))
+        );
+        for unusable in [
+            redirect(ServerErrorKind::Moved, "12"),
+            redirect(ServerErrorKind::Ask, "12 no-port"),
+            redirect(ServerErrorKind::TryAgain, "12 127.0.0.1:6381"),
+            RedisError::from((ErrorKind::Server(ServerErrorKind::ResponseError), "ERR")),
+        ] {
+            assert_eq!(redirected_to(&unusable), None, "{unusable:?}");
+        }
     }
 }

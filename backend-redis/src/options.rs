@@ -115,8 +115,10 @@ pub struct RedisOptions {
     pub max_result_bytes: usize,
     /// `connect_timeout=2s`: each connection attempt (default 2 s).
     pub connect_timeout: Duration,
-    /// `response_timeout=5s`: each command, after which it fails with
-    /// [`Error::Timeout`] (default 5 s).
+    /// `response_timeout=5s`: each command on each connection, after which
+    /// it fails with [`Error::Timeout`] (default 5 s). On a cluster one
+    /// operation may take more than one (a `CLUSTER SLOTS` read, a redirected
+    /// command sent again); the manager's `store_timeout` bounds the whole.
     pub response_timeout: Duration,
     /// `reconnect_retries=N`: extra connection attempts per reconnection, with
     /// exponential back-off from 100 ms up to 2 s (default 0). Calls waiting for

@@ -77,7 +77,7 @@ pub struct RedisRepository {
     set_nx_get_supported: Arc<AtomicBool>,
     max_result_bytes: usize,
     /// On a cluster reached by URL: the slot table and our connections to its
-    /// primaries, for batches (see `nodes`).
+    /// primaries, for keyed commands and batches (see `nodes`).
     #[cfg(feature = "cluster")]
     nodes: Option<Arc<crate::nodes::Nodes>>,
 }
@@ -337,14 +337,45 @@ impl RedisRepository {
         }
     }
 
+    /// `cmd`, naming `key` when it names one. On a cluster reached by URL, a
+    /// keyed command goes on our connection to the primary serving the key's
+    /// slot and follows `MOVED` and `ASK` there (see `Nodes::send`): the
+    /// cluster client's own redirections are unreliable while a slot moves
+    /// under load (its `ASKING` and the command can be split by another
+    /// request, and its slot refresh has been seen to stall every request
+    /// until its timeout). Otherwise, or when the table or the primary cannot
+    /// be reached, the command goes on the connection; an `ASK` it answers is
+    /// followed on our connection all the same.
+    async fn send(&self, cmd: &Cmd, key: Option<&RecordKey>) -> Result<Value, RedisError> {
+        #[cfg(feature = "cluster")]
+        if let (Some(nodes), Some(key)) = (self.nodes.as_deref(), key) {
+            if let Some(table) = self.slot_table(nodes).await {
+                let slot = crate::nodes::slot_of(Self::redis_key(key).as_bytes());
+                if let Some(reply) = nodes.send(&table, slot, cmd).await {
+                    return reply;
+                }
+            }
+        }
+        let reply = self.conn.query(cmd).await;
+        #[cfg(feature = "cluster")]
+        if let (Err(e), Some(nodes)) = (&reply, &self.nodes) {
+            if let Some(address) = crate::nodes::asked_at(e) {
+                if let Some(asked) = nodes.asking(&address, cmd).await {
+                    return asked;
+                }
+            }
+        }
+        let _ = key;
+        reply
+    }
+
     async fn query(
         &self,
         cmd: &Cmd,
         key: &RecordKey,
         operation: &'static str,
     ) -> Result<Value, Error> {
-        self.conn
-            .query(cmd)
+        self.send(cmd, Some(key))
             .await
             .map_err(|e| map_redis_error(e, Some(key), operation))
     }
@@ -359,8 +390,7 @@ impl RedisRepository {
     ) -> Result<Value, Error> {
         let build = |verb: &str, body: &[u8]| script_cmd(verb, body, key, args);
         match self
-            .conn
-            .query(&build("EVALSHA", script.sha.as_bytes()))
+            .send(&build("EVALSHA", script.sha.as_bytes()), Some(key))
             .await
         {
             Ok(v) => Ok(v),
@@ -378,8 +408,7 @@ impl RedisRepository {
 
     /// Runs one command for the operator operations.
     pub(crate) async fn command(&self, cmd: &Cmd, operation: &'static str) -> Result<Value, Error> {
-        self.conn
-            .query(cmd)
+        self.send(cmd, None)
             .await
             .map_err(|e| map_redis_error(e, None, operation))
     }
@@ -700,7 +729,11 @@ impl RedisRepository {
         #[cfg(feature = "cluster")]
         if let Some(nodes) = &self.nodes {
             if crate::nodes::is_not_served(err) {
-                nodes.forget(None);
+                // `ASK`: the slot is moving, and the table still says
+                // where it lives.
+                if crate::nodes::asked_at(err).is_none() {
+                    nodes.forget(None);
+                }
                 return true;
             }
         }
@@ -741,7 +774,7 @@ impl RedisRepository {
     /// A batch on a cluster: the keys grouped by the primary serving their
     /// slot, one pipeline per primary on our connection to it (see `nodes`);
     /// a key alone on its primary, or every key when the slot table or a
-    /// primary cannot be reached, through the cluster client one by one.
+    /// primary cannot be reached, one by one as single commands.
     /// Answers in the batch's order.
     #[cfg(feature = "cluster")]
     async fn per_primary<'k, T, R, B, BF, S, SF>(
@@ -1011,7 +1044,10 @@ impl Repository for RedisRepository {
         let fresh = fresh.as_bytes();
         let px = px(req.now, req.expires_at);
         if self.effective_strategy() == ReserveStrategy::SetNxGet {
-            match self.conn.query(&set_nx_get_cmd(&req, fresh, px)).await {
+            match self
+                .send(&set_nx_get_cmd(&req, fresh, px), Some(req.key))
+                .await
+            {
                 Ok(reply) => {
                     if let Some(answer) = Self::set_nx_get_reservation(&req, reply)? {
                         return Ok(answer);

@@ -80,7 +80,7 @@ pub use fault_proxy::{FaultProxy, ProxyFaults};
 pub use mariadb::{mariadb, MariaDbServer};
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
-pub use redis_cluster::{redis_cluster, RedisClusterServer};
+pub use redis_cluster::{redis_cluster, DedicatedRedisCluster, RedisClusterServer};
 pub use redis_tls::RedisTlsServer;
 pub use wire::{MessageCounts, WireCounter, PING};
 

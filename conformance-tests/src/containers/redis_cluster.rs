@@ -8,8 +8,8 @@
 use std::time::{Duration, Instant};
 
 use super::docker::{
-    free_port, keep_for_process, notice, on_harness, ready_timeout, start_ready, Kind, Origin,
-    StartOptions, Started,
+    free_port, keep_for_process, notice, on_harness, ready_timeout, start_ready, Dedicated, Kind,
+    Origin, Probe, StartOptions, Started,
 };
 use super::error::HarnessError;
 use super::redis::{probe, send_command, RedisReply, RedisServer};
@@ -47,6 +47,51 @@ impl RedisClusterServer {
             .collect();
         format!("redis+cluster://{}", hosts.join(","))
     }
+
+    /// A three-master cluster of its own for one test, all 16384 slots
+    /// assigned, for what the shared one must not see: slots moved between
+    /// masters (`CLUSTER SETSLOT`, `MIGRATE`). Its containers
+    /// are removed when the handle drops. Needs Docker, even where
+    /// `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS` names a cluster for the shared one.
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError`] when Docker is unavailable or the cluster does not
+    /// become healthy.
+    pub async fn dedicated() -> Result<DedicatedRedisCluster, HarnessError> {
+        on_harness(async {
+            let nodes = start_cluster("dedicated").await?;
+            let server = RedisClusterServer {
+                nodes: nodes.iter().map(|(server, _, _)| server.clone()).collect(),
+            };
+            let nodes = nodes
+                .into_iter()
+                .map(|(server, started, probe)| Dedicated::new(server, Kind::Redis, started, probe))
+                .collect();
+            Ok(DedicatedRedisCluster {
+                server,
+                _containers: nodes,
+            })
+        })
+        .await
+    }
+}
+
+/// A Redis Cluster owned by one test ([`RedisClusterServer::dedicated`]);
+/// dereferences to its connection details; dropping it removes the nodes'
+/// containers.
+#[derive(Debug)]
+pub struct DedicatedRedisCluster {
+    server: RedisClusterServer,
+    _containers: Vec<Dedicated<RedisServer>>,
+}
+
+impl std::ops::Deref for DedicatedRedisCluster {
+    type Target = RedisClusterServer;
+
+    fn deref(&self) -> &RedisClusterServer {
+        &self.server
+    }
 }
 
 /// A Redis Cluster of three masters (no replicas) shared by every test of this
@@ -68,7 +113,7 @@ pub async fn redis_cluster() -> Result<RedisClusterServer, HarnessError> {
             .get_or_init(|| async {
                 match std::env::var(CLUSTER_VARIABLE) {
                     Ok(value) if !value.trim().is_empty() => external_cluster(&value),
-                    _ => start_cluster().await,
+                    _ => shared_cluster().await,
                 }
             })
             .await
@@ -116,46 +161,59 @@ fn external_cluster(value: &str) -> Result<RedisClusterServer, HarnessError> {
     Ok(RedisClusterServer { nodes })
 }
 
-async fn start_cluster() -> Result<RedisClusterServer, HarnessError> {
+async fn shared_cluster() -> Result<RedisClusterServer, HarnessError> {
+    let mut servers = Vec::new();
+    for (server, started, _) in start_cluster("shared").await? {
+        servers.push(server);
+        keep_for_process(started.container);
+    }
+    Ok(RedisClusterServer { nodes: servers })
+}
+
+/// Starts the masters and forms the cluster: each node's server, container
+/// and readiness probe.
+async fn start_cluster(role: &str) -> Result<Vec<(RedisServer, Started, Probe)>, HarnessError> {
     let begun = Instant::now();
-    let mut nodes: Vec<(u16, u16, Started)> = Vec::new();
+    let mut nodes: Vec<(u16, u16, Started, Probe)> = Vec::new();
     for _ in 0..NODES {
         match start_node().await {
             Ok(node) => nodes.push(node),
             Err(e) => {
-                for (_, _, started) in nodes {
+                for (_, _, started, _) in nodes {
                     let _ = started.container.rm().await;
                 }
                 return Err(e);
             }
         }
     }
-    let ports: Vec<(u16, u16)> = nodes.iter().map(|(port, bus, _)| (*port, *bus)).collect();
+    let ports: Vec<(u16, u16)> = nodes
+        .iter()
+        .map(|(port, bus, _, _)| (*port, *bus))
+        .collect();
     if let Err(e) = form_cluster(&ports).await {
-        for (_, _, started) in nodes {
+        for (_, _, started, _) in nodes {
             let _ = started.container.rm().await;
         }
         return Err(e);
     }
-    let mut servers = Vec::new();
-    for (port, _, started) in nodes {
+    let mut formed = Vec::new();
+    for (port, _, started, probe) in nodes {
         let server = RedisServer::local(port, started.origin.clone());
         notice(format_args!(
-            "redis cluster node: {}, listening on {}",
+            "redis cluster node ({role}): {}, listening on {}",
             server.origin(),
             server.url()
         ));
-        servers.push(server);
-        keep_for_process(started.container);
+        formed.push((server, started, probe));
     }
     notice(format_args!(
-        "redis cluster (shared): {NODES} masters ready after {:.1}s",
+        "redis cluster ({role}): {NODES} masters ready after {:.1}s",
         begun.elapsed().as_secs_f64()
     ));
-    Ok(RedisClusterServer { nodes: servers })
+    Ok(formed)
 }
 
-async fn start_node() -> Result<(u16, u16, Started), HarnessError> {
+async fn start_node() -> Result<(u16, u16, Started, Probe), HarnessError> {
     let port = free_port()?;
     let bus = free_port()?;
     let cmd = [
@@ -184,8 +242,8 @@ async fn start_node() -> Result<(u16, u16, Started), HarnessError> {
         host_network: true,
         ..StartOptions::default()
     };
-    let (started, _) = start_ready(Kind::Redis, options, probe).await?;
-    Ok((port, bus, started))
+    let (started, probe) = start_ready(Kind::Redis, options, probe).await?;
+    Ok((port, bus, started, probe))
 }
 
 async fn command(port: u16, args: &[String]) -> Result<RedisReply, HarnessError> {
