@@ -1151,14 +1151,46 @@ impl Runs {
     }
 }
 
-/// Waits (at most 30 s) until `moved` says the keys moved.
+/// `manager.execute_batch` over `batch` (one group), whose first handler
+/// runs `step` while the others wait (at most 30 s) for it to finish: every
+/// reservation of the batch comes before `step`, every completion after.
 #[cfg(feature = "cluster")]
-async fn until_moved(mut moved: tokio::sync::watch::Receiver<bool>) {
-    let wait = moved.wait_for(|moved| *moved);
-    tokio::time::timeout(Duration::from_secs(30), wait)
+async fn batch_around(
+    manager: &IdempotencyManager,
+    batch: &[(String, u32)],
+    runs: &Runs,
+    step: impl std::future::Future<Output = ()>,
+) -> Vec<Result<Outcome<String>, ExecuteError<String>>> {
+    let (done, done_rx) = tokio::sync::watch::channel(false);
+    let step = std::sync::Mutex::new(Some(step));
+    manager
+        .execute_batch(batch, 64, |i, _| {
+            runs.run(&batch[i].0);
+            let value = value_of(&batch[i].0);
+            let step = if i == 0 {
+                step.lock().unwrap().take()
+            } else {
+                None
+            };
+            let (done, mut done_rx) = (&done, done_rx.clone());
+            async move {
+                match step {
+                    Some(step) => {
+                        step.await;
+                        done.send_replace(true);
+                    }
+                    None => {
+                        let wait = done_rx.wait_for(|done| *done);
+                        tokio::time::timeout(Duration::from_secs(30), wait)
+                            .await
+                            .expect("the first handler's step finished")
+                            .unwrap();
+                    }
+                }
+                Ok::<_, HandlerError<String>>(value)
+            }
+        })
         .await
-        .expect("the keys moved")
-        .unwrap();
 }
 
 /// The value a handler returns for `id`.
@@ -1206,8 +1238,11 @@ async fn batches_run_once_while_their_slot_moves() {
         .expect("a Redis Cluster of the test's own (Docker; see docs/testing.md)");
     let url = cluster.cluster_url();
     for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
+        // A short lease bounds how long a completion that cannot be
+        // recorded is retried (the default is 300 s).
         let config = Config {
             key_prefix: containers::unique_namespace("moving"),
+            processing_timeout: Duration::from_secs(30),
             ..Config::default()
         };
         let manager = |repo: RedisRepository| {
@@ -1264,24 +1299,12 @@ async fn batches_run_once_while_their_slot_moves() {
 
         // 1. The slot moves between the reservations and the completions.
         let batch = items(&[&in_slot[..24], &spread]);
-        let (moved, moved_rx) = tokio::sync::watch::channel(false);
         let moved_before = redirects(&cluster, home, "MOVED").await;
-        let answers = ours
-            .execute_batch(&batch, 64, |i, _| {
-                let (there, moved, moved_rx) = (&there, &moved, moved_rx.clone());
-                let answer = run(&batch, i);
-                async move {
-                    if i == 0 {
-                        there.begin().await;
-                        there.finish().await;
-                        moved.send_replace(true);
-                    } else {
-                        until_moved(moved_rx).await;
-                    }
-                    answer
-                }
-            })
-            .await;
+        let step = async {
+            there.begin().await;
+            there.finish().await;
+        };
+        let answers = batch_around(&ours, &batch, &runs, step).await;
         for ((id, _), answer) in batch.iter().zip(&answers) {
             let how = if id.starts_with("s-") {
                 "executed"
@@ -1335,23 +1358,11 @@ async fn batches_run_once_while_their_slot_moves() {
             .iter()
             .map(|id| RedisRepository::redis_key(&ours.record_key(id).unwrap()))
             .collect();
-        let (moved, moved_rx) = tokio::sync::watch::channel(false);
-        let answers = ours
-            .execute_batch(&batch, 64, |i, _| {
-                let (back, names, moved, moved_rx) = (&back, &names, &moved, moved_rx.clone());
-                let answer = run(&batch, i);
-                async move {
-                    if i == 0 {
-                        back.begin().await;
-                        back.move_named(names).await;
-                        moved.send_replace(true);
-                    } else {
-                        until_moved(moved_rx).await;
-                    }
-                    answer
-                }
-            })
-            .await;
+        let step = async {
+            back.begin().await;
+            back.move_named(&names).await;
+        };
+        let answers = batch_around(&ours, &batch, &runs, step).await;
         for ((id, _), answer) in batch.iter().zip(&answers) {
             let value = value_of(id);
             assert_eq!(
