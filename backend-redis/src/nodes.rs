@@ -299,7 +299,7 @@ impl Nodes {
 
     /// `cmd`, whose key is in `slot`, on our connection to the primary that
     /// `table` says serves the slot, following `MOVED` (the table is read
-    /// again next time) and `ASK` (see [`Nodes::asking`]) to the node named,
+    /// again next time) and `ASK` (see [`Nodes::asking_on`]) to the node named,
     /// at most [`REDIRECTS`] times. A node that does not answer loses its
     /// connection and the table is read again. `None` when the command was
     /// executed nowhere, and goes through the cluster client instead (which
@@ -349,25 +349,32 @@ impl Nodes {
         None
     }
 
-    /// `cmd` on the node at `address` right after `ASKING`, as one pipeline
-    /// on our connection to it: nothing can run between the two on that
-    /// connection, so the node accepts the command for the slot it is
-    /// importing. (The `redis` crate's cluster client sends `ASKING` and the
-    /// command as two requests on a connection every task shares; under load
-    /// another request takes the flag in between, the command comes back
-    /// `MOVED` to the node that answered `ASK`, and once the client's retries
-    /// are spent it fails with `ASK`.) `None` when no connection opens.
-    pub(crate) async fn asking(
-        &self,
-        address: &(String, u16),
-        cmd: &Cmd,
-    ) -> Option<Result<Value, RedisError>> {
-        let mut link = self.link(address).await?;
-        Some(Self::asking_on(&mut link, cmd).await)
+    /// The slot table as the first primary we hold a connection to answers
+    /// `CLUSTER SLOTS`; `None` when we hold none or none answers usably. The
+    /// table is read here before the cluster client is asked, so that reading
+    /// it does not wait on the cluster client's own slot refresh.
+    pub(crate) async fn read_table(&self) -> Option<SlotTable> {
+        let links: Vec<ConnectionManager> = self.lock_links().values().cloned().collect();
+        for mut link in links {
+            let mut cmd = redis::cmd("CLUSTER");
+            cmd.arg("SLOTS");
+            if let Ok(reply) = cmd.query_async::<Value>(&mut link).await {
+                if let Some(table) = SlotTable::parse(&reply) {
+                    return Some(table);
+                }
+            }
+        }
+        None
     }
 
-    /// `ASKING` and `cmd` in one pipeline on `link`: the command's own reply,
-    /// its error as the node gave it (a `MOVED` keeps its address).
+    /// `ASKING` and `cmd` as one pipeline on `link`: nothing can run between
+    /// the two on that connection, so the node accepts the command for the
+    /// slot it is importing. (The `redis` crate's cluster client sends them as
+    /// two requests on a connection every task shares; under load another
+    /// request takes the flag in between, the command comes back `MOVED` to
+    /// the node that answered `ASK`, and once the client's retries are spent
+    /// it fails with `ASK`.) The command's own reply, its error as the node
+    /// gave it (a `MOVED` keeps its address).
     async fn asking_on(link: &mut ConnectionManager, cmd: &Cmd) -> Result<Value, RedisError> {
         let mut pipe = redis::pipe();
         pipe.ignore_errors();

@@ -344,8 +344,9 @@ impl RedisRepository {
     /// under load (its `ASKING` and the command can be split by another
     /// request, and its slot refresh has been seen to stall every request
     /// until its timeout). Otherwise, or when the table or the primary cannot
-    /// be reached, the command goes on the connection; an `ASK` it answers is
-    /// followed on our connection all the same.
+    /// be reached, the command goes on the connection. (An `ASK` the cluster
+    /// client gives up with is not followed here: its earlier attempts may
+    /// have run the command.)
     async fn send(&self, cmd: &Cmd, key: Option<&RecordKey>) -> Result<Value, RedisError> {
         #[cfg(feature = "cluster")]
         if let (Some(nodes), Some(key)) = (self.nodes.as_deref(), key) {
@@ -356,17 +357,8 @@ impl RedisRepository {
                 }
             }
         }
-        let reply = self.conn.query(cmd).await;
-        #[cfg(feature = "cluster")]
-        if let (Err(e), Some(nodes)) = (&reply, &self.nodes) {
-            if let Some(address) = crate::nodes::asked_at(e) {
-                if let Some(asked) = nodes.asking(&address, cmd).await {
-                    return asked;
-                }
-            }
-        }
         let _ = key;
-        reply
+        self.conn.query(cmd).await
     }
 
     async fn query(
@@ -742,7 +734,8 @@ impl RedisRepository {
     }
 
     /// The cluster's slot table: as last read, else read now (`CLUSTER
-    /// SLOTS`); `None` when it cannot be read or used.
+    /// SLOTS`, from a primary we hold a connection to, else through the
+    /// cluster client); `None` when it cannot be read or used.
     #[cfg(feature = "cluster")]
     async fn slot_table(
         &self,
@@ -754,11 +747,16 @@ impl RedisRepository {
         if !nodes.may_read() {
             return None;
         }
-        let mut cmd = redis::cmd("CLUSTER");
-        cmd.arg("SLOTS");
-        let table = match self.conn.query(&cmd).await {
-            Ok(reply) => crate::nodes::SlotTable::parse(&reply),
-            Err(_) => None,
+        let table = match nodes.read_table().await {
+            Some(table) => Some(table),
+            None => {
+                let mut cmd = redis::cmd("CLUSTER");
+                cmd.arg("SLOTS");
+                match self.conn.query(&cmd).await {
+                    Ok(reply) => crate::nodes::SlotTable::parse(&reply),
+                    Err(_) => None,
+                }
+            }
         };
         match table {
             Some(table) => Some(nodes.remember(table)),

@@ -60,7 +60,7 @@ impl RedisClusterServer {
     /// become healthy.
     pub async fn dedicated() -> Result<DedicatedRedisCluster, HarnessError> {
         on_harness(async {
-            let nodes = start_cluster("dedicated").await?;
+            let nodes = start_cluster(true).await?;
             let server = RedisClusterServer {
                 nodes: nodes.iter().map(|(server, _, _)| server.clone()).collect(),
             };
@@ -163,7 +163,7 @@ fn external_cluster(value: &str) -> Result<RedisClusterServer, HarnessError> {
 
 async fn shared_cluster() -> Result<RedisClusterServer, HarnessError> {
     let mut servers = Vec::new();
-    for (server, started, _) in start_cluster("shared").await? {
+    for (server, started, _) in start_cluster(false).await? {
         servers.push(server);
         keep_for_process(started.container);
     }
@@ -172,11 +172,14 @@ async fn shared_cluster() -> Result<RedisClusterServer, HarnessError> {
 
 /// Starts the masters and forms the cluster: each node's server, container
 /// and readiness probe.
-async fn start_cluster(role: &str) -> Result<Vec<(RedisServer, Started, Probe)>, HarnessError> {
+async fn start_cluster(
+    dedicated: bool,
+) -> Result<Vec<(RedisServer, Started, Probe)>, HarnessError> {
+    let role = if dedicated { "dedicated" } else { "shared" };
     let begun = Instant::now();
     let mut nodes: Vec<(u16, u16, Started, Probe)> = Vec::new();
     for _ in 0..NODES {
-        match start_node().await {
+        match start_node(dedicated).await {
             Ok(node) => nodes.push(node),
             Err(e) => {
                 for (_, _, started, _) in nodes {
@@ -213,7 +216,7 @@ async fn start_cluster(role: &str) -> Result<Vec<(RedisServer, Started, Probe)>,
     Ok(formed)
 }
 
-async fn start_node() -> Result<(u16, u16, Started, Probe), HarnessError> {
+async fn start_node(dedicated: bool) -> Result<(u16, u16, Started, Probe), HarnessError> {
     let port = free_port()?;
     let bus = free_port()?;
     let cmd = [
@@ -240,6 +243,7 @@ async fn start_node() -> Result<(u16, u16, Started, Probe), HarnessError> {
         cmd,
         host_port: Some(port),
         host_network: true,
+        dedicated,
         ..StartOptions::default()
     };
     let (started, probe) = start_ready(Kind::Redis, options, probe).await?;
