@@ -1197,6 +1197,31 @@ async fn batch_around(
         .await
 }
 
+/// `manager.execute_batch` over a `batch` of duplicates: every answer is the
+/// stored value (`label` names the case in a failure).
+#[cfg(feature = "cluster")]
+async fn duplicates_of(
+    manager: &IdempotencyManager,
+    batch: &[(String, u32)],
+    runs: &Runs,
+    label: &str,
+) {
+    let answers = manager
+        .execute_batch(batch, 64, |i, _| {
+            runs.run(&batch[i].0);
+            std::future::ready(Ok::<_, HandlerError<String>>(value_of(&batch[i].0)))
+        })
+        .await;
+    for ((id, _), answer) in batch.iter().zip(&answers) {
+        let value = value_of(id);
+        assert_eq!(
+            answered(answer),
+            Some(("cached", value.as_str())),
+            "{label} {id}: {answer:?}"
+        );
+    }
+}
+
 /// The value a handler returns for `id`.
 #[cfg(feature = "cluster")]
 fn value_of(id: &str) -> String {
@@ -1332,17 +1357,7 @@ async fn batches_run_once_while_their_slot_moves() {
         }
 
         // 2. Duplicates through a slot table that predates the move.
-        let answers = rival
-            .execute_batch(&batch, 64, |i, _| std::future::ready(run(&batch, i)))
-            .await;
-        for ((id, _), answer) in batch.iter().zip(&answers) {
-            let value = value_of(id);
-            assert_eq!(
-                answered(answer),
-                Some(("cached", value.as_str())),
-                "{id}: {answer:?}"
-            );
-        }
+        duplicates_of(&rival, &batch, &runs, &format!("{strategy:?} stale")).await;
 
         // A third manager reads the slot table now, and uses it in step 5.
         let late = manager(cluster_repo(&url, strategy).await);
@@ -1427,17 +1442,7 @@ async fn batches_run_once_while_their_slot_moves() {
         // 5. Everything is a duplicate, each record on one master; a single
         // execution through the table read in step 2 follows `MOVED`.
         for manager in [&ours, &rival] {
-            let answers = manager
-                .execute_batch(&batch, 64, |i, _| std::future::ready(run(&batch, i)))
-                .await;
-            for ((id, _), answer) in batch.iter().zip(&answers) {
-                let value = value_of(id);
-                assert_eq!(
-                    answered(answer),
-                    Some(("cached", value.as_str())),
-                    "{strategy:?} {id}: {answer:?}"
-                );
-            }
+            duplicates_of(manager, &batch, &runs, &format!("{strategy:?} after")).await;
         }
         let moved_before = redirects(&cluster, away, "MOVED").await;
         let answer = late
