@@ -32,6 +32,7 @@
 //! request until the response timeout (redis 1.8;
 //! `batches_run_once_while_their_slot_moves` in `tests/redis.rs`).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
@@ -314,7 +315,7 @@ impl Nodes {
         slot: u16,
         cmd: &Cmd,
     ) -> Option<Result<Value, RedisError>> {
-        let mut address = table.address(table.primary(slot)?)?.clone();
+        let mut address = Cow::Borrowed(table.address(table.primary(slot)?)?);
         let mut asking = false;
         for _ in 0..=REDIRECTS {
             let Some(mut link) = self.link(&address).await else {
@@ -333,7 +334,7 @@ impl Nodes {
                 if moved {
                     self.forget(None);
                 }
-                (address, asking) = (to, !moved);
+                (address, asking) = (Cow::Owned(to), !moved);
                 continue;
             }
             if node_failed(err) {

@@ -351,8 +351,7 @@ impl RedisRepository {
         #[cfg(feature = "cluster")]
         if let (Some(nodes), Some(key)) = (self.nodes.as_deref(), key) {
             if let Some(table) = self.slot_table(nodes).await {
-                let slot = crate::nodes::slot_of(Self::redis_key(key).as_bytes());
-                if let Some(reply) = nodes.send(&table, slot, cmd).await {
+                if let Some(reply) = nodes.send(&table, Self::slot(key), cmd).await {
                     return reply;
                 }
             }
@@ -733,6 +732,12 @@ impl RedisRepository {
         false
     }
 
+    /// The cluster slot of `key`'s record.
+    #[cfg(feature = "cluster")]
+    fn slot(key: &RecordKey) -> u16 {
+        crate::nodes::slot_of(Self::redis_key(key).as_bytes())
+    }
+
     /// The cluster's slot table: as last read, else read now (`CLUSTER
     /// SLOTS`, from a primary we hold a connection to, else through the
     /// cluster client); `None` when it cannot be read or used.
@@ -788,7 +793,7 @@ impl RedisRepository {
         S: Fn(T) -> SF,
         SF: std::future::Future<Output = Result<R, Error>>,
     {
-        use crate::nodes::{by_primary, slot_of};
+        use crate::nodes::by_primary;
         let one_by_one = |items: Vec<T>| futures::future::join_all(items.into_iter().map(&single));
         let Some(nodes) = self.nodes.as_deref() else {
             return one_by_one(items).await;
@@ -797,7 +802,7 @@ impl RedisRepository {
             return one_by_one(items).await;
         };
         let count = items.len();
-        let slot = |item: &T| slot_of(Self::redis_key(key(item)).as_bytes());
+        let slot = |item: &T| Self::slot(key(item));
         let (batch, one_by_one, table) = (&batch, &one_by_one, &*table);
         let sent =
             by_primary(items, table, slot)
