@@ -14,6 +14,9 @@
 #              UPDATE to completed (two statements, like the library), whose
 #              expiry is later than the reservation's, as the library's is;
 #   duplicate: one SELECT of the record by key (what any design must read).
+# "library" runs the reservation function; "plain" the statement the adaptive
+# reserve plan sends alone once fresh keys (the INSERT) or duplicates (the
+# deciding SELECT) dominate.
 # The table is the library's own (migrated), so indexes are alike.
 set -euo pipefail
 
@@ -65,6 +68,17 @@ cat > "$WORK/fresh-library.sql" <<EOF
 SELECT * FROM pglimit_reserve($NS, int8send(:id), $OWNER, NULL, 1, 1, 2000000000000, 2000000600000, false);
 UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600002, purge_after = LEAST(purge_after, 2000000600002), updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
 EOF
+COLUMNS="t.status, t.owner, t.attempt, t.fingerprint, t.result, t.error, t.retryable, t.lease_until, t.expires_at, t.created_at, t.updated_at"
+OTHER="'\\xffffffffffffffffffffffffffffffff'"
+cat > "$WORK/fresh-plain.sql" <<EOF
+\\set id random(1, 9000000000000000000)
+INSERT INTO pglimit AS t (namespace, id, status, owner, attempt, fingerprint, result, error, retryable, lease_until, expires_at, created_at, updated_at, purge_after) VALUES ($NS, int8send(:id), 'processing', $OWNER, 1, NULL, NULL, NULL, false, 2000000000000, 2000000600000, 1, 1, 2000000600000) ON CONFLICT (namespace, id) DO NOTHING RETURNING true, $COLUMNS;
+UPDATE pglimit SET status = 'completed', result = '\\x7b226f6b223a747275657d', expires_at = 2000000600002, purge_after = LEAST(purge_after, 2000000600002), updated_at = 2 WHERE namespace = $NS AND id = int8send(:id) AND owner = $OWNER AND status = 'processing';
+EOF
+cat > "$WORK/duplicate-plain.sql" <<EOF
+\\set id random(1, 100000)
+SELECT t.status = 'processing' AND t.owner = $OTHER, $COLUMNS FROM pglimit AS t WHERE t.namespace = $NS AND t.id = int8send(:id) AND t.expires_at > 1 AND ((t.status = 'processing' AND t.owner = $OTHER) OR (t.fingerprint IS NOT NULL AND NULL::bytea IS NOT NULL AND t.fingerprint <> NULL::bytea) OR NOT ((t.status = 'processing' AND t.lease_until <= 1) OR (t.status = 'failed' AND false AND t.retryable)));
+EOF
 cat > "$WORK/duplicate-simple.sql" <<EOF
 \\set id random(1, 100000)
 SELECT status, owner, attempt, fingerprint, result, error, retryable, lease_until, expires_at, created_at, updated_at FROM pglimit WHERE namespace = $NS AND id = int8send(:id);
@@ -90,7 +104,7 @@ for fsync in on off; do
     echo
     echo "== fsync=$fsync: $settings; $CLIENTS clients, $SECONDS_PER s per pgbench run, $ROUNDS rounds"
     for round in $(seq 1 "$ROUNDS"); do
-        for script in fresh-simple fresh-library duplicate-simple duplicate-library; do
+        for script in fresh-simple fresh-library fresh-plain duplicate-simple duplicate-library duplicate-plain; do
             t=$(pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_PER" -f "$WORK/$script.sql" "$url" 2>&1 | tps)
             echo "round $round  pgbench $script: $t executions/s"
         done

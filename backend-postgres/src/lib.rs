@@ -38,7 +38,9 @@
 //! `acquire_timeout` (default `5s`), `operation_timeout` (default `5s`; both
 //! must be positive), `held_connections` (connections kept between
 //! operations; default: the whole pool, see
-//! [`PgRepositoryBuilder::held_connections`]). sqlx's connection options (`sslmode`, `sslrootcert`,
+//! [`PgRepositoryBuilder::held_connections`]), `reserve_plan` (`adaptive`,
+//! the default, `function`, `insert-first` or `read-first`; see
+//! [`ReservePlan`]). sqlx's connection options (`sslmode`, `sslrootcert`,
 //! `sslcert`, `sslkey`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`, `options[NAME]`, `statement-cache-capacity`)
 //! pass through; any other option is an
@@ -78,7 +80,9 @@
 //!
 //! Round trips — each operation is a single statement, a prepared statement
 //! cached per connection (its first use on a connection adds one `Parse` round
-//! trip), sent as one pipelined `Bind`/`Execute`/`Close`/`Sync`.
+//! trip), sent as one pipelined `Bind`/`Execute`/`Close`/`Sync`; only a
+//! reservation whose plan guessed wrong sends a second (see
+//! [`ReservePlan`]).
 //! `tests/statements.rs` proves it twice: a proxy counts the protocol messages
 //! the server receives for each operation (exactly one `Execute` and one `Sync`,
 //! no `Parse`, no simple `Query`), and, server side, `pg_stat_database.xact_commit`
@@ -96,9 +100,10 @@
 //!
 //! | operation | round trips | statement |
 //! |---|---|---|
-//! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: a plain read finds no row, then its `INSERT … ON CONFLICT DO NOTHING RETURNING` inserts and answers |
-//! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered by one plain read that also decides (no row lock, no transaction id, nothing written — since migration 2; one query since migration 4) |
+//! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: a plain read finds no row, then its `INSERT … ON CONFLICT DO NOTHING RETURNING` inserts and answers; while fresh keys dominate (the adaptive plan), that `INSERT` alone, without the function |
+//! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered by one plain read that also decides (no row lock, no transaction id, nothing written — since migration 2; one query since migration 4); while duplicates dominate, that `SELECT` alone |
 //! | `reserve`, takeover / expired row / key inserted concurrently | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the newest row version, the function decides; a takeover adds one `UPDATE` of the locked row |
+//! | `reserve`, the plan's guess wrong (a duplicate while fresh keys dominate, a fresh key while duplicates do, a takeover under either) | 2 | the plain statement, which answers nothing and writes nothing (an `INSERT … ON CONFLICT DO NOTHING` that meets the key takes no transaction id), then the function |
 //! | `reserve_many`, `complete_many` (batches) | 1 | the same function, or the completing `UPDATE`, over arrays (`unnest`) |
 //! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`complete` and `fail` set `purge_after = LEAST(purge_after, $expiry)`, unchanged as a rule, so the update is HOT; `extend` sets `expires_at = GREATEST(expires_at, $new)`) |
 //! | `release` | 1 | `DELETE …` with the same condition |
@@ -137,14 +142,24 @@
 //!    `created_at` kept, the stored fingerprint kept when the request has none)
 //!    unless the fingerprints conflict; otherwise the row is returned unchanged.
 //!
-//! Two plain-SQL alternatives that skip the function on the common paths were
-//! measured with pgbench on PostgreSQL 15, 16 clients, and dropped: CTEs
+//! Two plain-SQL alternatives that skip the function on the common paths within
+//! the one statement were measured with pgbench on PostgreSQL 15, 16 clients, and dropped: CTEs
 //! reading the row and inserting conditionally, the function behind a
 //! one-time filter, ran fresh keys at the same rate and duplicates about 10 %
 //! slower (the CTEs' materialization costs more than PL/pgSQL's cached plans);
 //! without the CTEs (a `SELECT` answering the duplicate, the function behind
 //! `WHERE NOT EXISTS`), duplicates ran level with migration 4's function and
 //! fresh keys 5–12 % slower (two more index probes).
+//!
+//! Run on their own, the function's first query and its insert cost the
+//! server a quarter to a third less than the call (pgbench, PostgreSQL 15,
+//! 16 clients: 73k plain reads per second against 51k calls for duplicates,
+//! 21k against 18k inserts and completions for fresh keys). Sending one of them
+//! first, as a separate statement, and the function only when it does not
+//! answer, keeps the function's answers — each statement answers only the case
+//! it decides alone, under the same rule, and a miss costs a second round trip,
+//! nothing else. [`ReservePlan`] says which goes first; the default adapts to
+//! the recent mix of fresh keys and duplicates.
 //!
 //! Every decision is made by the one transaction holding the row lock, on the
 //! row's newest version, so exactly one concurrent reserver acquires a given
@@ -275,10 +290,12 @@ mod migrate;
 mod names;
 mod ops;
 mod options;
+mod plan;
 mod repository;
 mod transaction;
 
 pub use names::Statements;
+pub use plan::ReservePlan;
 pub use repository::{PgRepository, PgRepositoryBuilder, DEFAULT_OPERATION_TIMEOUT, ENV_URL_VARS};
 pub use transaction::{PgTransactionRepository, PgTransactionalManager};
 
@@ -290,7 +307,7 @@ pub use sqlx;
 /// `idempotency::connect` calls it for those schemes.
 ///
 /// Query options: `schema`, `table`, `migrate`, `max_connections`,
-/// `acquire_timeout`, `operation_timeout`, `held_connections` (see the
+/// `acquire_timeout`, `operation_timeout`, `held_connections`, `reserve_plan` (see the
 /// [crate docs](crate)); the
 /// others go to sqlx.
 ///

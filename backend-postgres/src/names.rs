@@ -48,7 +48,10 @@ fn quote(name: &str) -> String {
 /// statements.
 /// The SQL a [`PgRepository`](crate::PgRepository) runs, rendered once for its
 /// schema and table: review it, `EXPLAIN` it, or allow-list it in a proxy. Each
-/// operation is this one statement, prepared once per connection.
+/// operation is this one statement, prepared once per connection; a single
+/// reservation may start with [`reserve_insert`](Self::reserve_insert) or
+/// [`reserve_read`](Self::reserve_read) instead (see
+/// [`ReservePlan`](crate::ReservePlan)).
 #[derive(Debug)]
 pub struct Statements {
     pub(crate) schema: String,
@@ -56,6 +59,8 @@ pub struct Statements {
     /// `"schema"."table"`.
     pub(crate) qualified: String,
     pub(crate) reserve: String,
+    pub(crate) reserve_insert: String,
+    pub(crate) reserve_read: String,
     pub(crate) reserve_many: String,
     pub(crate) complete: String,
     pub(crate) complete_many: String,
@@ -86,12 +91,39 @@ const LOCK_TIMEOUT_FIRST: &str =
 pub(crate) const RECORD_COLUMNS: &str =
     "status, owner, attempt, fingerprint, result, error, retryable, lease_until, expires_at, created_at, updated_at";
 
+/// [`RECORD_COLUMNS`], each qualified by `alias`.
+fn record_columns_of(alias: &str) -> String {
+    RECORD_COLUMNS
+        .split(", ")
+        .map(|c| format!("{alias}.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl Statements {
     /// `reserve`: a call of the reservation function, binding namespace, id,
     /// owner, fingerprint, now, lease cutoff, lease end, expiry and retry-failed;
     /// it answers `acquired` and the record's columns.
     pub fn reserve(&self) -> &str {
         &self.reserve
+    }
+
+    /// The first statement of [`ReservePlan::InsertFirst`](crate::ReservePlan):
+    /// the reservation function's own `INSERT … ON CONFLICT DO NOTHING
+    /// RETURNING`, with [`reserve`](Self::reserve)'s parameters (lease cutoff
+    /// and retry-failed unused). A row answers a fresh key; no row leaves the
+    /// reservation to the function.
+    pub fn reserve_insert(&self) -> &str {
+        &self.reserve_insert
+    }
+
+    /// The first statement of [`ReservePlan::ReadFirst`](crate::ReservePlan):
+    /// the reservation function's own first query, a plain `SELECT` that reads
+    /// and decides, with [`reserve`](Self::reserve)'s parameters (lease end and
+    /// expiry unused). A row answers a duplicate or a re-sent reserve; no row
+    /// leaves the reservation to the function.
+    pub fn reserve_read(&self) -> &str {
+        &self.reserve_read
     }
 
     /// `complete`: the owner-checked `UPDATE` binding namespace, id, owner,
@@ -159,6 +191,26 @@ impl Statements {
             reserve: format!(
                 "SELECT acquired, {RECORD_COLUMNS} FROM {reserve_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
             ),
+            // These two are the reservation function's own first query and
+            // insert (migration 4), over the same parameters: they must stay
+            // in step with it (`tests/postgres.rs` runs every plan through
+            // every case of the reservation rule).
+            reserve_insert: format!(
+                "INSERT INTO {qualified} AS t (namespace, id, status, owner, attempt, fingerprint, \
+                 result, error, retryable, lease_until, expires_at, created_at, updated_at, purge_after) \
+                 VALUES ($1, $2, 'processing', $3, 1, $4, NULL, NULL, false, $7, $8, $5, $5, $8) \
+                 ON CONFLICT (namespace, id) DO NOTHING RETURNING true, {}",
+                record_columns_of("t")
+            ),
+            reserve_read: format!(
+                "SELECT t.status = 'processing' AND t.owner = $3, {} FROM {qualified} AS t \
+                 WHERE t.namespace = $1 AND t.id = $2 AND t.expires_at > $5 \
+                 AND ((t.status = 'processing' AND t.owner = $3) \
+                 OR (t.fingerprint IS NOT NULL AND $4::bytea IS NOT NULL AND t.fingerprint <> $4) \
+                 OR NOT ((t.status = 'processing' AND t.lease_until <= $6) \
+                 OR (t.status = 'failed' AND $9 AND t.retryable)))",
+                record_columns_of("t")
+            ),
             reserve_many: format!(
                 "SELECT r.acquired, {}, u.ord FROM unnest({LOCK_TIMEOUT_FIRST}$1::bytea[] END, $2::bytea[], $3::bytea[], \
                  $4::bytea[], $5::int8[], $6::int8[], $7::int8[], $8::int8[], $9::bool[]) \
@@ -167,11 +219,7 @@ impl Statements {
                  CROSS JOIN LATERAL {reserve_fn}(u.namespace, u.id, u.owner, u.fingerprint, \
                  u.now, u.lease_cutoff, u.lease_until, u.expires_at, u.retry_failed) AS r \
                  ORDER BY u.ord",
-                RECORD_COLUMNS
-                    .split(", ")
-                    .map(|c| format!("r.{c}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                record_columns_of("r")
             ),
             complete: format!(
                 "UPDATE {qualified} SET status = 'completed', result = $4, expires_at = $5, \

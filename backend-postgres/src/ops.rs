@@ -6,10 +6,11 @@ use idempotency_core::{
     Status, StoredColumns, Timestamp,
 };
 use sqlx::postgres::PgRow;
-use sqlx::{PgExecutor, Row};
+use sqlx::{PgConnection, PgExecutor, Row};
 
 use crate::error::map_sqlx;
 use crate::names::Statements;
+use crate::plan::First;
 
 /// The longest id stored verbatim; longer ids are digested by the manager. With a
 /// namespace of at most 512 bytes the primary-key entry stays far below the
@@ -67,29 +68,55 @@ pub(crate) fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<R
     .into_record(key)
 }
 
-/// `reserve`: one call of the reservation function created by the migration.
-pub(crate) async fn reserve<'e>(
+/// `reserve`, starting with the statement `first` names: the reservation
+/// function (every case, one round trip), or one of its own two plain
+/// statements, which answers only the case it decides alone (the insert a
+/// fresh key, the read a duplicate or a re-sent reserve); without an answer
+/// from it, the function decides, on the same connection.
+pub(crate) async fn reserve(
     sql: &Statements,
-    exec: impl PgExecutor<'e>,
+    conn: &mut PgConnection,
     req: &ReserveRequest<'_>,
+    first: First,
 ) -> Result<Reservation, Error> {
-    let key = req.key;
-    check_key(key)?;
-    let fingerprint = req.fingerprint.map(|f| f.as_bytes().to_vec());
-    let row = sqlx::query(&sql.reserve)
-        .bind(key.namespace().as_bytes())
-        .bind(key.id().as_bytes())
+    check_key(req.key)?;
+    let speculative = match first {
+        First::Function => None,
+        First::Insert => Some(&sql.reserve_insert),
+        First::Read => Some(&sql.reserve_read),
+    };
+    if let Some(statement) = speculative {
+        let row = reserve_query(statement, req)
+            .fetch_optional(&mut *conn)
+            .await
+            .map_err(|e| map_sqlx(e, "reserve", Some(req.key), &sql.qualified))?;
+        if let Some(row) = row {
+            return reservation_of(&row, req);
+        }
+    }
+    let row = reserve_query(&sql.reserve, req)
+        .fetch_one(conn)
+        .await
+        .map_err(|e| map_sqlx(e, "reserve", Some(req.key), &sql.qualified))?;
+    reservation_of(&row, req)
+}
+
+/// A reservation statement with the request's parameters, in the order of
+/// the reservation function's.
+fn reserve_query<'q>(
+    statement: &'q str,
+    req: &ReserveRequest<'q>,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(statement)
+        .bind(req.key.namespace().as_bytes())
+        .bind(req.key.id().as_bytes())
         .bind(req.owner.to_bytes().to_vec())
-        .bind(fingerprint)
+        .bind(req.fingerprint.map(|f| f.as_bytes().to_vec()))
         .bind(ts(req.now))
         .bind(ts(req.lease_cutoff()))
         .bind(ts(req.lease_until))
         .bind(ts(req.expires_at))
         .bind(req.retry_failed)
-        .fetch_one(exec)
-        .await
-        .map_err(|e| map_sqlx(e, "reserve", Some(key), &sql.qualified))?;
-    reservation_of(&row, req)
 }
 
 /// `reserve` for many keys in one statement: the reservation function over

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use idempotency_core::{parse_duration, Error};
 
+use crate::plan::ReservePlan;
+
 /// A `postgres://` URL split into the part sqlx understands and ours.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct UrlOptions {
@@ -16,6 +18,7 @@ pub(crate) struct UrlOptions {
     pub(crate) acquire_timeout: Option<Duration>,
     pub(crate) operation_timeout: Option<Duration>,
     pub(crate) held_connections: Option<usize>,
+    pub(crate) reserve_plan: Option<ReservePlan>,
 }
 
 impl UrlOptions {
@@ -63,6 +66,7 @@ impl UrlOptions {
                         invalid("held_connections", &value, "a non-negative integer")
                     })?);
                 }
+                "reserve_plan" => options.reserve_plan = Some(value.parse()?),
                 other if is_sqlx_option(other) => {
                     if matches!(other, "sslmode" | "ssl-mode") {
                         check_tls_available(&value)?;
@@ -88,8 +92,8 @@ impl UrlOptions {
 }
 
 /// This crate's own URL options, for messages.
-const OWN_OPTIONS: &str =
-    "schema, table, migrate, max_connections, acquire_timeout, operation_timeout, held_connections";
+const OWN_OPTIONS: &str = "schema, table, migrate, max_connections, acquire_timeout, \
+     operation_timeout, held_connections, reserve_plan";
 
 /// The connection options sqlx reads, for messages.
 const SQLX_OPTIONS: &str = "sslmode, sslrootcert, sslcert, sslkey, host, hostaddr, port, \
@@ -160,7 +164,7 @@ mod tests {
     #[test]
     fn strips_own_options_and_keeps_the_rest() {
         let o = UrlOptions::parse(
-            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0",
+            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0&reserve_plan=read-first",
         )
         .unwrap();
         assert_eq!(o.sqlx_url, "postgresql://u:p@h:5/db?sslmode=disable");
@@ -171,6 +175,7 @@ mod tests {
         assert_eq!(o.acquire_timeout, Some(Duration::from_secs(2)));
         assert_eq!(o.operation_timeout, Some(Duration::from_millis(500)));
         assert_eq!(o.held_connections, Some(0));
+        assert_eq!(o.reserve_plan, Some(ReservePlan::ReadFirst));
 
         let o = UrlOptions::parse("postgres://localhost/db?table=x").unwrap();
         assert_eq!(o.sqlx_url, "postgres://localhost/db");
@@ -198,6 +203,7 @@ mod tests {
             ("postgres://h/db?connect_timeout=5", "connect_timeout"),
             ("postgres://h/db?operation_timeout=0s", "operation_timeout"),
             ("postgres://h/db?acquire_timeout=0ms", "acquire_timeout"),
+            ("postgres://h/db?reserve_plan=guess", "read-first"),
         ] {
             match UrlOptions::parse(url) {
                 Err(Error::Config { message }) => assert!(message.contains(named), "{message}"),

@@ -19,6 +19,7 @@ use crate::held::{Held, Lent};
 use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
 use crate::ops;
 use crate::options::UrlOptions;
+use crate::plan::{Planner, ReservePlan};
 use crate::transaction::PgTransactionRepository;
 
 /// The environment variables [`PgRepository::from_env`] reads, in order.
@@ -51,6 +52,8 @@ pub struct PgRepository {
     /// Set once the table was found at a schema version this crate may work
     /// on (see [`PgRepository::ensure_schema`]); shared by clones.
     schema_current: Arc<AtomicBool>,
+    /// Which statement a single reservation sends first; shared by clones.
+    planner: Arc<Planner>,
 }
 
 impl fmt::Debug for PgRepository {
@@ -60,6 +63,7 @@ impl fmt::Debug for PgRepository {
             .field("pool_size", &self.pool.size())
             .field("held_connections", &self.held.limit())
             .field("operation_timeout", &self.operation_timeout)
+            .field("reserve_plan", &self.planner)
             .finish_non_exhaustive()
     }
 }
@@ -152,7 +156,11 @@ impl PgRepository {
         request: &ReserveRequest<'_>,
     ) -> Result<Reservation, Error> {
         self.ensure_schema(conn).await?;
-        ops::reserve(&self.sql, conn, request).await
+        let answer = ops::reserve(&self.sql, conn, request, self.planner.first()).await;
+        if let Ok(reservation) = &answer {
+            self.planner.observe(reservation);
+        }
+        answer
     }
 
     /// The pool, e.g. to run business statements beside the repository.
@@ -311,6 +319,7 @@ pub struct PgRepositoryBuilder {
     /// How many connections the repository keeps between its operations; by
     /// default the whole pool it creates, half of a pool it is given.
     held_connections: Option<usize>,
+    reserve_plan: ReservePlan,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -323,6 +332,7 @@ impl Default for PgRepositoryBuilder {
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
             explicit_timeout: false,
             held_connections: None,
+            reserve_plan: ReservePlan::default(),
         }
     }
 }
@@ -417,6 +427,14 @@ impl PgRepositoryBuilder {
         self
     }
 
+    /// Which statement a single reservation sends first (default
+    /// [`ReservePlan::Adaptive`]); every plan answers alike, see
+    /// [`ReservePlan`]. Also the URL option `reserve_plan=…`.
+    pub fn reserve_plan(mut self, plan: ReservePlan) -> Self {
+        self.reserve_plan = plan;
+        self
+    }
+
     fn apply_url_options(&mut self, options: &UrlOptions) {
         if let Some(schema) = &options.schema {
             self.schema.clone_from(schema);
@@ -437,6 +455,9 @@ impl PgRepositoryBuilder {
         if let Some(held) = options.held_connections {
             self.held_connections = Some(held);
         }
+        if let Some(plan) = options.reserve_plan {
+            self.reserve_plan = plan;
+        }
     }
 
     /// The repository on `pool`: `own` when this builder created it.
@@ -453,6 +474,7 @@ impl PgRepositoryBuilder {
             operation_timeout: self.operation_timeout,
             transaction_timeout: self.transaction_timeout(),
             schema_current: Arc::new(AtomicBool::new(false)),
+            planner: Arc::new(Planner::new(self.reserve_plan)),
         }
     }
 

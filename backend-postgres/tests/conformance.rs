@@ -14,6 +14,33 @@ async fn repository() -> SharedRepository {
 
 idempotency_conformance::conformance_tests!(repository);
 
+/// The suite again with each plain statement sent first on every reservation
+/// (the default, adaptive plan picks one of them by the recent mix of fresh
+/// keys and duplicates): each must answer only what the reservation function
+/// would, and leave the rest to it.
+mod insert_first {
+    use super::*;
+
+    async fn repository() -> SharedRepository {
+        let plan = idempotency_postgres::ReservePlan::InsertFirst;
+        Arc::new(common::repository_with("idem_conformance", plan).await)
+    }
+
+    idempotency_conformance::conformance_tests!(repository);
+}
+
+/// See [`insert_first`].
+mod read_first {
+    use super::*;
+
+    async fn repository() -> SharedRepository {
+        let plan = idempotency_postgres::ReservePlan::ReadFirst;
+        Arc::new(common::repository_with("idem_conformance", plan).await)
+    }
+
+    idempotency_conformance::conformance_tests!(repository);
+}
+
 /// The errors clause, through a proxy the test can cut: rows the repository
 /// cannot decode, and a server that stops answering.
 mod store_faults {

@@ -20,7 +20,7 @@ use idempotency_core::{
     Clock, Completion, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock,
     Timestamp,
 };
-use idempotency_postgres::PgRepository;
+use idempotency_postgres::{PgRepository, ReservePlan};
 use sqlx::{Connection, PgConnection};
 
 const TABLE: &str = "idem_statements";
@@ -71,7 +71,7 @@ macro_rules! measured {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_is_one_statement_in_one_round_trip() {
     let (via, counts) = proxied().await;
-    let repo = common::repository(TABLE).await;
+    let repo = common::repository_with(TABLE, ReservePlan::Function).await;
     let mut conn = PgConnection::connect(&via).await.unwrap();
     let ns = common::unique("rt");
     let t = SystemClock.now();
@@ -253,11 +253,12 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
 }
 
 /// A repository with one connection, through a new counting proxy.
-async fn one_proxied_connection() -> (PgRepository, WireCounter) {
+async fn one_proxied_connection(plan: ReservePlan) -> (PgRepository, WireCounter) {
     let (via, counts) = proxied().await;
     common::repository(TABLE).await; // migrated
     let repo = PgRepository::builder()
         .table(TABLE)
+        .reserve_plan(plan)
         .max_connections(1)
         .connect(&via)
         .await
@@ -279,7 +280,7 @@ async fn pool_idle(repo: &PgRepository, idle: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_operations_execute_one_statement_each() {
-    let (repo, counts) = one_proxied_connection().await;
+    let (repo, counts) = one_proxied_connection(ReservePlan::Function).await;
     let ns = common::unique("pool");
     let t = SystemClock.now();
     let key = RecordKey::new(ns.as_str(), "k", 1024).unwrap();
@@ -389,12 +390,126 @@ async fn pooled_operations_execute_one_statement_each() {
     );
 }
 
+// ------------------------------------------------------------ reserve plans
+
+/// The statements a reservation of each kind costs under `repo`'s plan now
+/// (fresh key, duplicate of a completed record, takeover of a lapsed lease),
+/// each checked to be whole round trips of prepared statements (nothing
+/// prepared, nothing else sent) and answered as the reservation rule says.
+/// Without `counts` (a warm-up), only the answers are checked.
+async fn reserve_costs(repo: &PgRepository, counts: Option<&WireCounter>, ns: &str) -> [u64; 3] {
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let id = rand::random::<u64>();
+    let key = |what: &str| RecordKey::new(ns, format!("{what}-{id}"), 1024).unwrap();
+    let (done, stale) = (key("done"), key("stale"));
+    let owner = OwnerToken::random();
+    repo.reserve(ReserveRequest {
+        owner,
+        ..request(&done, t, lease)
+    })
+    .await
+    .unwrap();
+    repo.complete(&done, owner, Some(b"r"), t + lease, t)
+        .await
+        .unwrap();
+    repo.reserve(request(&stale, t, Duration::from_millis(1)))
+        .await
+        .unwrap();
+    let later = t + Duration::from_secs(1);
+
+    let mut costs = [0; 3];
+    for (i, (key, now)) in [(key("fresh"), t), (done, t), (stale, later)]
+        .iter()
+        .enumerate()
+    {
+        let before = counts.map(WireCounter::snapshot);
+        let answer = repo.reserve(request(key, *now, lease)).await.unwrap();
+        if let (Some(counts), Some(before)) = (counts, before) {
+            let sent = counts.since(&before);
+            let n = sent.get(&'E').copied().unwrap_or(0);
+            let whole: BTreeMap<char, u64> = one_round_trip()
+                .into_iter()
+                .map(|(m, c)| (m, c * n))
+                .collect();
+            assert_eq!(sent, whole, "case {i}: messages sent");
+            costs[i] = n;
+        }
+        match (i, answer) {
+            (0, Reservation::Acquired { attempt: 1 })
+            | (2, Reservation::Acquired { attempt: 2 }) => {}
+            (1, Reservation::Existing(r)) => assert_eq!(r.result.as_deref(), Some(&b"r"[..])),
+            (i, other) => panic!("case {i}: {other:?}"),
+        }
+    }
+    costs
+}
+
+/// Each plain statement answers its own case alone, in one round trip, and
+/// every other case costs it and the function; the function answers each in
+/// one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_reserve_plan_costs_what_its_table_says() {
+    for (plan, expected) in [
+        (ReservePlan::Function, [1, 1, 1]),
+        (ReservePlan::InsertFirst, [1, 2, 2]),
+        (ReservePlan::ReadFirst, [2, 1, 2]),
+    ] {
+        let (repo, counts) = one_proxied_connection(plan).await;
+        let ns = common::unique("plan");
+        // Warm-up: prepares every statement the plan sends.
+        reserve_costs(&repo, None, &ns).await;
+        assert_eq!(
+            reserve_costs(&repo, Some(&counts), &ns).await,
+            expected,
+            "{plan}"
+        );
+    }
+}
+
+/// The adaptive plan starts with the function, sends the insert first once
+/// fresh keys dominate, and the read first once duplicates do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adaptive_plan_follows_the_mix_of_keys() {
+    let (repo, counts) = one_proxied_connection(ReservePlan::Adaptive).await;
+    let ns = common::unique("adaptive");
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let costs = |fresh: u64, duplicate: u64| [fresh, duplicate];
+    let measured = async |repo: &PgRepository| {
+        let [fresh, duplicate, _] = reserve_costs(repo, Some(&counts), &ns).await;
+        [fresh, duplicate]
+    };
+    assert_eq!(measured(&repo).await, costs(1, 1), "at first: the function");
+
+    let keys: Vec<RecordKey> = (0..100)
+        .map(|i| RecordKey::new(ns.as_str(), format!("k{i}"), 1024).unwrap())
+        .collect();
+    for k in &keys {
+        repo.reserve(request(k, t, lease)).await.unwrap();
+    }
+    assert_eq!(
+        measured(&repo).await,
+        costs(1, 2),
+        "after fresh keys: insert first"
+    );
+
+    for k in keys.iter().chain(&keys) {
+        repo.reserve(request(k, t, lease)).await.unwrap();
+    }
+    assert_eq!(
+        measured(&repo).await,
+        costs(2, 1),
+        "after duplicates: read first"
+    );
+}
+
 /// An operation that does not end with the server's answer gives its
 /// connection back to sqlx's pool, which drains it with its ping in the
 /// background; the next operation is one round trip on a clean connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancelled_operation_gives_its_connection_back_to_the_pool() {
-    let (repo, counts) = one_proxied_connection().await;
+    let (repo, counts) = one_proxied_connection(ReservePlan::Function).await;
     let ns = common::unique("cancel");
     let t = SystemClock.now();
     let lease = Duration::from_secs(30);
@@ -547,6 +662,7 @@ async fn server_counts_one_transaction_per_operation() {
     }
     let repo = PgRepository::builder()
         .table(TABLE)
+        .reserve_plan(ReservePlan::Function)
         .connect_lazy(&db_url)
         .unwrap();
 

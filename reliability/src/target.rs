@@ -196,8 +196,12 @@ impl Target {
             .map_err(|e| format!("{backend}: {e}"))?;
         let proxied = proxy_url(backend, &direct, proxy.url());
         Ok(Target {
-            repos: connect_each(&proxied, processes, &format!("{backend} through the proxy"))
-                .await?,
+            repos: connect_each(
+                |i| process_url(backend, &proxied, i + scenario as usize),
+                processes,
+                &format!("{backend} through the proxy"),
+            )
+            .await?,
             proxy: Some(proxy),
             server,
         })
@@ -219,7 +223,7 @@ impl Target {
             hosts.join(",")
         );
         Ok(Target {
-            repos: connect_each(&url, processes, "redis cluster").await?,
+            repos: connect_each(|_| url.clone(), processes, "redis cluster").await?,
             proxy: None,
             server: None,
         })
@@ -234,7 +238,7 @@ impl Target {
         ));
         let url = format!("sqlite://{}?busy_timeout=2s", file.display());
         Ok(Target {
-            repos: connect_each(&url, processes, "sqlite").await?,
+            repos: connect_each(|_| url.clone(), processes, "sqlite").await?,
             proxy: None,
             server: None,
         })
@@ -256,16 +260,16 @@ impl Target {
     }
 }
 
-/// `processes` repositories on `url`, each with connections of its own (a
-/// simulated process); `what` names them in errors.
+/// `processes` repositories, process `i` on `url(i)`, each with connections
+/// of its own (a simulated process); `what` names them in errors.
 async fn connect_each(
-    url: &str,
+    url: impl Fn(usize) -> String,
     processes: usize,
     what: &str,
 ) -> Result<Vec<SharedRepository>, String> {
     let mut repos = Vec::with_capacity(processes);
-    for _ in 0..processes {
-        let repo = idempotency::connect(url)
+    for i in 0..processes {
+        let repo = idempotency::connect(&url(i))
             .await
             .map_err(|e| format!("{what}: {e}"))?;
         repos.push(repo);
@@ -342,6 +346,26 @@ fn proxy_url(backend: Backend, direct: &str, via: &str) -> String {
                 .unwrap_or_else(|| direct.to_owned())
         }
         Backend::Memory | Backend::RedisCluster | Backend::Sqlite => direct.to_owned(),
+    }
+}
+
+/// The reserve plans PostgreSQL processes take turns at.
+const POSTGRES_PLANS: [&str; 3] = ["adaptive", "insert-first", "read-first"];
+
+/// The URL of the process in turn `index` (its index plus the scenario's, so
+/// that two processes still meet every plan across the scenarios): PostgreSQL
+/// processes take turns at the reserve plans, so that each plan's first
+/// statements meet the faults while racing another plan on the same keys.
+fn process_url(backend: Backend, url: &str, index: usize) -> String {
+    match backend {
+        Backend::Postgres => with_query(
+            url,
+            &format!(
+                "reserve_plan={}",
+                POSTGRES_PLANS[index % POSTGRES_PLANS.len()]
+            ),
+        ),
+        _ => url.to_owned(),
     }
 }
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use idempotency_postgres::PgRepository;
+use idempotency_postgres::{PgRepository, ReservePlan};
 
 /// The URL of the PostgreSQL server under test.
 pub(crate) async fn server_url() -> String {
@@ -22,8 +22,14 @@ pub(crate) fn unique(prefix: &str) -> String {
 
 /// A migrated repository on a fresh small pool, on `table`.
 pub(crate) async fn repository(table: &str) -> PgRepository {
+    repository_with(table, ReservePlan::default()).await
+}
+
+/// [`repository`] with the given reserve plan.
+pub(crate) async fn repository_with(table: &str, plan: ReservePlan) -> PgRepository {
     let repo = PgRepository::builder()
         .table(table)
+        .reserve_plan(plan)
         .max_connections(5)
         .acquire_timeout(Duration::from_secs(30))
         .connect(&server_url().await)
