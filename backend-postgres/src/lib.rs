@@ -103,7 +103,7 @@
 //! | `reserve`, fresh key | 1 | `SELECT … FROM {table}_reserve(…)`: a plain read finds no row, then its `INSERT … ON CONFLICT DO NOTHING RETURNING` inserts and answers; while fresh keys dominate (the adaptive plan), that `INSERT` alone, without the function |
 //! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered by one plain read that also decides (no row lock, no transaction id, nothing written — since migration 2; one query since migration 4); while duplicates dominate, that `SELECT` alone |
 //! | `reserve`, takeover / expired row / key inserted concurrently | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the newest row version, the function decides; a takeover adds one `UPDATE` of the locked row |
-//! | `reserve`, the plan's guess wrong (a duplicate while fresh keys dominate, a fresh key while duplicates do, a takeover under either) | 2 | the plain statement, which answers nothing and writes nothing (an `INSERT … ON CONFLICT DO NOTHING` that meets the key takes no transaction id), then the function |
+//! | `reserve`, a case the plan's first statement does not answer (after the insert: a duplicate, a re-sent reserve, an expired row, a takeover, a key inserted concurrently; after the read: a fresh key, an expired row, a takeover) | 2 | the plain statement, which answers nothing and writes nothing (an `INSERT … ON CONFLICT DO NOTHING` that meets the key takes no transaction id), then the function |
 //! | `reserve_many`, `complete_many` (batches) | 1 | the same function, or the completing `UPDATE`, over arrays (`unnest`) |
 //! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`complete` and `fail` set `purge_after = LEAST(purge_after, $expiry)`, unchanged as a rule, so the update is HOT; `extend` sets `expires_at = GREATEST(expires_at, $new)`) |
 //! | `release` | 1 | `DELETE …` with the same condition |
@@ -153,13 +153,18 @@
 //!
 //! Run on their own, the function's first query and its insert cost the
 //! server a quarter to a third less than the call (pgbench, PostgreSQL 15,
-//! 16 clients: 73k plain reads per second against 51k calls for duplicates,
-//! 21k against 18k inserts and completions for fresh keys). Sending one of them
+//! 16 clients, fsync off: 70–74k plain reads per second against 52k calls
+//! for duplicates, 22k against 18k inserts and completions for fresh keys;
+//! BENCHMARKS.md, "PostgreSQL: the plain statement first"). Sending one of them
 //! first, as a separate statement, and the function only when it does not
 //! answer, keeps the function's answers — each statement answers only the case
 //! it decides alone, under the same rule, and a miss costs a second round trip,
 //! nothing else. [`ReservePlan`] says which goes first; the default adapts to
-//! the recent mix of fresh keys and duplicates.
+//! the recent mix of fresh keys and duplicates. Reservations on your own
+//! connection ([`PgRepository::in_transaction`], the transactional manager)
+//! always call the function: in a transaction at `REPEATABLE READ` the
+//! plain insert would fail (40001) on a row version newer than the snapshot,
+//! where the function answers the record as the snapshot shows it.
 //!
 //! Every decision is made by the one transaction holding the row lock, on the
 //! row's newest version, so exactly one concurrent reserver acquires a given

@@ -192,9 +192,12 @@ impl Statements {
                 "SELECT acquired, {RECORD_COLUMNS} FROM {reserve_fn}($1, $2, $3, $4, $5, $6, $7, $8, $9)"
             ),
             // These two are the reservation function's own first query and
-            // insert (migration 4), over the same parameters: they must stay
-            // in step with it (`tests/postgres.rs` runs every plan through
-            // every case of the reservation rule).
+            // insert (migration 4), over the same parameters: a migration that
+            // changes the reservation rule changes them too (and, during a
+            // rolling upgrade, the previous version's processes decide the
+            // cases these answer by the previous rule). `tests/conformance.rs`
+            // runs the whole suite with each first, `tests/statements.rs`
+            // checks which cases each answers alone.
             reserve_insert: format!(
                 "INSERT INTO {qualified} AS t (namespace, id, status, owner, attempt, fingerprint, \
                  result, error, retryable, lease_until, expires_at, created_at, updated_at, purge_after) \

@@ -8,8 +8,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotency_core::{Error, Reservation};
 
-/// How a single `reserve` reaches its answer (batches always call the
-/// reservation function over arrays).
+/// How a single `reserve` on the repository's own connections reaches its
+/// answer (batches, and reservations on your connection through
+/// [`PgRepository::in_transaction`](crate::PgRepository::in_transaction) or
+/// the transactional manager, always call the reservation function).
 ///
 /// Every plan answers exactly as the reservation function does: each first
 /// statement answers only the cases it decides alone, under the same rules,

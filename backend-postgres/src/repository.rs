@@ -19,7 +19,7 @@ use crate::held::{Held, Lent};
 use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
 use crate::ops;
 use crate::options::UrlOptions;
-use crate::plan::{Planner, ReservePlan};
+use crate::plan::{First, Planner, ReservePlan};
 use crate::transaction::PgTransactionRepository;
 
 /// The environment variables [`PgRepository::from_env`] reads, in order.
@@ -148,9 +148,25 @@ impl PgRepository {
         Ok(())
     }
 
-    /// `reserve` on `conn` (the repository's or the caller's), after
-    /// [`ensure_schema`](Self::ensure_schema).
-    pub(crate) async fn reserve_on(
+    /// `reserve` on a caller's connection, after
+    /// [`ensure_schema`](Self::ensure_schema): always the reservation function.
+    /// A caller's transaction may run at `REPEATABLE READ`, where a plain
+    /// `INSERT … ON CONFLICT DO NOTHING` meeting a row version newer than the
+    /// snapshot fails (40001) while the function answers the record as the
+    /// snapshot shows it.
+    pub(crate) async fn reserve_in_transaction(
+        &self,
+        conn: &mut PgConnection,
+        request: &ReserveRequest<'_>,
+    ) -> Result<Reservation, Error> {
+        self.ensure_schema(conn).await?;
+        ops::reserve(&self.sql, conn, request, First::Function).await
+    }
+
+    /// `reserve` on one of the repository's connections (autocommit, READ
+    /// COMMITTED), after [`ensure_schema`](Self::ensure_schema), starting as
+    /// the reserve plan says.
+    async fn reserve_planned(
         &self,
         conn: &mut PgConnection,
         request: &ReserveRequest<'_>,
@@ -609,7 +625,7 @@ impl Repository for PgRepository {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        self.run("reserve", async |c| self.reserve_on(c, &request).await)
+        self.run("reserve", async |c| self.reserve_planned(c, &request).await)
             .await
     }
 

@@ -89,7 +89,7 @@ impl<'a> PgTransactionRepository<'a> {
     /// longer than a `lock_timeout`, or an explicitly set operation timeout, is
     /// [`Error::Timeout`].
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let fut = self.repo.reserve_on(&mut *self.conn, &request);
+        let fut = self.repo.reserve_in_transaction(&mut *self.conn, &request);
         self.repo.timed_in_transaction("reserve", fut).await
     }
 

@@ -71,7 +71,9 @@ macro_rules! measured {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_operation_is_one_statement_in_one_round_trip() {
     let (via, counts) = proxied().await;
-    let repo = common::repository_with(TABLE, ReservePlan::Function).await;
+    // On a caller's connection the reserve plan is not used (the function
+    // always answers): the insert-first plan changes nothing below.
+    let repo = common::repository_with(TABLE, ReservePlan::InsertFirst).await;
     let mut conn = PgConnection::connect(&via).await.unwrap();
     let ns = common::unique("rt");
     let t = SystemClock.now();
@@ -702,11 +704,17 @@ async fn server_counts_one_transaction_per_operation() {
         .unwrap();
 }
 
-/// Whether the reserve call of `req`, run inside a transaction that is then
-/// rolled back, assigned a transaction id (took a row lock or wrote).
-async fn reserve_writes(repo: &PgRepository, req: &ReserveRequest<'_>) -> (bool, bool) {
+/// What `statement` (one of the reservation statements, bound as the
+/// function is) answers for `req` inside a transaction that is then rolled
+/// back: `acquired` if it answered at all, and whether it assigned a
+/// transaction id (took a row lock or wrote).
+async fn reserve_writes(
+    repo: &PgRepository,
+    statement: &str,
+    req: &ReserveRequest<'_>,
+) -> (Option<bool>, bool) {
     let mut tx = repo.pool().begin().await.unwrap();
-    let row = sqlx::query(repo.statements().reserve())
+    let row = sqlx::query(statement)
         .bind(req.key.namespace().as_bytes())
         .bind(req.key.id().as_bytes())
         .bind(req.owner.to_bytes().to_vec())
@@ -716,10 +724,10 @@ async fn reserve_writes(repo: &PgRepository, req: &ReserveRequest<'_>) -> (bool,
         .bind(i64::try_from(req.lease_until.as_millis()).unwrap())
         .bind(i64::try_from(req.expires_at.as_millis()).unwrap())
         .bind(req.retry_failed)
-        .fetch_one(&mut *tx)
+        .fetch_optional(&mut *tx)
         .await
         .unwrap();
-    let acquired: bool = sqlx::Row::get(&row, 0);
+    let acquired = row.map(|row| sqlx::Row::get::<bool, _>(&row, 0));
     let xid: Option<String> = sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
         .fetch_one(&mut *tx)
         .await
@@ -764,23 +772,29 @@ async fn duplicates_of_live_records_are_read_only() {
         Reservation::Acquired { .. }
     ));
     let later = t + Duration::from_millis(10);
+    let sql = repo.statements();
+    let (function, insert, read) = (sql.reserve(), sql.reserve_insert(), sql.reserve_read());
+    let writes = async |statement: &str, key: &RecordKey| {
+        reserve_writes(&repo, statement, &request(key, later, lease)).await
+    };
 
-    // Duplicates of a completed record and of a live lease: no lock, no xid.
-    assert_eq!(
-        reserve_writes(&repo, &request(&done, later, lease)).await,
-        (false, false)
-    );
-    assert_eq!(
-        reserve_writes(&repo, &request(&held, later, lease)).await,
-        (false, false)
-    );
+    // Duplicates of a completed record and of a live lease: no lock, no xid,
+    // through the function and through the plain read.
+    for statement in [function, read] {
+        assert_eq!(writes(statement, &done).await, (Some(false), false));
+        assert_eq!(writes(statement, &held).await, (Some(false), false));
+    }
     // A takeover of a stale lease and a fresh key still write, under the lock.
-    assert_eq!(
-        reserve_writes(&repo, &request(&stale, later, lease)).await,
-        (true, true)
-    );
-    assert_eq!(
-        reserve_writes(&repo, &request(&fresh, later, lease)).await,
-        (true, true)
-    );
+    assert_eq!(writes(function, &stale).await, (Some(true), true));
+    assert_eq!(writes(function, &fresh).await, (Some(true), true));
+    // The plain insert answers the fresh key alone; meeting any existing key
+    // it answers nothing and takes no transaction id (the function decides).
+    assert_eq!(writes(insert, &fresh).await, (Some(true), true));
+    for key in [&done, &held, &stale] {
+        assert_eq!(writes(insert, key).await, (None, false), "{key:?}");
+    }
+    // The plain read leaves the fresh key and the takeover to the function.
+    for key in [&fresh, &stale] {
+        assert_eq!(writes(read, key).await, (None, false), "{key:?}");
+    }
 }
