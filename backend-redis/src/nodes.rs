@@ -34,6 +34,9 @@
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::future::Future;
+
+use futures::future::{BoxFuture, FutureExt, Shared};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -197,6 +200,14 @@ pub(crate) fn by_primary<T>(
     groups
 }
 
+/// A new connection to the node at `url`.
+async fn open(url: url::Url, config: ConnectionManagerConfig) -> Option<ConnectionManager> {
+    let client = redis::Client::open(url.as_str()).ok()?;
+    ConnectionManager::new_with_config(client, config)
+        .await
+        .ok()
+}
+
 /// The slot table and our connections to the primaries, for keyed commands
 /// and batches.
 pub(crate) struct Nodes {
@@ -209,11 +220,37 @@ pub(crate) struct Nodes {
     /// or used (commands go through the cluster client meanwhile, and
     /// batches key by key).
     unreadable_until: Mutex<Option<Instant>>,
-    links: Mutex<HashMap<(String, u16), ConnectionManager>>,
+    /// Held while the table is read, so that the operations that find it
+    /// missing at once read it once (see [`Nodes::table_or_read`]).
+    reading: tokio::sync::Mutex<()>,
+    /// Shared with the tasks that open them.
+    links: Arc<Mutex<Links>>,
 }
 
 /// How long a table that could not be read or used is not asked for again.
 const UNREADABLE_FOR: Duration = Duration::from_secs(5);
+
+/// How long, at least, a primary whose connection could not be opened is not
+/// tried again (longer when the failed attempt took longer): meanwhile its
+/// commands go through the cluster client, and its keys in a batch one by
+/// one, without a connection attempt each.
+const LINK_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// An attempt to open a connection, shared by every operation waiting for it.
+type Opening = Shared<BoxFuture<'static, Option<ConnectionManager>>>;
+
+/// Our connections to the primaries, by address.
+type Links = HashMap<(String, u16), Link>;
+
+/// Our connection to one primary.
+enum Link {
+    /// Being opened, by a task of its own: an operation that gives up waiting
+    /// does not abort it, and its outcome is recorded whoever waits.
+    Opening(Opening),
+    Open(ConnectionManager),
+    /// Could not be opened; not tried again before this instant.
+    Failed(Instant),
+}
 
 impl std::fmt::Debug for Nodes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -230,8 +267,41 @@ impl Nodes {
             config,
             table: RwLock::default(),
             unreadable_until: Mutex::default(),
-            links: Mutex::default(),
+            reading: tokio::sync::Mutex::default(),
+            links: Arc::default(),
         })
+    }
+
+    /// The table as known, or as `read` reads it now, once for all the
+    /// operations that find it missing at the same time: the others wait for
+    /// that read and take its table (or, when it failed, go without one for
+    /// [`UNREADABLE_FOR`]). `None` within that time of a failed read.
+    pub(crate) async fn table_or_read<F>(&self, read: impl FnOnce() -> F) -> Option<Arc<SlotTable>>
+    where
+        F: Future<Output = Option<SlotTable>>,
+    {
+        if let Some(table) = self.known_table() {
+            return Some(table);
+        }
+        if !self.may_read() {
+            return None;
+        }
+        let _reading = self.reading.lock().await;
+        if let Some(table) = self.known_table() {
+            return Some(table);
+        }
+        if !self.may_read() {
+            return None;
+        }
+        match read().await {
+            Some(table) => Some(self.remember(table)),
+            None => {
+                // Unreadable (an outage) or unusable (unknown endpoints):
+                // without a table for a while, not asking on every operation.
+                self.unreadable();
+                None
+            }
+        }
     }
 
     /// The table as last read, if any.
@@ -265,21 +335,80 @@ impl Nodes {
     }
 
     /// Forgets the table (a node refused a key it no longer serves, or failed
-    /// as a whole), and the link to a node that failed.
+    /// as a whole), and the connection to a node that failed (opened again on
+    /// next use; one that could not be opened stays failed until its retry).
     pub(crate) fn forget(&self, failed: Option<&(String, u16)>) {
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = None;
+        self.forget_table();
         if let Some(address) = failed {
-            self.lock_links().remove(address);
+            let mut links = self.lock_links();
+            if let Some(Link::Open(_)) = links.get(address) {
+                links.remove(address);
+            }
         }
     }
 
-    /// Our connection to the primary at `address`, opened on first use;
-    /// `None` when it cannot be opened (a batch's keys then go one by one,
-    /// and a single command through the cluster client).
+    fn forget_table(&self) {
+        *self.table.write().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Our connection to the primary at `address`, opened on first use by a
+    /// task of its own, once for all the operations that need it meanwhile;
+    /// `None` when it cannot be opened (the table is then read again), and
+    /// without an attempt until its retry (see [`LINK_RETRY_AFTER`]). A batch's
+    /// keys then go one by one, and a single command through the cluster
+    /// client.
     pub(crate) async fn link(&self, address: &(String, u16)) -> Option<ConnectionManager> {
-        if let Some(link) = self.lock_links().get(address) {
-            return Some(link.clone());
+        let opening = {
+            let mut links = self.lock_links();
+            match links.get(address) {
+                Some(Link::Open(open)) => return Some(open.clone()),
+                Some(Link::Failed(retry)) if Instant::now() < *retry => return None,
+                Some(Link::Opening(opening)) => opening.clone(),
+                Some(Link::Failed(_)) | None => {
+                    let now = Instant::now();
+                    links.retain(|_, link| !matches!(link, Link::Failed(retry) if *retry <= now));
+                    let opening = self.spawn_open(address);
+                    links.insert(address.clone(), Link::Opening(opening.clone()));
+                    opening
+                }
+            }
+        };
+        let opened = opening.await;
+        if opened.is_none() {
+            // Perhaps no longer a primary.
+            self.forget_table();
         }
+        opened
+    }
+
+    /// Opens a connection to `address` in a task of its own, which records
+    /// the outcome in the links.
+    fn spawn_open(&self, address: &(String, u16)) -> Opening {
+        let url = self.url_of(address);
+        let config = self.config.clone();
+        let links = Arc::clone(&self.links);
+        let address = address.clone();
+        let task = tokio::spawn(async move {
+            let began = Instant::now();
+            let opened = match url {
+                Some(url) => open(url, config).await,
+                None => None,
+            };
+            let link = match &opened {
+                Some(open) => Link::Open(open.clone()),
+                None => Link::Failed(Instant::now() + LINK_RETRY_AFTER.max(began.elapsed())),
+            };
+            links
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(address, link);
+            opened
+        });
+        async move { task.await.ok().flatten() }.boxed().shared()
+    }
+
+    /// The template's URL with `address`'s host and port.
+    fn url_of(&self, address: &(String, u16)) -> Option<url::Url> {
         let mut url = self.template.clone();
         let host = if address.0.contains(':') {
             format!("[{}]", address.0)
@@ -288,14 +417,7 @@ impl Nodes {
         };
         url.set_host(Some(&host)).ok()?;
         url.set_port(Some(address.1)).ok()?;
-        let client = redis::Client::open(url.as_str()).ok()?;
-        let link = ConnectionManager::new_with_config(client, self.config.clone())
-            .await
-            .ok()?;
-        self.lock_links()
-            .entry(address.clone())
-            .or_insert(link.clone());
-        Some(link)
+        Some(url)
     }
 
     /// `cmd`, whose key is in `slot`, on our connection to the primary that
@@ -306,8 +428,8 @@ impl Nodes {
     /// executed nowhere, and goes through the cluster client instead (which
     /// waits out what a failover or a migration makes the nodes answer): the
     /// table names no primary for the slot, no connection to the node opens
-    /// (the table is then read again, and that connection tried again, next
-    /// time), the redirections run out, or a node refuses the slot for now
+    /// (the table is then read again, and that connection tried again after
+    /// [`LINK_RETRY_AFTER`]), the redirections run out, or a node refuses the slot for now
     /// (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`).
     pub(crate) async fn send(
         &self,
@@ -318,10 +440,7 @@ impl Nodes {
         let mut address = Cow::Borrowed(table.address(table.primary(slot)?)?);
         let mut asking = false;
         for _ in 0..=REDIRECTS {
-            let Some(mut link) = self.link(&address).await else {
-                self.forget(Some(&address));
-                return None;
-            };
+            let mut link = self.link(&address).await?;
             let reply = if asking {
                 Self::asking_on(&mut link, cmd).await
             } else {
@@ -355,7 +474,14 @@ impl Nodes {
     /// table is read here before the cluster client is asked, so that reading
     /// it does not wait on the cluster client's own slot refresh.
     pub(crate) async fn read_table(&self) -> Option<SlotTable> {
-        let links: Vec<ConnectionManager> = self.lock_links().values().cloned().collect();
+        let links: Vec<ConnectionManager> = self
+            .lock_links()
+            .values()
+            .filter_map(|link| match link {
+                Link::Open(open) => Some(open.clone()),
+                Link::Opening(_) | Link::Failed(_) => None,
+            })
+            .collect();
         for mut link in links {
             let mut cmd = redis::cmd("CLUSTER");
             cmd.arg("SLOTS");
@@ -392,9 +518,21 @@ impl Nodes {
         }
     }
 
-    fn lock_links(&self) -> std::sync::MutexGuard<'_, HashMap<(String, u16), ConnectionManager>> {
+    fn lock_links(&self) -> std::sync::MutexGuard<'_, Links> {
         // Nothing panics while holding it; the map stays consistent.
         self.links.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[cfg(test)]
+impl Nodes {
+    /// Lets every connection that failed to open be tried again now.
+    fn retry_failed_links(&self) {
+        for link in self.lock_links().values_mut() {
+            if let Link::Failed(_) = link {
+                *link = Link::Failed(Instant::now());
+            }
+        }
     }
 }
 
@@ -402,6 +540,120 @@ impl Nodes {
 mod tests {
     use super::*;
     use redis::cluster_routing::{Route, SlotAddr};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    fn table() -> SlotTable {
+        let reply = Value::Array(vec![range(0, 16383, node("10.0.0.1", 7000))]);
+        SlotTable::parse(&reply).unwrap()
+    }
+
+    fn nodes(template: &str, config: ConnectionManagerConfig) -> Nodes {
+        Nodes::new(template, config).unwrap()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn operations_that_miss_the_table_together_read_it_once() {
+        let nodes = nodes("redis://127.0.0.1:7000", ConnectionManagerConfig::new());
+        let reads = AtomicUsize::new(0);
+        let read = || async {
+            reads.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Some(table())
+        };
+        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(read))).await;
+        assert!(tables.iter().all(Option::is_some));
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+        // Known: not read again; forgotten: read again.
+        nodes.table_or_read(read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+        nodes.forget(None);
+        nodes.table_or_read(read).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_table_that_cannot_be_read_is_not_asked_for_again_for_a_while() {
+        let nodes = nodes("redis://127.0.0.1:7000", ConnectionManagerConfig::new());
+        let reads = AtomicUsize::new(0);
+        let fail = || async {
+            reads.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            None
+        };
+        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(fail))).await;
+        assert!(tables.iter().all(Option::is_none));
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+        assert!(nodes.table_or_read(fail).await.is_none());
+        assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    /// A server that accepts connections and closes them at once, counting them.
+    async fn closing_server() -> (u16, Arc<AtomicUsize>, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        let server = tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                counter.fetch_add(1, Ordering::SeqCst);
+                drop(socket);
+            }
+        });
+        (port, accepted, server)
+    }
+
+    #[tokio::test]
+    async fn a_primary_that_cannot_be_reached_is_tried_once_per_retry_period() {
+        let (port, accepted, server) = closing_server().await;
+        // Database 1: the connection selects it first, which the server's
+        // close makes fail.
+        let template = format!("redis://127.0.0.1:{port}/1");
+        let config = || {
+            ConnectionManagerConfig::new()
+                .set_number_of_retries(0)
+                .set_connection_timeout(Some(Duration::from_secs(5)))
+                .set_response_timeout(Some(Duration::from_secs(5)))
+        };
+        let address = ("127.0.0.1".to_owned(), port);
+
+        // What one attempt to open costs the server, in connections.
+        let once = nodes(&template, config());
+        assert!(once.link(&address).await.is_none());
+        let per_attempt = accepted.load(Ordering::SeqCst);
+        assert!(per_attempt >= 1);
+
+        let nodes = nodes(&template, config());
+        nodes.remember(table());
+        let links = futures::future::join_all((0..16).map(|_| nodes.link(&address))).await;
+        assert!(links.iter().all(Option::is_none));
+        assert_eq!(
+            accepted.load(Ordering::SeqCst),
+            2 * per_attempt,
+            "one attempt for 16 callers"
+        );
+        assert!(
+            nodes.known_table().is_none(),
+            "a primary out of reach: read the table again"
+        );
+        // Within the retry period: not tried.
+        assert!(nodes.link(&address).await.is_none());
+        assert_eq!(accepted.load(Ordering::SeqCst), 2 * per_attempt);
+        // After it: tried again.
+        nodes.retry_failed_links();
+        assert!(nodes.link(&address).await.is_none());
+        assert_eq!(accepted.load(Ordering::SeqCst), 3 * per_attempt);
+
+        // An operation that gives up waiting leaves the attempt running, and
+        // the next one takes its outcome instead of trying again.
+        nodes.retry_failed_links();
+        assert!(
+            nodes.link(&address).now_or_never().is_none(),
+            "still opening"
+        );
+        assert!(nodes.link(&address).await.is_none());
+        assert_eq!(accepted.load(Ordering::SeqCst), 4 * per_attempt);
+        server.abort();
+    }
 
     fn node(host: &str, port: i64) -> Value {
         Value::Array(vec![

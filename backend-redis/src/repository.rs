@@ -746,32 +746,21 @@ impl RedisRepository {
         &self,
         nodes: &crate::nodes::Nodes,
     ) -> Option<Arc<crate::nodes::SlotTable>> {
-        if let Some(table) = nodes.known_table() {
-            return Some(table);
-        }
-        if !nodes.may_read() {
-            return None;
-        }
-        let table = match nodes.read_table().await {
-            Some(table) => Some(table),
-            None => {
-                let mut cmd = redis::cmd("CLUSTER");
-                cmd.arg("SLOTS");
-                match self.conn.query(&cmd).await {
-                    Ok(reply) => crate::nodes::SlotTable::parse(&reply),
-                    Err(_) => None,
+        nodes
+            .table_or_read(|| async {
+                match nodes.read_table().await {
+                    Some(table) => Some(table),
+                    None => {
+                        let mut cmd = redis::cmd("CLUSTER");
+                        cmd.arg("SLOTS");
+                        match self.conn.query(&cmd).await {
+                            Ok(reply) => crate::nodes::SlotTable::parse(&reply),
+                            Err(_) => None,
+                        }
+                    }
                 }
-            }
-        };
-        match table {
-            Some(table) => Some(nodes.remember(table)),
-            None => {
-                // Unreadable (an outage) or unusable (unknown endpoints):
-                // key by key for a while, without asking on every batch.
-                nodes.unreadable();
-                None
-            }
-        }
+            })
+            .await
     }
 
     /// A batch on a cluster: the keys grouped by the primary serving their
