@@ -44,11 +44,10 @@
 //! a node answering `TRYAGAIN`, `CLUSTERDOWN`, `LOADING` or `READONLY` during
 //! a failover: executed nowhere) goes through the cluster client, which waits
 //! those out; so do the commands that name no record (`CLUSTER SLOTS`,
-//! `SCRIPT LOAD`, the operator's `SCAN`). The operations that find the table
-//! missing at the same time read it once. A connection to a master is opened
-//! by a task of its own, once for all the operations that need it meanwhile
-//! (they wait for it, each within its own timeout; one that gives up does not
-//! abort it); a master whose connection could not be opened is not tried
+//! `SCRIPT LOAD`, the operator's `SCAN`). The table and the connection to a
+//! master are each read or opened by a task of its own, once for all the
+//! operations that need them meanwhile (they wait for it, each within its own
+//! timeout; one that gives up does not abort it); a master whose connection could not be opened is not tried
 //! again for as long as the attempt took, at least a second (its commands go
 //! through the cluster client meanwhile, without a connection attempt each),
 //! and an unreadable table is not asked for again for five seconds. A cluster connection passed in (`from_cluster_*`) is used

@@ -220,9 +220,8 @@ pub(crate) struct Nodes {
     /// or used (commands go through the cluster client meanwhile, and
     /// batches key by key).
     unreadable_until: Mutex<Option<Instant>>,
-    /// Held while the table is read, so that the operations that find it
-    /// missing at once read it once (see [`Nodes::table_or_read`]).
-    reading: tokio::sync::Mutex<()>,
+    /// The read of the table under way, if any (see [`Nodes::table_or_read`]).
+    reading: Mutex<Option<Reading>>,
     /// Shared with the tasks that open them.
     links: Arc<Mutex<Links>>,
 }
@@ -238,6 +237,10 @@ const LINK_RETRY_AFTER: Duration = Duration::from_secs(1);
 
 /// An attempt to open a connection, shared by every operation waiting for it.
 type Opening = Shared<BoxFuture<'static, Option<ConnectionManager>>>;
+
+/// A read of the slot table, by a task of its own, shared by every operation
+/// waiting for it.
+type Reading = Shared<BoxFuture<'static, Option<Arc<SlotTable>>>>;
 
 /// Our connections to the primaries, by address.
 type Links = HashMap<(String, u16), Link>;
@@ -267,18 +270,22 @@ impl Nodes {
             config,
             table: RwLock::default(),
             unreadable_until: Mutex::default(),
-            reading: tokio::sync::Mutex::default(),
+            reading: Mutex::default(),
             links: Arc::default(),
         })
     }
 
-    /// The table as known, or as `read` reads it now, once for all the
-    /// operations that find it missing at the same time: the others wait for
-    /// that read and take its table (or, when it failed, go without one for
-    /// [`UNREADABLE_FOR`]). `None` within that time of a failed read.
-    pub(crate) async fn table_or_read<F>(&self, read: impl FnOnce() -> F) -> Option<Arc<SlotTable>>
+    /// The table as known, or as `read` reads it now, in a task of its own,
+    /// once for all the operations that find it missing meanwhile: they wait
+    /// for that read (each within its own timeout; one that gives up does not
+    /// abort it) and take its table, or, when it failed, go without one for
+    /// [`UNREADABLE_FOR`]. `None` within that time of a failed read.
+    pub(crate) async fn table_or_read<F>(
+        self: &Arc<Self>,
+        read: impl FnOnce(Arc<Self>) -> F,
+    ) -> Option<Arc<SlotTable>>
     where
-        F: Future<Output = Option<SlotTable>>,
+        F: Future<Output = Option<SlotTable>> + Send + 'static,
     {
         if let Some(table) = self.known_table() {
             return Some(table);
@@ -286,22 +293,62 @@ impl Nodes {
         if !self.may_read() {
             return None;
         }
-        let _reading = self.reading.lock().await;
-        if let Some(table) = self.known_table() {
-            return Some(table);
-        }
-        if !self.may_read() {
-            return None;
-        }
-        match read().await {
-            Some(table) => Some(self.remember(table)),
-            None => {
-                // Unreadable (an outage) or unusable (unknown endpoints):
-                // without a table for a while, not asking on every operation.
-                self.unreadable();
-                None
+        let reading = {
+            let mut reading = self.lock_reading();
+            match &*reading {
+                Some(under_way) => under_way.clone(),
+                None => {
+                    // A read may have ended since the first look.
+                    if let Some(table) = self.known_table() {
+                        return Some(table);
+                    }
+                    if !self.may_read() {
+                        return None;
+                    }
+                    let started = self.spawn_read(read(Arc::clone(self)));
+                    *reading = Some(started.clone());
+                    started
+                }
             }
+        };
+        reading.await
+    }
+
+    /// Runs `read` in a task that keeps its table, or marks the table
+    /// unreadable, and then ends the read under way.
+    fn spawn_read<F>(self: &Arc<Self>, read: F) -> Reading
+    where
+        F: Future<Output = Option<SlotTable>> + Send + 'static,
+    {
+        let nodes = Arc::clone(self);
+        let task = tokio::spawn(async move {
+            let table = match read.await {
+                Some(table) => Some(nodes.remember(table)),
+                None => {
+                    // Unreadable (an outage) or unusable (unknown endpoints):
+                    // without a table for a while, not asking on every operation.
+                    nodes.unreadable();
+                    None
+                }
+            };
+            *nodes.lock_reading() = None;
+            table
+        });
+        let nodes = Arc::clone(self);
+        async move {
+            task.await.unwrap_or_else(|_| {
+                // The task panicked before it could end the read.
+                *nodes.lock_reading() = None;
+                None
+            })
         }
+        .boxed()
+        .shared()
+    }
+
+    fn lock_reading(&self) -> std::sync::MutexGuard<'_, Option<Reading>> {
+        // Nothing panics while holding it.
+        self.reading.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The table as last read, if any.
@@ -551,39 +598,63 @@ mod tests {
         Nodes::new(template, config).unwrap()
     }
 
+    /// A read of the table that counts itself and takes 50 ms.
+    fn counted_read(
+        reads: &Arc<AtomicUsize>,
+        answer: Option<SlotTable>,
+    ) -> impl FnOnce(Arc<Nodes>) -> BoxFuture<'static, Option<SlotTable>> {
+        let reads = Arc::clone(reads);
+        move |_| {
+            async move {
+                reads.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                answer
+            }
+            .boxed()
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn operations_that_miss_the_table_together_read_it_once() {
-        let nodes = nodes("redis://127.0.0.1:7000", ConnectionManagerConfig::new());
-        let reads = AtomicUsize::new(0);
-        let read = || async {
-            reads.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            Some(table())
-        };
-        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(read))).await;
+        let nodes = Arc::new(nodes(
+            "redis://127.0.0.1:7000",
+            ConnectionManagerConfig::new(),
+        ));
+        let reads = Arc::new(AtomicUsize::new(0));
+        let read = || counted_read(&reads, Some(table()));
+        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(read()))).await;
         assert!(tables.iter().all(Option::is_some));
         assert_eq!(reads.load(Ordering::SeqCst), 1);
         // Known: not read again; forgotten: read again.
-        nodes.table_or_read(read).await.unwrap();
+        nodes.table_or_read(read()).await.unwrap();
         assert_eq!(reads.load(Ordering::SeqCst), 1);
         nodes.forget(None);
-        nodes.table_or_read(read).await.unwrap();
+        nodes.table_or_read(read()).await.unwrap();
         assert_eq!(reads.load(Ordering::SeqCst), 2);
+
+        // An operation that gives up waiting leaves the read running; the
+        // next one takes its table.
+        nodes.forget(None);
+        assert!(
+            nodes.table_or_read(read()).now_or_never().is_none(),
+            "still reading"
+        );
+        nodes.table_or_read(read()).await.unwrap();
+        assert_eq!(reads.load(Ordering::SeqCst), 3);
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_table_that_cannot_be_read_is_not_asked_for_again_for_a_while() {
-        let nodes = nodes("redis://127.0.0.1:7000", ConnectionManagerConfig::new());
-        let reads = AtomicUsize::new(0);
-        let fail = || async {
-            reads.fetch_add(1, Ordering::SeqCst);
-            tokio::time::sleep(Duration::from_millis(50)).await;
-            None
-        };
-        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(fail))).await;
+        let nodes = Arc::new(nodes(
+            "redis://127.0.0.1:7000",
+            ConnectionManagerConfig::new(),
+        ));
+        let reads = Arc::new(AtomicUsize::new(0));
+        let fail = || counted_read(&reads, None);
+        let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(fail()))).await;
         assert!(tables.iter().all(Option::is_none));
         assert_eq!(reads.load(Ordering::SeqCst), 1);
-        assert!(nodes.table_or_read(fail).await.is_none());
+        assert!(nodes.table_or_read(fail()).await.is_none());
         assert_eq!(reads.load(Ordering::SeqCst), 1);
     }
 

@@ -349,7 +349,7 @@ impl RedisRepository {
     /// have run the command.)
     async fn send(&self, cmd: &Cmd, key: Option<&RecordKey>) -> Result<Value, RedisError> {
         #[cfg(feature = "cluster")]
-        if let (Some(nodes), Some(key)) = (self.nodes.as_deref(), key) {
+        if let (Some(nodes), Some(key)) = (self.nodes.as_ref(), key) {
             if let Some(table) = self.slot_table(nodes).await {
                 if let Some(reply) = nodes.send(&table, Self::slot(key), cmd).await {
                     return reply;
@@ -744,16 +744,17 @@ impl RedisRepository {
     #[cfg(feature = "cluster")]
     async fn slot_table(
         &self,
-        nodes: &crate::nodes::Nodes,
+        nodes: &Arc<crate::nodes::Nodes>,
     ) -> Option<Arc<crate::nodes::SlotTable>> {
+        let conn = self.conn.clone();
         nodes
-            .table_or_read(|| async {
+            .table_or_read(move |nodes| async move {
                 match nodes.read_table().await {
                     Some(table) => Some(table),
                     None => {
                         let mut cmd = redis::cmd("CLUSTER");
                         cmd.arg("SLOTS");
-                        match self.conn.query(&cmd).await {
+                        match conn.query(&cmd).await {
                             Ok(reply) => crate::nodes::SlotTable::parse(&reply),
                             Err(_) => None,
                         }
@@ -784,7 +785,7 @@ impl RedisRepository {
     {
         use crate::nodes::by_primary;
         let one_by_one = |items: Vec<T>| futures::future::join_all(items.into_iter().map(&single));
-        let Some(nodes) = self.nodes.as_deref() else {
+        let Some(nodes) = self.nodes.as_ref() else {
             return one_by_one(items).await;
         };
         let Some(table) = self.slot_table(nodes).await else {
