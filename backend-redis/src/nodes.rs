@@ -404,7 +404,10 @@ impl Nodes {
     /// without an attempt until its retry (see [`LINK_RETRY_AFTER`]). A batch's
     /// keys then go one by one, and a single command through the cluster
     /// client.
-    pub(crate) async fn link(&self, address: &(String, u16)) -> Option<ConnectionManager> {
+    pub(crate) async fn link(
+        self: &Arc<Self>,
+        address: &(String, u16),
+    ) -> Option<ConnectionManager> {
         let opening = {
             let mut links = self.lock_links();
             match links.get(address) {
@@ -420,38 +423,51 @@ impl Nodes {
                 }
             }
         };
-        let opened = opening.await;
-        if opened.is_none() {
-            // Perhaps no longer a primary.
-            self.forget_table();
-        }
-        opened
+        opening.await
     }
 
     /// Opens a connection to `address` in a task of its own, which records
-    /// the outcome in the links.
-    fn spawn_open(&self, address: &(String, u16)) -> Opening {
+    /// the outcome in the links (a failure also forgets the table: perhaps
+    /// the node is no longer a primary).
+    fn spawn_open(self: &Arc<Self>, address: &(String, u16)) -> Opening {
         let url = self.url_of(address);
         let config = self.config.clone();
-        let links = Arc::clone(&self.links);
-        let address = address.clone();
+        let nodes = Arc::clone(self);
+        let at = address.clone();
         let task = tokio::spawn(async move {
             let began = Instant::now();
             let opened = match url {
                 Some(url) => open(url, config).await,
                 None => None,
             };
-            let link = match &opened {
-                Some(open) => Link::Open(open.clone()),
-                None => Link::Failed(Instant::now() + LINK_RETRY_AFTER.max(began.elapsed())),
-            };
-            links
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(address, link);
+            nodes.opened(at, opened.clone(), began);
             opened
         });
-        async move { task.await.ok().flatten() }.boxed().shared()
+        let nodes = Arc::clone(self);
+        let at = address.clone();
+        async move {
+            task.await.unwrap_or_else(|_| {
+                // The task panicked, or its runtime shut down, before it
+                // recorded the outcome.
+                nodes.opened(at, None, Instant::now());
+                None
+            })
+        }
+        .boxed()
+        .shared()
+    }
+
+    /// Records the outcome of an attempt to open a connection to `address`
+    /// that began at `began`.
+    fn opened(&self, address: (String, u16), opened: Option<ConnectionManager>, began: Instant) {
+        let link = match opened {
+            Some(open) => Link::Open(open),
+            None => {
+                self.forget_table();
+                Link::Failed(Instant::now() + LINK_RETRY_AFTER.max(began.elapsed()))
+            }
+        };
+        self.lock_links().insert(address, link);
     }
 
     /// The template's URL with `address`'s host and port.
@@ -474,17 +490,26 @@ impl Nodes {
     /// connection and the table is read again. `None` when the command was
     /// executed nowhere, and goes through the cluster client instead (which
     /// waits out what a failover or a migration makes the nodes answer): the
-    /// table names no primary for the slot, no connection to the node opens
+    /// table names no primary for the slot (a table with a hole, read
+    /// again after [`UNREADABLE_FOR`]), no connection to the node opens
     /// (the table is then read again, and that connection tried again after
     /// [`LINK_RETRY_AFTER`]), the redirections run out, or a node refuses the slot for now
     /// (`TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`).
     pub(crate) async fn send(
-        &self,
+        self: &Arc<Self>,
         table: &SlotTable,
         slot: u16,
         cmd: &Cmd,
     ) -> Option<Result<Value, RedisError>> {
-        let mut address = Cow::Borrowed(table.address(table.primary(slot)?)?);
+        let Some(primary) = table.primary(slot).and_then(|p| table.address(p)) else {
+            // A table with a hole (a cluster being set up, or a master down
+            // with no replica promoted): the cluster client, and the table
+            // read again after a while.
+            self.forget(None);
+            self.unreadable();
+            return None;
+        };
+        let mut address = Cow::Borrowed(primary);
         let mut asking = false;
         for _ in 0..=REDIRECTS {
             let mut link = self.link(&address).await?;
@@ -605,8 +630,9 @@ mod tests {
     ) -> impl FnOnce(Arc<Nodes>) -> BoxFuture<'static, Option<SlotTable>> {
         let reads = Arc::clone(reads);
         move |_| {
+            // Counted when a read is started, not when it is polled.
+            reads.fetch_add(1, Ordering::SeqCst);
             async move {
-                reads.fetch_add(1, Ordering::SeqCst);
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 answer
             }
@@ -632,13 +658,15 @@ mod tests {
         nodes.table_or_read(read()).await.unwrap();
         assert_eq!(reads.load(Ordering::SeqCst), 2);
 
-        // An operation that gives up waiting leaves the read running; the
-        // next one takes its table.
+        // An operation that gives up waiting leaves the read running: with
+        // nobody waiting, it ends and keeps its table.
         nodes.forget(None);
         assert!(
             nodes.table_or_read(read()).now_or_never().is_none(),
             "still reading"
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(nodes.known_table().is_some());
         nodes.table_or_read(read()).await.unwrap();
         assert_eq!(reads.load(Ordering::SeqCst), 3);
     }
@@ -656,6 +684,19 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 1);
         assert!(nodes.table_or_read(fail()).await.is_none());
         assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_table_with_a_hole_sends_its_slots_to_the_cluster_client_for_a_while() {
+        let nodes = Arc::new(nodes(
+            "redis://127.0.0.1:7000",
+            ConnectionManagerConfig::new(),
+        ));
+        let reply = Value::Array(vec![range(0, 99, node("10.0.0.1", 7000))]);
+        let table = nodes.remember(SlotTable::parse(&reply).unwrap());
+        assert!(nodes.send(&table, 5000, &redis::cmd("GET")).await.is_none());
+        assert!(nodes.known_table().is_none());
+        assert!(!nodes.may_read(), "not read again at once");
     }
 
     /// A server that accepts connections and closes them at once, counting them.
@@ -688,12 +729,12 @@ mod tests {
         let address = ("127.0.0.1".to_owned(), port);
 
         // What one attempt to open costs the server, in connections.
-        let once = nodes(&template, config());
+        let once = Arc::new(nodes(&template, config()));
         assert!(once.link(&address).await.is_none());
         let per_attempt = accepted.load(Ordering::SeqCst);
         assert!(per_attempt >= 1);
 
-        let nodes = nodes(&template, config());
+        let nodes = Arc::new(nodes(&template, config()));
         nodes.remember(table());
         let links = futures::future::join_all((0..16).map(|_| nodes.link(&address))).await;
         assert!(links.iter().all(Option::is_none));
@@ -714,12 +755,23 @@ mod tests {
         assert!(nodes.link(&address).await.is_none());
         assert_eq!(accepted.load(Ordering::SeqCst), 3 * per_attempt);
 
-        // An operation that gives up waiting leaves the attempt running, and
-        // the next one takes its outcome instead of trying again.
+        // An operation that gives up waiting leaves the attempt running: with
+        // nobody waiting, it ends and records its failure, so the next
+        // operation does not try again.
         nodes.retry_failed_links();
+        nodes.remember(table());
         assert!(
             nodes.link(&address).now_or_never().is_none(),
             "still opening"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while nodes.known_table().is_some() && Instant::now() < deadline {
+            // Polls for the orphaned attempt's end (a real connection).
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(
+            nodes.known_table().is_none(),
+            "the attempt ended and forgot the table"
         );
         assert!(nodes.link(&address).await.is_none());
         assert_eq!(accepted.load(Ordering::SeqCst), 4 * per_attempt);

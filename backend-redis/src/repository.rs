@@ -746,17 +746,19 @@ impl RedisRepository {
         &self,
         nodes: &Arc<crate::nodes::Nodes>,
     ) -> Option<Arc<crate::nodes::SlotTable>> {
-        let conn = self.conn.clone();
         nodes
-            .table_or_read(move |nodes| async move {
-                match nodes.read_table().await {
-                    Some(table) => Some(table),
-                    None => {
-                        let mut cmd = redis::cmd("CLUSTER");
-                        cmd.arg("SLOTS");
-                        match conn.query(&cmd).await {
-                            Ok(reply) => crate::nodes::SlotTable::parse(&reply),
-                            Err(_) => None,
+            .table_or_read(|nodes| {
+                let conn = self.conn.clone();
+                async move {
+                    match nodes.read_table().await {
+                        Some(table) => Some(table),
+                        None => {
+                            let mut cmd = redis::cmd("CLUSTER");
+                            cmd.arg("SLOTS");
+                            match conn.query(&cmd).await {
+                                Ok(reply) => crate::nodes::SlotTable::parse(&reply),
+                                Err(_) => None,
+                            }
                         }
                     }
                 }
