@@ -215,7 +215,9 @@ pub(crate) struct Nodes {
     /// port replaced per primary.
     template: url::Url,
     config: ConnectionManagerConfig,
-    table: RwLock<Option<Arc<SlotTable>>>,
+    /// The table, and how many times it was forgotten: a read that began
+    /// before the latest forget does not keep its table.
+    table: RwLock<(Option<Arc<SlotTable>>, u64)>,
     /// Until when not to ask for the table again after it could not be read
     /// or used (commands go through the cluster client meanwhile, and
     /// batches key by key).
@@ -305,7 +307,7 @@ impl Nodes {
                     if !self.may_read() {
                         return None;
                     }
-                    let started = self.spawn_read(read(Arc::clone(self)));
+                    let started = self.spawn_read(read(Arc::clone(self)), self.forgotten());
                     *reading = Some(started.clone());
                     started
                 }
@@ -316,14 +318,14 @@ impl Nodes {
 
     /// Runs `read` in a task that keeps its table, or marks the table
     /// unreadable, and then ends the read under way.
-    fn spawn_read<F>(self: &Arc<Self>, read: F) -> Reading
+    fn spawn_read<F>(self: &Arc<Self>, read: F, forgotten: u64) -> Reading
     where
         F: Future<Output = Option<SlotTable>> + Send + 'static,
     {
         let nodes = Arc::clone(self);
         let task = tokio::spawn(async move {
             let table = match read.await {
-                Some(table) => Some(nodes.remember(table)),
+                Some(table) => Some(nodes.remember_read(table, forgotten)),
                 None => {
                     // Unreadable (an outage) or unusable (unknown endpoints):
                     // without a table for a while, not asking on every operation.
@@ -353,7 +355,11 @@ impl Nodes {
 
     /// The table as last read, if any.
     pub(crate) fn known_table(&self) -> Option<Arc<SlotTable>> {
-        self.table.read().unwrap_or_else(|e| e.into_inner()).clone()
+        self.table
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .0
+            .clone()
     }
 
     /// Whether the table may be asked for now (not within [`UNREADABLE_FOR`]
@@ -374,10 +380,29 @@ impl Nodes {
             .unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + UNREADABLE_FOR);
     }
 
-    /// Keeps `table` until something says it changed.
-    pub(crate) fn remember(&self, table: SlotTable) -> Arc<SlotTable> {
+    /// How many times the table was forgotten so far.
+    fn forgotten(&self) -> u64 {
+        self.table.read().unwrap_or_else(|e| e.into_inner()).1
+    }
+
+    /// Keeps a table just read until something says it changed, and drops
+    /// our connections to nodes it does not name as primaries — unless the
+    /// table was forgotten since the read began (`forgotten` is the count
+    /// then): a node said it changed after the read began. The operations
+    /// that waited for the read still use it once, and follow the
+    /// redirections it earns them.
+    fn remember_read(&self, table: SlotTable, forgotten: u64) -> Arc<SlotTable> {
         let table = Arc::new(table);
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = Some(Arc::clone(&table));
+        {
+            let mut known = self.table.write().unwrap_or_else(|e| e.into_inner());
+            if known.1 != forgotten {
+                return table;
+            }
+            known.0 = Some(Arc::clone(&table));
+        }
+        self.lock_links().retain(|address, link| {
+            !matches!(link, Link::Open(_)) || table.primaries.contains(address)
+        });
         table
     }
 
@@ -395,7 +420,9 @@ impl Nodes {
     }
 
     fn forget_table(&self) {
-        *self.table.write().unwrap_or_else(|e| e.into_inner()) = None;
+        let mut known = self.table.write().unwrap_or_else(|e| e.into_inner());
+        known.0 = None;
+        known.1 += 1;
     }
 
     /// Our connection to the primary at `address`, opened on first use by a
@@ -598,6 +625,20 @@ impl Nodes {
 
 #[cfg(test)]
 impl Nodes {
+    /// Keeps `table` as if just read.
+    fn remember(&self, table: SlotTable) -> Arc<SlotTable> {
+        self.remember_read(table, self.forgotten())
+    }
+
+    /// The addresses we hold an open connection to.
+    fn open_links(&self) -> Vec<(String, u16)> {
+        let links = self.lock_links();
+        let open = links
+            .iter()
+            .filter(|(_, link)| matches!(link, Link::Open(_)));
+        open.map(|(address, _)| address.clone()).collect()
+    }
+
     /// Lets every connection that failed to open be tried again now.
     fn retry_failed_links(&self) {
         for link in self.lock_links().values_mut() {
@@ -684,6 +725,44 @@ mod tests {
         assert_eq!(reads.load(Ordering::SeqCst), 1);
         assert!(nodes.table_or_read(fail()).await.is_none());
         assert_eq!(reads.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_table_read_before_a_forget_is_not_kept() {
+        let nodes = Arc::new(nodes(
+            "redis://127.0.0.1:7000",
+            ConnectionManagerConfig::new(),
+        ));
+        let reads = Arc::new(AtomicUsize::new(0));
+        let read = || counted_read(&reads, Some(table()));
+        assert!(
+            nodes.table_or_read(read()).now_or_never().is_none(),
+            "reading"
+        );
+        // A node says the slots moved while the read is under way.
+        nodes.forget(None);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(nodes.known_table().is_none(), "the older table is not kept");
+        nodes.table_or_read(read()).await.unwrap();
+        assert!(nodes.known_table().is_some());
+        assert_eq!(reads.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test]
+    async fn connections_to_nodes_no_longer_primaries_are_dropped() {
+        let server = idempotency_conformance::containers::redis().await.unwrap();
+        let url = url::Url::parse(server.url()).unwrap();
+        let address = (url.host_str().unwrap().to_owned(), url.port().unwrap());
+        let nodes = Arc::new(nodes(server.url(), ConnectionManagerConfig::new()));
+        assert!(nodes.link(&address).await.is_some(), "a real server");
+        let named = |host: &str, port: u16| {
+            let reply = Value::Array(vec![range(0, 16383, node(host, i64::from(port)))]);
+            SlotTable::parse(&reply).unwrap()
+        };
+        nodes.remember(named(&address.0, address.1));
+        assert_eq!(nodes.open_links(), vec![address.clone()]);
+        nodes.remember(named("10.0.0.9", 7000));
+        assert!(nodes.open_links().is_empty());
     }
 
     #[tokio::test]
