@@ -477,12 +477,12 @@ async fn the_adaptive_plan_follows_the_mix_of_keys() {
     let ns = common::unique("adaptive");
     let t = SystemClock.now();
     let lease = Duration::from_secs(30);
-    let costs = |fresh: u64, duplicate: u64| [fresh, duplicate];
+    // Statements sent for a fresh key and for a duplicate.
     let measured = async |repo: &PgRepository| {
         let [fresh, duplicate, _] = reserve_costs(repo, Some(&counts), &ns).await;
         [fresh, duplicate]
     };
-    assert_eq!(measured(&repo).await, costs(1, 1), "at first: the function");
+    assert_eq!(measured(&repo).await, [1, 1], "at first: the function");
 
     let keys: Vec<RecordKey> = (0..100)
         .map(|i| RecordKey::new(ns.as_str(), format!("k{i}"), 1024).unwrap())
@@ -492,7 +492,7 @@ async fn the_adaptive_plan_follows_the_mix_of_keys() {
     }
     assert_eq!(
         measured(&repo).await,
-        costs(1, 2),
+        [1, 2],
         "after fresh keys: insert first"
     );
 
@@ -501,7 +501,7 @@ async fn the_adaptive_plan_follows_the_mix_of_keys() {
     }
     assert_eq!(
         measured(&repo).await,
-        costs(2, 1),
+        [2, 1],
         "after duplicates: read first"
     );
 }

@@ -660,11 +660,25 @@ mod tests {
         SlotTable::parse(&reply).unwrap()
     }
 
-    fn nodes(template: &str, config: ConnectionManagerConfig) -> Nodes {
-        Nodes::new(template, config).unwrap()
+    fn nodes(template: &str, config: ConnectionManagerConfig) -> Arc<Nodes> {
+        Arc::new(Nodes::new(template, config).unwrap())
     }
 
-    /// A read of the table that counts itself and takes 50 ms.
+    /// Nodes of a cluster never reached (the table tests read no server).
+    fn unreached() -> Arc<Nodes> {
+        nodes("redis://127.0.0.1:7000", ConnectionManagerConfig::new())
+    }
+
+    /// How long a [`counted_read`] takes, on the tests' paused clock.
+    const READ_TAKES: Duration = Duration::from_millis(50);
+
+    /// Lets a read started and left by its caller run to its end: the paused
+    /// clock jumps past [`READ_TAKES`] as soon as every task is idle.
+    async fn past_a_read() {
+        tokio::time::sleep(2 * READ_TAKES).await;
+    }
+
+    /// A read of the table that counts itself and takes [`READ_TAKES`].
     fn counted_read(
         reads: &Arc<AtomicUsize>,
         answer: Option<SlotTable>,
@@ -674,7 +688,7 @@ mod tests {
             // Counted when a read is started, not when it is polled.
             reads.fetch_add(1, Ordering::SeqCst);
             async move {
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                tokio::time::sleep(READ_TAKES).await;
                 answer
             }
             .boxed()
@@ -683,10 +697,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn operations_that_miss_the_table_together_read_it_once() {
-        let nodes = Arc::new(nodes(
-            "redis://127.0.0.1:7000",
-            ConnectionManagerConfig::new(),
-        ));
+        let nodes = unreached();
         let reads = Arc::new(AtomicUsize::new(0));
         let read = || counted_read(&reads, Some(table()));
         let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(read()))).await;
@@ -706,7 +717,7 @@ mod tests {
             nodes.table_or_read(read()).now_or_never().is_none(),
             "still reading"
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        past_a_read().await;
         assert!(nodes.known_table().is_some());
         nodes.table_or_read(read()).await.unwrap();
         assert_eq!(reads.load(Ordering::SeqCst), 3);
@@ -714,10 +725,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_table_that_cannot_be_read_is_not_asked_for_again_for_a_while() {
-        let nodes = Arc::new(nodes(
-            "redis://127.0.0.1:7000",
-            ConnectionManagerConfig::new(),
-        ));
+        let nodes = unreached();
         let reads = Arc::new(AtomicUsize::new(0));
         let fail = || counted_read(&reads, None);
         let tables = futures::future::join_all((0..16).map(|_| nodes.table_or_read(fail()))).await;
@@ -729,10 +737,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_table_read_before_a_forget_is_not_kept() {
-        let nodes = Arc::new(nodes(
-            "redis://127.0.0.1:7000",
-            ConnectionManagerConfig::new(),
-        ));
+        let nodes = unreached();
         let reads = Arc::new(AtomicUsize::new(0));
         let read = || counted_read(&reads, Some(table()));
         assert!(
@@ -741,7 +746,7 @@ mod tests {
         );
         // A node says the slots moved while the read is under way.
         nodes.forget(None);
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        past_a_read().await;
         assert!(nodes.known_table().is_none(), "the older table is not kept");
         nodes.table_or_read(read()).await.unwrap();
         assert!(nodes.known_table().is_some());
@@ -753,7 +758,7 @@ mod tests {
         let server = idempotency_conformance::containers::redis().await.unwrap();
         let url = url::Url::parse(server.url()).unwrap();
         let address = (url.host_str().unwrap().to_owned(), url.port().unwrap());
-        let nodes = Arc::new(nodes(server.url(), ConnectionManagerConfig::new()));
+        let nodes = nodes(server.url(), ConnectionManagerConfig::new());
         assert!(nodes.link(&address).await.is_some(), "a real server");
         let named = |host: &str, port: u16| {
             let reply = Value::Array(vec![range(0, 16383, node(host, i64::from(port)))]);
@@ -767,10 +772,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_table_with_a_hole_sends_its_slots_to_the_cluster_client_for_a_while() {
-        let nodes = Arc::new(nodes(
-            "redis://127.0.0.1:7000",
-            ConnectionManagerConfig::new(),
-        ));
+        let nodes = unreached();
         let reply = Value::Array(vec![range(0, 99, node("10.0.0.1", 7000))]);
         let table = nodes.remember(SlotTable::parse(&reply).unwrap());
         assert!(nodes.send(&table, 5000, &redis::cmd("GET")).await.is_none());
@@ -808,12 +810,12 @@ mod tests {
         let address = ("127.0.0.1".to_owned(), port);
 
         // What one attempt to open costs the server, in connections.
-        let once = Arc::new(nodes(&template, config()));
+        let once = nodes(&template, config());
         assert!(once.link(&address).await.is_none());
         let per_attempt = accepted.load(Ordering::SeqCst);
         assert!(per_attempt >= 1);
 
-        let nodes = Arc::new(nodes(&template, config()));
+        let nodes = nodes(&template, config());
         nodes.remember(table());
         let links = futures::future::join_all((0..16).map(|_| nodes.link(&address))).await;
         assert!(links.iter().all(Option::is_none));
