@@ -16,7 +16,8 @@
 #   duplicate: one SELECT of the record by key (what any design must read).
 # "library" runs the reservation function; "plain" the statement the adaptive
 # reserve plan sends alone once fresh keys (the INSERT) or duplicates (the
-# deciding SELECT) dominate.
+# deciding SELECT) dominate. The bench runs twice per round: with the default
+# coalescing (coalesce_above=4) and without (0).
 # The table is the library's own (migrated), so indexes are alike.
 set -euo pipefail
 
@@ -108,10 +109,14 @@ for fsync in on off; do
             t=$(pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_PER" -f "$WORK/$script.sql" "$url" 2>&1 | tps)
             echo "round $round  pgbench $script: $t executions/s"
         done
-        "$BENCH" --backends postgres --postgres-url "$url" --postgres-pool 32 \
-            --scenarios fresh,duplicate --concurrency "$CLIENTS" --rounds 4 \
-            --ops $((SECONDS_PER * 6000)) --out "$WORK/bench-$fsync-$round" >/dev/null 2>&1
-        grep -E '^\| postgres' "$WORK/bench-$fsync-$round/results.md" | sed "s/^/round $round  bench /" || true
+        for coalesce in 4 0; do
+            out="$WORK/bench-$fsync-$round-$coalesce"
+            "$BENCH" --backends postgres --postgres-url "$url?coalesce_above=$coalesce" \
+                --postgres-pool 32 --scenarios fresh,duplicate --concurrency "$CLIENTS" \
+                --rounds 4 --ops $((SECONDS_PER * 6000)) --out "$out" >/dev/null 2>&1
+            grep -E '^\| postgres' "$out/results.md" |
+                sed "s/^/round $round  bench, coalesce_above=$coalesce /" || true
+        done
     done
     as_pg "$PGBIN/pg_ctl" -D "$WORK/data" stop -m fast >/dev/null
     rm -rf "$WORK/data" "$WORK/log"

@@ -130,43 +130,14 @@ pub(crate) async fn reserve_many<'e>(
     exec: impl PgExecutor<'e>,
     requests: &[ReserveRequest<'_>],
 ) -> Vec<Result<Reservation, Error>> {
-    let mut answers: Vec<Option<Result<Reservation, Error>>> = Vec::with_capacity(requests.len());
-    let mut sent: Vec<usize> = Vec::with_capacity(requests.len());
-    for (i, req) in requests.iter().enumerate() {
-        match check_key(req.key) {
-            Ok(()) => {
-                answers.push(None);
-                sent.push(i);
-            }
-            Err(e) => answers.push(Some(Err(e))),
-        }
+    let (mut answers, sent) = checked_in_key_order(requests);
+    if sent.is_empty() {
+        return answered(answers, "reserve");
     }
-    sent.sort_by(|&a, &b| requests[a].key.cmp(requests[b].key));
-    let column = |f: &dyn Fn(&ReserveRequest<'_>) -> Vec<u8>| -> Vec<Vec<u8>> {
-        sent.iter().map(|&i| f(&requests[i])).collect()
-    };
-    let times = |f: &dyn Fn(&ReserveRequest<'_>) -> Timestamp| -> Vec<i64> {
-        sent.iter().map(|&i| ts(f(&requests[i]))).collect()
-    };
-    let query = sqlx::query(&sql.reserve_many)
-        .bind(column(&|r| r.key.namespace().as_bytes().to_vec()))
-        .bind(column(&|r| r.key.id().as_bytes().to_vec()))
-        .bind(column(&|r| r.owner.to_bytes().to_vec()))
-        .bind(
-            sent.iter()
-                .map(|&i| requests[i].fingerprint.map(|f| f.as_bytes().to_vec()))
-                .collect::<Vec<Option<Vec<u8>>>>(),
-        )
-        .bind(times(&|r| r.now))
-        .bind(times(&|r| r.lease_cutoff()))
-        .bind(times(&|r| r.lease_until))
-        .bind(times(&|r| r.expires_at))
-        .bind(
-            sent.iter()
-                .map(|&i| requests[i].retry_failed)
-                .collect::<Vec<bool>>(),
-        );
-    match query.fetch_all(exec).await {
+    match reserve_arrays(&sql.reserve_many, requests, &sent)
+        .fetch_all(exec)
+        .await
+    {
         Ok(rows) if rows.len() == sent.len() => {
             for (position, (row, &i)) in rows.iter().zip(&sent).enumerate() {
                 answers[i] = Some(batch_row(row, &requests[i], position));
@@ -189,9 +160,152 @@ pub(crate) async fn reserve_many<'e>(
             }
         }
     }
+    answered(answers, "reserve")
+}
+
+/// Coalesced reservations, their keys distinct: starting with the statement
+/// `first` names over arrays (the plain insert or the plain read of
+/// [`reserve`], each answering only what it decides alone), then the
+/// reservation function over arrays for the requests it left, on the same
+/// connection.
+pub(crate) async fn reserve_coalesced(
+    sql: &Statements,
+    conn: &mut PgConnection,
+    requests: &[ReserveRequest<'_>],
+    first: First,
+) -> Vec<Result<Reservation, Error>> {
+    let statement = match first {
+        First::Function => return reserve_many(sql, conn, requests).await,
+        First::Insert => &sql.reserve_insert_many,
+        First::Read => &sql.reserve_read_many,
+    };
+    let (mut answers, sent) = checked_in_key_order(requests);
+    if sent.is_empty() {
+        return answered(answers, "reserve");
+    }
+    let mut query = reserve_arrays(statement, requests, &sent);
+    if first == First::Read {
+        query = query.bind(length(&sent));
+    }
+    match query.fetch_all(&mut *conn).await {
+        Ok(rows) => {
+            // A row naming no request (never expected) answers nothing: its
+            // request goes to the function, which answers a re-sent reserve
+            // of the same owner as acquired.
+            for row in &rows {
+                if let Some(i) = answered_request(row, first, requests, &sent) {
+                    answers[i] = Some(reservation_of(row, &requests[i]));
+                }
+            }
+        }
+        Err(e) => {
+            let e = batch_error(e, "reserve", sql);
+            for &i in &sent {
+                answers[i] = Some(Err(e.for_another()));
+            }
+        }
+    }
+    let rest: Vec<usize> = sent.into_iter().filter(|&i| answers[i].is_none()).collect();
+    if !rest.is_empty() {
+        let left: Vec<ReserveRequest<'_>> = rest.iter().map(|&i| requests[i].clone()).collect();
+        let decided = reserve_many(sql, conn, &left).await;
+        for (i, answer) in rest.into_iter().zip(decided) {
+            answers[i] = Some(answer);
+        }
+    }
+    answered(answers, "reserve")
+}
+
+/// Which request a row of a plain statement over arrays answers: the read
+/// ends with the request's position in `sent` (from 1), the insert with the
+/// key it inserted.
+fn answered_request(
+    row: &PgRow,
+    first: First,
+    requests: &[ReserveRequest<'_>],
+    sent: &[usize],
+) -> Option<usize> {
+    let last = row.len().checked_sub(1)?;
+    if first == First::Read {
+        let ord: i64 = row.try_get(last).ok()?;
+        return sent
+            .get(usize::try_from(ord).ok()?.checked_sub(1)?)
+            .copied();
+    }
+    let namespace: &[u8] = row.try_get(last.checked_sub(1)?).ok()?;
+    let id: &[u8] = row.try_get(last).ok()?;
+    sent.iter().copied().find(|&i| {
+        let key = requests[i].key;
+        key.namespace().as_bytes() == namespace && key.id().as_bytes() == id
+    })
+}
+
+/// The `LIMIT` of a statement joining arrays of `sent`'s length to the table
+/// (see `names.rs`).
+fn length(sent: &[usize]) -> i64 {
+    i64::try_from(sent.len()).unwrap_or(i64::MAX)
+}
+
+/// The answers so far (a key the table cannot hold is answered at once) and
+/// the positions of the requests to send, in key order, so that two batches
+/// lock shared keys in the same order.
+fn checked_in_key_order(
+    requests: &[ReserveRequest<'_>],
+) -> (Vec<Option<Result<Reservation, Error>>>, Vec<usize>) {
+    let mut answers = Vec::with_capacity(requests.len());
+    let mut sent = Vec::with_capacity(requests.len());
+    for (i, req) in requests.iter().enumerate() {
+        match check_key(req.key) {
+            Ok(()) => {
+                answers.push(None);
+                sent.push(i);
+            }
+            Err(e) => answers.push(Some(Err(e))),
+        }
+    }
+    sent.sort_by(|&a, &b| requests[a].key.cmp(requests[b].key));
+    (answers, sent)
+}
+
+/// A reservation statement over arrays (the reservation function's
+/// parameters, one element per request of `sent`, in that order).
+fn reserve_arrays<'q>(
+    statement: &'q str,
+    requests: &[ReserveRequest<'_>],
+    sent: &[usize],
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    let column = |f: &dyn Fn(&ReserveRequest<'_>) -> Vec<u8>| -> Vec<Vec<u8>> {
+        sent.iter().map(|&i| f(&requests[i])).collect()
+    };
+    let times = |f: &dyn Fn(&ReserveRequest<'_>) -> Timestamp| -> Vec<i64> {
+        sent.iter().map(|&i| ts(f(&requests[i]))).collect()
+    };
+    sqlx::query(statement)
+        .bind(column(&|r| r.key.namespace().as_bytes().to_vec()))
+        .bind(column(&|r| r.key.id().as_bytes().to_vec()))
+        .bind(column(&|r| r.owner.to_bytes().to_vec()))
+        .bind(
+            sent.iter()
+                .map(|&i| requests[i].fingerprint.map(|f| f.as_bytes().to_vec()))
+                .collect::<Vec<Option<Vec<u8>>>>(),
+        )
+        .bind(times(&|r| r.now))
+        .bind(times(&|r| r.lease_cutoff()))
+        .bind(times(&|r| r.lease_until))
+        .bind(times(&|r| r.expires_at))
+        .bind(
+            sent.iter()
+                .map(|&i| requests[i].retry_failed)
+                .collect::<Vec<bool>>(),
+        )
+}
+
+/// Every answer, a request left unanswered being an error (a bug, never
+/// expected).
+fn answered<T>(answers: Vec<Option<Result<T, Error>>>, operation: &str) -> Vec<Result<T, Error>> {
     answers
         .into_iter()
-        .map(|a| a.unwrap_or_else(|| Err(unanswered("reserve"))))
+        .map(|a| a.unwrap_or_else(|| Err(unanswered(operation))))
         .collect()
 }
 
@@ -233,11 +347,13 @@ fn reservation_of(row: &PgRow, req: &ReserveRequest<'_>) -> Result<Reservation, 
 /// the rows it returns were applied, the others are `LeaseLost` (each write
 /// has exactly `complete`'s conditions). Sent in key order, like
 /// [`reserve_many`]; a write the table cannot hold is answered on its own.
+/// `now(i)` is write `i`'s instant (a batch of the trait shares one; writes
+/// coalesced from separate calls keep each their own).
 pub(crate) async fn complete_many<'e>(
     sql: &Statements,
     exec: impl PgExecutor<'e>,
     writes: &[Completion<'_>],
-    now: Timestamp,
+    now: impl Fn(usize) -> Timestamp,
 ) -> Vec<Result<(), Error>> {
     let mut answers: Vec<Option<Result<(), Error>>> = Vec::with_capacity(writes.len());
     let mut sent: Vec<usize> = Vec::with_capacity(writes.len());
@@ -251,6 +367,9 @@ pub(crate) async fn complete_many<'e>(
         }
     }
     sent.sort_by(|&a, &b| writes[a].key.cmp(writes[b].key));
+    if sent.is_empty() {
+        return answered(answers, "complete");
+    }
     let bytes = |f: &dyn Fn(&Completion<'_>) -> Vec<u8>| -> Vec<Vec<u8>> {
         sent.iter().map(|&i| f(&writes[i])).collect()
     };
@@ -268,7 +387,8 @@ pub(crate) async fn complete_many<'e>(
                 .map(|&i| ts(writes[i].expires_at))
                 .collect::<Vec<i64>>(),
         )
-        .bind(ts(now));
+        .bind(sent.iter().map(|&i| ts(now(i))).collect::<Vec<i64>>())
+        .bind(length(&sent));
     match query.fetch_all(exec).await {
         Ok(rows) => {
             let ords: Result<Vec<i64>, _> = rows.iter().map(|r| r.try_get::<i64, _>(0)).collect();
@@ -282,10 +402,7 @@ pub(crate) async fn complete_many<'e>(
                         source: None,
                     }));
                 }
-                return answers
-                    .into_iter()
-                    .map(|a| a.unwrap_or_else(|| Err(unanswered("complete"))))
-                    .collect();
+                return answered(answers, "complete");
             };
             let mut applied = vec![false; sent.len()];
             for ord in ords {
@@ -313,10 +430,7 @@ pub(crate) async fn complete_many<'e>(
             }
         }
     }
-    answers
-        .into_iter()
-        .map(|a| a.unwrap_or_else(|| Err(unanswered("complete"))))
-        .collect()
+    answered(answers, "complete")
 }
 
 /// The error of a batch statement. A key locked past the batch's

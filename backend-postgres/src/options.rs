@@ -19,6 +19,7 @@ pub(crate) struct UrlOptions {
     pub(crate) operation_timeout: Option<Duration>,
     pub(crate) held_connections: Option<usize>,
     pub(crate) reserve_plan: Option<ReservePlan>,
+    pub(crate) coalesce_above: Option<usize>,
 }
 
 impl UrlOptions {
@@ -67,6 +68,11 @@ impl UrlOptions {
                     })?);
                 }
                 "reserve_plan" => options.reserve_plan = Some(value.parse()?),
+                "coalesce_above" => {
+                    options.coalesce_above = Some(value.parse::<usize>().map_err(|_| {
+                        invalid("coalesce_above", &value, "a non-negative integer")
+                    })?);
+                }
                 other if is_sqlx_option(other) => {
                     if matches!(other, "sslmode" | "ssl-mode") {
                         check_tls_available(&value)?;
@@ -93,7 +99,7 @@ impl UrlOptions {
 
 /// This crate's own URL options, for messages.
 const OWN_OPTIONS: &str = "schema, table, migrate, max_connections, acquire_timeout, \
-     operation_timeout, held_connections, reserve_plan";
+     operation_timeout, held_connections, reserve_plan, coalesce_above";
 
 /// The connection options sqlx reads, for messages.
 const SQLX_OPTIONS: &str = "sslmode, sslrootcert, sslcert, sslkey, host, hostaddr, port, \
@@ -164,7 +170,7 @@ mod tests {
     #[test]
     fn strips_own_options_and_keeps_the_rest() {
         let o = UrlOptions::parse(
-            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0&reserve_plan=read-first",
+            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0&reserve_plan=read-first&coalesce_above=0",
         )
         .unwrap();
         assert_eq!(o.sqlx_url, "postgresql://u:p@h:5/db?sslmode=disable");
@@ -176,6 +182,7 @@ mod tests {
         assert_eq!(o.operation_timeout, Some(Duration::from_millis(500)));
         assert_eq!(o.held_connections, Some(0));
         assert_eq!(o.reserve_plan, Some(ReservePlan::ReadFirst));
+        assert_eq!(o.coalesce_above, Some(0));
 
         let o = UrlOptions::parse("postgres://localhost/db?table=x").unwrap();
         assert_eq!(o.sqlx_url, "postgres://localhost/db");
@@ -193,6 +200,7 @@ mod tests {
         assert!(UrlOptions::parse("postgres://h/db?migrate=maybe").is_err());
         assert!(UrlOptions::parse("postgres://h/db?max_connections=0").is_err());
         assert!(UrlOptions::parse("postgres://h/db?held_connections=-1").is_err());
+        assert!(UrlOptions::parse("postgres://h/db?coalesce_above=some").is_err());
     }
 
     #[test]

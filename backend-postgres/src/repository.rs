@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::future::BoxFuture;
 use idempotency_core::{
     async_trait, Capabilities, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
     ReserveRequest, Status, Timestamp,
@@ -14,6 +15,9 @@ use idempotency_core::{
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgConnection, PgPool};
 
+use crate::coalesce::{
+    Batch, Coalescer, CompleteCall, Entry, ReserveCall, Waiting, DEFAULT_COALESCE_ABOVE,
+};
 use crate::error::{map_sqlx, BACKEND};
 use crate::held::{Held, Lent};
 use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
@@ -54,6 +58,9 @@ pub struct PgRepository {
     schema_current: Arc<AtomicBool>,
     /// Which statement a single reservation sends first; shared by clones.
     planner: Arc<Planner>,
+    /// The slots and queues of coalesced reservations and completions;
+    /// shared by clones.
+    coalescer: Arc<Coalescer>,
 }
 
 impl fmt::Debug for PgRepository {
@@ -64,6 +71,7 @@ impl fmt::Debug for PgRepository {
             .field("held_connections", &self.held.limit())
             .field("operation_timeout", &self.operation_timeout)
             .field("reserve_plan", &self.planner)
+            .field("coalesce_above", &self.coalescer.limit())
             .finish_non_exhaustive()
     }
 }
@@ -177,6 +185,137 @@ impl PgRepository {
             self.planner.observe(reservation);
         }
         answer
+    }
+
+    /// A reservation on its own statement.
+    async fn reserve_alone(&self, request: &ReserveRequest<'_>) -> Result<Reservation, Error> {
+        self.run("reserve", async |c| self.reserve_planned(c, request).await)
+            .await
+    }
+
+    /// A completion on its own statement.
+    async fn complete_alone(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        result: Option<&[u8]>,
+        expires_at: Timestamp,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.run("complete", async |c| {
+            let status = Status::Completed;
+            ops::finish(
+                &self.sql, c, key, owner, status, result, false, expires_at, now,
+            )
+            .await
+        })
+        .await
+    }
+
+    /// The answer of a call waiting to be coalesced, within the operation
+    /// timeout. A statement that carried it and ended without answering (its
+    /// task was cancelled: the runtime shut down) may have applied it.
+    async fn coalesced<T>(
+        &self,
+        operation: &'static str,
+        answer: tokio::sync::oneshot::Receiver<Result<T, Error>>,
+    ) -> Result<T, Error> {
+        self.timed(operation, async {
+            answer.await.unwrap_or_else(|_| {
+                Err(Error::Unavailable {
+                    backend: BACKEND,
+                    message: format!(
+                        "{operation}: the coalesced statement carrying it ended without an \
+                         answer; it may have been applied"
+                    ),
+                    source: None,
+                })
+            })
+        })
+        .await
+    }
+
+    /// Hands a coalescing slot that calls wait for to a task of its own,
+    /// which sends them until none wait. The slot goes with the task: given
+    /// back (or handed on) when it ends, and given back with every waiting
+    /// call answered at once when it cannot run (no runtime, or the runtime
+    /// shutting down cancels it, before its first poll or mid-way).
+    fn send_waiting(&self) {
+        let sender = Sender {
+            repo: self.clone(),
+            finished: false,
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                while let Some(batch) = sender.repo.coalescer.next_batch() {
+                    sender.repo.send_batch(batch).await;
+                }
+                sender.finish();
+            });
+        }
+    }
+
+    /// One coalesced statement (a lone call: its own), and each call's
+    /// answer.
+    async fn send_batch(&self, batch: Batch) {
+        match batch {
+            Batch::Reserve(calls) => {
+                let shared = if calls.len() > 1 || self.coalescer.over_arrays() {
+                    Some(self.reserve_coalesced(&calls).await)
+                } else {
+                    None
+                };
+                settle(self, calls, shared).await;
+            }
+            Batch::Complete(calls) => {
+                let shared = if calls.len() > 1 || self.coalescer.over_arrays() {
+                    Some(self.complete_coalesced(&calls).await)
+                } else {
+                    None
+                };
+                settle(self, calls, shared).await;
+            }
+        }
+    }
+
+    /// Coalesced reservations (keys distinct), starting as the reserve plan
+    /// says, over arrays.
+    async fn reserve_coalesced(
+        &self,
+        calls: &[Waiting<ReserveCall, Reservation>],
+    ) -> Vec<Result<Reservation, Error>> {
+        let requests: Vec<_> = calls.iter().map(|w| w.call.request()).collect();
+        let batch = self.lend("reserve", async |c| {
+            if let Err(e) = self.ensure_schema(c).await {
+                return requests.iter().map(|_| Err(e.for_another())).collect();
+            }
+            let first = self.planner.first();
+            let answers = ops::reserve_coalesced(&self.sql, c, &requests, first).await;
+            for reservation in answers.iter().flatten() {
+                self.planner.observe(reservation);
+            }
+            answers
+        });
+        match self.timed("reserve", batch).await {
+            Ok(answers) => answers,
+            Err(e) => calls.iter().map(|_| Err(e.for_another())).collect(),
+        }
+    }
+
+    /// Coalesced completions in one `UPDATE` over arrays, each with its own
+    /// instant.
+    async fn complete_coalesced(
+        &self,
+        calls: &[Waiting<CompleteCall, ()>],
+    ) -> Vec<Result<(), Error>> {
+        let writes: Vec<_> = calls.iter().map(|w| w.call.completion()).collect();
+        let batch = self.lend("complete", async |c| {
+            ops::complete_many(&self.sql, c, &writes, |i| calls[i].call.now).await
+        });
+        match self.timed("complete", batch).await {
+            Ok(answers) => answers,
+            Err(e) => calls.iter().map(|_| Err(e.for_another())).collect(),
+        }
     }
 
     /// The pool, e.g. to run business statements beside the repository.
@@ -295,6 +434,107 @@ impl<T> Answered for Vec<Result<T, Error>> {
     }
 }
 
+/// A coalescing slot taken by a call or by a task sending waiting calls;
+/// given back when dropped (the statement ended, or its caller gave up), or
+/// handed to a new task when calls wait for it.
+struct Slot<'a>(&'a PgRepository);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.0.coalescer.leave() {
+            self.0.send_waiting();
+        }
+    }
+}
+
+/// The slot of a task sending waiting calls (see
+/// [`PgRepository::send_waiting`]).
+struct Sender {
+    repo: PgRepository,
+    /// Whether the task ran until no call waited; else it was cancelled or
+    /// never ran.
+    finished: bool,
+}
+
+impl Sender {
+    /// No call waits any more: the slot is given back (or handed on).
+    fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        if !self.finished {
+            self.repo.coalescer.abandon();
+        } else if self.repo.coalescer.leave() {
+            self.repo.send_waiting();
+        }
+    }
+}
+
+/// Gives each coalesced call its answer: the shared statement's, when it is
+/// the call's own; else (a lone call, or one the shared statement refused as
+/// a whole) the answer of a statement of its own, each as soon as it has it.
+///
+/// A shared statement's definite error that is not a call's own — a key of
+/// another call locked past the batch's `lock_timeout`, any other server
+/// error (`Backend`: nothing was applied) — sends the call again alone. Its
+/// own answers (`LeaseLost`, a key or a result the table cannot hold, a
+/// corrupt record) and outages (maybe applied, as for a single statement)
+/// stand.
+async fn settle<C: Alone>(
+    repo: &PgRepository,
+    calls: Vec<Waiting<C, C::Answer>>,
+    shared: Option<Vec<Result<C::Answer, Error>>>,
+) {
+    let mut again = Vec::new();
+    match shared {
+        Some(answers) => {
+            for (waiting, answer) in calls.into_iter().zip(answers) {
+                match answer {
+                    Err(Error::Backend { .. }) => again.push(waiting),
+                    answer => waiting.answer(answer),
+                }
+            }
+        }
+        None => again = calls,
+    }
+    // A caller that gave up meanwhile is not sent again. All at once, each
+    // on a connection of its own (their number bounded by the repository's
+    // turns, `held_connections`): one at a time, a key still locked would
+    // hold the others behind it.
+    let each = again
+        .into_iter()
+        .filter(|w| !w.gone())
+        .map(|waiting| async {
+            let answer = waiting.call.alone(repo).await;
+            waiting.answer(answer);
+        });
+    futures::future::join_all(each).await;
+}
+
+/// A coalesced call sent on a statement of its own.
+trait Alone {
+    type Answer;
+    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<Self::Answer, Error>>;
+}
+
+impl Alone for ReserveCall {
+    type Answer = Reservation;
+    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<Reservation, Error>> {
+        Box::pin(async move { repo.reserve_alone(&self.request()).await })
+    }
+}
+
+impl Alone for CompleteCall {
+    type Answer = ();
+    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<(), Error>> {
+        let (key, owner, result) = (self.key(), self.owner(), self.result());
+        Box::pin(repo.complete_alone(key, owner, result, self.expires_at(), self.now))
+    }
+}
+
 /// The pool's size.
 fn pool_size(pool: &PgPool) -> usize {
     usize::try_from(pool.options().get_max_connections()).unwrap_or(usize::MAX)
@@ -336,6 +576,8 @@ pub struct PgRepositoryBuilder {
     /// default the whole pool it creates, half of a pool it is given.
     held_connections: Option<usize>,
     reserve_plan: ReservePlan,
+    coalesce_above: usize,
+    single_calls_over_arrays: bool,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -349,6 +591,8 @@ impl Default for PgRepositoryBuilder {
             explicit_timeout: false,
             held_connections: None,
             reserve_plan: ReservePlan::default(),
+            coalesce_above: DEFAULT_COALESCE_ABOVE,
+            single_calls_over_arrays: false,
         }
     }
 }
@@ -451,6 +695,67 @@ impl PgRepositoryBuilder {
         self
     }
 
+    /// How many single reservations and completions may have a statement in
+    /// flight at once before the next ones are coalesced (default
+    /// [`DEFAULT_COALESCE_ABOVE`], 4; `0` turns coalescing off). Also the URL
+    /// option `coalesce_above=N`.
+    ///
+    /// A call that finds fewer in flight sends its own statement at once, as
+    /// without this option. A call that finds this many waits; when one of
+    /// those statements ends, every call waiting then goes in one statement
+    /// over arrays (reservations through the reservation function, per key,
+    /// completions through the owner-checked update), up to 128 calls and
+    /// each key once, on a task of the repository's own, so that a caller
+    /// that gives up strands nobody. Each call keeps its own instants and gets
+    /// its own answer, the one its single statement would have given; an
+    /// error of the shared statement is each of its calls' (an outage or a
+    /// timeout is "maybe applied", as for a single statement, and retried with
+    /// the same owner token). A call waits at most for one statement to end
+    /// before its own is sent, within the operation timeout.
+    ///
+    /// Under a load above the limit, a statement's round trip, wake-ups and
+    /// commit are shared by the calls it carries, which is most of what a
+    /// one-row statement costs the client and the server: see BENCHMARKS.md.
+    /// Lower it for a server whose CPU is the limit, raise it (or turn it
+    /// off) where round trips are long and the server has cores to spare.
+    /// Reservations and completions on your own connection
+    /// ([`PgRepository::in_transaction`], the
+    /// [`PgTransactionalManager`](crate::PgTransactionalManager)) and the
+    /// batch operations are never coalesced. A slot belongs to the call that
+    /// took it until that call's statement ends: a `reserve` or `complete`
+    /// future you hold without polling it keeps its slot, as it keeps its
+    /// connection (see [`held_connections`](Self::held_connections)).
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// use idempotency_postgres::PgRepository;
+    ///
+    /// // A remote server with cores to spare: more statements in flight.
+    /// let repo = PgRepository::builder()
+    ///     .coalesce_above(16)
+    ///     .connect_lazy("postgres://app@db.internal/app")?;
+    /// // The same from the URL; 0 turns coalescing off.
+    /// let off = PgRepository::builder().connect_lazy("postgres://app@db.internal/app?coalesce_above=0")?;
+    /// # let _ = (repo, off);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn coalesce_above(mut self, statements: usize) -> Self {
+        self.coalesce_above = statements;
+        self
+    }
+
+    /// For this crate's tests: every single reservation and completion,
+    /// also one that finds a slot free, goes through the statements over
+    /// arrays that coalesced calls use, so that the whole conformance suite
+    /// checks their answers call by call. Slower; never for production.
+    #[doc(hidden)]
+    pub fn single_calls_over_arrays(mut self) -> Self {
+        self.single_calls_over_arrays = true;
+        self
+    }
+
     fn apply_url_options(&mut self, options: &UrlOptions) {
         if let Some(schema) = &options.schema {
             self.schema.clone_from(schema);
@@ -474,6 +779,9 @@ impl PgRepositoryBuilder {
         if let Some(plan) = options.reserve_plan {
             self.reserve_plan = plan;
         }
+        if let Some(above) = options.coalesce_above {
+            self.coalesce_above = above;
+        }
     }
 
     /// The repository on `pool`: `own` when this builder created it.
@@ -491,6 +799,10 @@ impl PgRepositoryBuilder {
             transaction_timeout: self.transaction_timeout(),
             schema_current: Arc::new(AtomicBool::new(false)),
             planner: Arc::new(Planner::new(self.reserve_plan)),
+            coalescer: Arc::new(Coalescer::new(
+                self.coalesce_above,
+                self.single_calls_over_arrays,
+            )),
         }
     }
 
@@ -625,8 +937,18 @@ impl Repository for PgRepository {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        self.run("reserve", async |c| self.reserve_planned(c, &request).await)
-            .await
+        match self.coalescer.enter_reserve(&request) {
+            Entry::Own => {
+                let _slot = Slot(self);
+                if self.coalescer.over_arrays() {
+                    let (waiting, answer) = Waiting::new(ReserveCall::of(&request));
+                    self.send_batch(Batch::Reserve(vec![waiting])).await;
+                    return self.coalesced("reserve", answer).await;
+                }
+                self.reserve_alone(&request).await
+            }
+            Entry::Queued(answer) => self.coalesced("reserve", answer).await,
+        }
     }
 
     /// One statement (and one round trip) for the whole batch: the
@@ -666,7 +988,7 @@ impl Repository for PgRepository {
         }
         let count = completions.len();
         let batch = self.lend("complete", async |c| {
-            ops::complete_many(&self.sql, c, &completions, now).await
+            ops::complete_many(&self.sql, c, &completions, |_| now).await
         });
         match self.timed("complete", batch).await {
             Ok(answers) => answers,
@@ -682,14 +1004,20 @@ impl Repository for PgRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.run("complete", async |c| {
-            let status = Status::Completed;
-            ops::finish(
-                &self.sql, c, key, owner, status, result, false, expires_at, now,
-            )
-            .await
-        })
-        .await
+        let call = || CompleteCall::new(key, owner, result, expires_at, now);
+        match self.coalescer.enter_complete(call) {
+            Entry::Own => {
+                let _slot = Slot(self);
+                if self.coalescer.over_arrays() {
+                    let (waiting, answer) = Waiting::new(call());
+                    self.send_batch(Batch::Complete(vec![waiting])).await;
+                    return self.coalesced("complete", answer).await;
+                }
+                self.complete_alone(key, owner, result, expires_at, now)
+                    .await
+            }
+            Entry::Queued(answer) => self.coalesced("complete", answer).await,
+        }
     }
 
     async fn fail(
@@ -762,6 +1090,89 @@ mod tests {
     #[test]
     fn defaults_are_valid_names() {
         assert!(Statements::new(DEFAULT_SCHEMA, DEFAULT_TABLE).is_ok());
+    }
+
+    /// A repository with one coalescing slot, taken, and a reservation
+    /// waiting for it (no server: nothing is sent).
+    fn one_slot_taken_and_one_waiting() -> (
+        PgRepository,
+        tokio::sync::oneshot::Receiver<Result<Reservation, Error>>,
+    ) {
+        let repo = PgRepository::builder()
+            .coalesce_above(1)
+            .connect_lazy("postgres://nobody@127.0.0.1:1/nothing")
+            .unwrap();
+        let key = RecordKey::new("ns", "k", 64).unwrap();
+        let now = Timestamp::from_millis(1);
+        let request = ReserveRequest {
+            key: &key,
+            owner: OwnerToken::random(),
+            fingerprint: None,
+            now,
+            lease_until: now,
+            expires_at: now,
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        };
+        assert!(matches!(repo.coalescer.enter_reserve(&request), Entry::Own));
+        let Entry::Queued(waiting) = repo.coalescer.enter_reserve(&request) else {
+            panic!("the second call must wait for the slot");
+        };
+        (repo, waiting)
+    }
+
+    fn slot_is_free(repo: &PgRepository) -> bool {
+        let key = RecordKey::new("ns", "other", 64).unwrap();
+        let now = Timestamp::from_millis(1);
+        let request = ReserveRequest {
+            key: &key,
+            owner: OwnerToken::random(),
+            fingerprint: None,
+            now,
+            lease_until: now,
+            expires_at: now,
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        };
+        matches!(repo.coalescer.enter_reserve(&request), Entry::Own)
+    }
+
+    #[test]
+    fn a_sender_the_runtime_cancels_before_it_runs_frees_its_slot() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (repo, mut waiting) = runtime.block_on(async { one_slot_taken_and_one_waiting() });
+        // The slot's statement ends: a sender is spawned for the waiting call,
+        // and the runtime shuts down before polling it.
+        runtime.block_on(async { drop(Slot(&repo)) });
+        assert!(waiting.try_recv().is_err(), "not answered yet");
+        drop(runtime);
+        assert!(matches!(
+            waiting.try_recv(),
+            Ok(Err(Error::Unavailable { .. }))
+        ));
+        assert!(slot_is_free(&repo), "the slot was given back");
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        runtime.block_on(async { drop(repo) });
+    }
+
+    #[test]
+    fn without_a_runtime_waiting_calls_are_answered_and_the_slot_freed() {
+        // The pool is made on a runtime, the slot's statement ends outside it.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (repo, mut waiting) = runtime.block_on(async { one_slot_taken_and_one_waiting() });
+        drop(Slot(&repo));
+        assert!(matches!(
+            waiting.try_recv(),
+            Ok(Err(Error::Unavailable { .. }))
+        ));
+        assert!(slot_is_free(&repo));
+        runtime.block_on(async { drop(repo) });
     }
 
     #[tokio::test]

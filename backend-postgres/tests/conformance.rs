@@ -41,6 +41,41 @@ mod read_first {
     idempotency_conformance::conformance_tests!(repository);
 }
 
+/// The suite again with every single reservation and completion sent through
+/// the statements over arrays that coalesced calls share (see
+/// `coalesce_above`), whose answers must be each call's own: once with the
+/// reservation function over arrays, once with each plain statement over
+/// arrays first. `tests/coalesce.rs` checks how waiting calls are grouped.
+mod coalesced {
+    use super::*;
+    use idempotency_postgres::ReservePlan;
+
+    async fn coalescing(plan: ReservePlan) -> SharedRepository {
+        Arc::new(common::repository_over_arrays("idem_conformance", plan).await)
+    }
+
+    mod function {
+        async fn repository() -> super::SharedRepository {
+            super::coalescing(super::ReservePlan::Function).await
+        }
+        idempotency_conformance::conformance_tests!(repository);
+    }
+
+    mod insert_first {
+        async fn repository() -> super::SharedRepository {
+            super::coalescing(super::ReservePlan::InsertFirst).await
+        }
+        idempotency_conformance::conformance_tests!(repository);
+    }
+
+    mod read_first {
+        async fn repository() -> super::SharedRepository {
+            super::coalescing(super::ReservePlan::ReadFirst).await
+        }
+        idempotency_conformance::conformance_tests!(repository);
+    }
+}
+
 /// The errors clause, through a proxy the test can cut: rows the repository
 /// cannot decode, and a server that stops answering.
 mod store_faults {

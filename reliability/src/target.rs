@@ -352,17 +352,23 @@ fn proxy_url(backend: Backend, direct: &str, via: &str) -> String {
 /// The reserve plans PostgreSQL processes take turns at.
 const POSTGRES_PLANS: [&str; 3] = ["adaptive", "insert-first", "read-first"];
 
+/// How far PostgreSQL processes coalesce, in turns: every call past the
+/// first in flight, or none.
+const POSTGRES_COALESCING: [usize; 2] = [1, 0];
+
 /// The URL of the process in turn `index` (its index plus the scenario's, so
 /// that two processes still meet every plan across the scenarios): PostgreSQL
 /// processes take turns at the reserve plans, so that each plan's first
-/// statements meet the faults while racing another plan on the same keys.
+/// statements meet the faults while racing another plan on the same keys, and
+/// at coalescing, so that shared statements meet them too.
 fn process_url(backend: Backend, url: &str, index: usize) -> String {
     match backend {
         Backend::Postgres => with_query(
             url,
             &format!(
-                "reserve_plan={}",
-                POSTGRES_PLANS[index % POSTGRES_PLANS.len()]
+                "reserve_plan={}&coalesce_above={}",
+                POSTGRES_PLANS[index % POSTGRES_PLANS.len()],
+                POSTGRES_COALESCING[index % POSTGRES_COALESCING.len()]
             ),
         ),
         _ => url.to_owned(),

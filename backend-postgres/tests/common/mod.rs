@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use idempotency_postgres::{PgRepository, ReservePlan};
+use idempotency_postgres::{PgRepository, PgRepositoryBuilder, ReservePlan};
 
 /// The URL of the PostgreSQL server under test.
 pub(crate) async fn server_url() -> String {
@@ -27,9 +27,19 @@ pub(crate) async fn repository(table: &str) -> PgRepository {
 
 /// [`repository`] with the given reserve plan.
 pub(crate) async fn repository_with(table: &str, plan: ReservePlan) -> PgRepository {
-    let repo = PgRepository::builder()
-        .table(table)
-        .reserve_plan(plan)
+    build(PgRepository::builder().table(table).reserve_plan(plan)).await
+}
+
+/// [`repository`] with `plan`, every single reservation and completion
+/// through the statements over arrays that coalesced calls share.
+pub(crate) async fn repository_over_arrays(table: &str, plan: ReservePlan) -> PgRepository {
+    let builder = PgRepository::builder().table(table).reserve_plan(plan);
+    build(builder.single_calls_over_arrays()).await
+}
+
+/// Connects `builder` on a fresh small pool and migrates.
+async fn build(builder: PgRepositoryBuilder) -> PgRepository {
+    let repo = builder
         .max_connections(5)
         .acquire_timeout(Duration::from_secs(30))
         .connect(&server_url().await)
