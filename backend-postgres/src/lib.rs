@@ -217,9 +217,10 @@
 //!
 //! Lower it where the server's CPU is the limit, raise it (or set `0`, off)
 //! where round trips are long and the server has cores to spare. On one
-//! PostgreSQL 15 sharing two cores with the client, 16 tasks ran fresh
-//! executions 55–65 % faster and duplicates 13–20 % faster with the default
-//! than without coalescing (BENCHMARKS.md, "PostgreSQL: coalescing").
+//! PostgreSQL 15 sharing two cores with the client, the default ran
+//! executions 1.0–1.5 times as fast as no coalescing at 16 tasks and 2.7–3.6
+//! times at 64, fresh keys and duplicates, fsync on and off (BENCHMARKS.md,
+//! "PostgreSQL: coalescing").
 //!
 //! # Schema
 //!

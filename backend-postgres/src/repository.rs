@@ -825,7 +825,8 @@ impl PgRepositoryBuilder {
     ///
     /// The URL's query may carry this crate's options — `schema`, `table`,
     /// `max_connections`, `acquire_timeout`, `operation_timeout` (durations such
-    /// as `5s` or `500ms`), `held_connections` and `migrate=true` (run [`PgRepository::migrate`]) —
+    /// as `5s` or `500ms`), `held_connections`, `reserve_plan`, `coalesce_above`
+    /// and `migrate=true` (run [`PgRepository::migrate`]) —
     /// which override the builder's; every other option (`sslmode`,
     /// `application_name`, …) is sqlx's.
     ///
@@ -1103,17 +1104,7 @@ mod tests {
             .connect_lazy("postgres://nobody@127.0.0.1:1/nothing")
             .unwrap();
         let key = RecordKey::new("ns", "k", 64).unwrap();
-        let now = Timestamp::from_millis(1);
-        let request = ReserveRequest {
-            key: &key,
-            owner: OwnerToken::random(),
-            fingerprint: None,
-            now,
-            lease_until: now,
-            expires_at: now,
-            retry_failed: false,
-            clock_skew: Duration::ZERO,
-        };
+        let request = request(&key);
         assert!(matches!(repo.coalescer.enter_reserve(&request), Entry::Own));
         let Entry::Queued(waiting) = repo.coalescer.enter_reserve(&request) else {
             panic!("the second call must wait for the slot");
@@ -1123,9 +1114,13 @@ mod tests {
 
     fn slot_is_free(repo: &PgRepository) -> bool {
         let key = RecordKey::new("ns", "other", 64).unwrap();
+        matches!(repo.coalescer.enter_reserve(&request(&key)), Entry::Own)
+    }
+
+    fn request(key: &RecordKey) -> ReserveRequest<'_> {
         let now = Timestamp::from_millis(1);
-        let request = ReserveRequest {
-            key: &key,
+        ReserveRequest {
+            key,
             owner: OwnerToken::random(),
             fingerprint: None,
             now,
@@ -1133,8 +1128,7 @@ mod tests {
             expires_at: now,
             retry_failed: false,
             clock_skew: Duration::ZERO,
-        };
-        matches!(repo.coalescer.enter_reserve(&request), Entry::Own)
+        }
     }
 
     #[test]
