@@ -8,17 +8,18 @@
 //! the server, is the statement and its round trip, not the row: two send
 //! calls, a wake-up, a parse-free bind and execute, a commit. Calls that would
 //! each have waited for a connection or a CPU anyway share one instead. Below
-//! the limit nothing changes (each call sends its own statement at once), so
-//! coalescing adds no latency to a light load, and under load a call waits at
-//! most for one statement to end before its own is sent.
+//! the limit each call goes alone, at once (on a task of the repository's
+//! own: one task hop), and under load a call waits at most for one statement
+//! to end before its own is sent.
 //!
-//! - **A slot per statement.** At most `limit` reservation or completion
-//!   statements are in flight. A call that finds a slot free takes it and runs
-//!   on its own, as without coalescing. A call that finds none waits in a
-//!   queue. When a slot's statement ends and calls are waiting, the slot is
-//!   handed to a task that sends them (completions first, then reservations;
-//!   each kind in statements of up to [`MOST`] calls) until none wait, so no
-//!   caller's cancellation strands the others.
+//! - **A slot per task.** Every call waits in a queue; at most `limit` tasks
+//!   of the repository's own send the waiting calls, each one statement at a
+//!   time (completions first, then reservations; each kind in statements of
+//!   up to [`MOST`] calls) until none wait. A call that finds a slot free
+//!   starts such a task, which finds it alone and sends it at once, as
+//!   without coalescing. The slots belong to those tasks, never to a caller's
+//!   future: a caller that gives up, or whose future is leaked and never
+//!   polled again, strands nobody and holds no slot.
 //! - **The same answers.** A coalesced reservation is the reservation
 //!   function's, per key, with its own caller's instants; a coalesced
 //!   completion has `complete`'s conditions, with its own instant. One
@@ -90,11 +91,15 @@ impl<C, A> Waiting<C, A> {
 
 /// What a call does on entering.
 pub(crate) enum Entry<A> {
-    /// A slot was free and is now the caller's: it sends its own statement
-    /// and gives the slot back ([`Coalescer::leave`]) when that ends.
-    Own,
-    /// The call waits; its answer comes here.
-    Queued(oneshot::Receiver<Result<A, Error>>),
+    /// Coalescing is off: the caller sends its own statement.
+    Alone,
+    /// The call waits for its answer in the queue; `send`: a slot was free
+    /// and is now taken for a task the caller starts
+    /// (`PgRepository::send_waiting`), which sends the waiting calls.
+    Queued {
+        answer: oneshot::Receiver<Result<A, Error>>,
+        send: bool,
+    },
 }
 
 /// The calls one statement carries, each key once.
@@ -230,20 +235,21 @@ impl Coalescer {
         call: impl FnOnce() -> C,
     ) -> Entry<A> {
         if self.limit == 0 {
-            return Entry::Own;
+            return Entry::Alone;
         }
         let mut state = self.lock();
-        if state.in_flight < self.limit {
-            state.in_flight += 1;
-            return Entry::Own;
-        }
-        let (waiting, receiver) = Waiting::new(call());
+        let (waiting, answer) = Waiting::new(call());
         queue(&mut state).push_back(waiting);
-        Entry::Queued(receiver)
+        let send = state.in_flight < self.limit;
+        if send {
+            state.in_flight += 1;
+        }
+        Entry::Queued { answer, send }
     }
 
-    /// A slot's statement ended. `true`: calls are waiting and the slot stays
-    /// taken, for a task that sends them; `false`: the slot is free.
+    /// A task sending waiting calls found none. `true`: calls came meanwhile
+    /// and the slot stays taken, for a task that sends them; `false`: the
+    /// slot is free.
     pub(crate) fn leave(&self) -> bool {
         if self.limit == 0 {
             return false;
@@ -365,6 +371,11 @@ mod tests {
         coalescer.enter_reserve(&request)
     }
 
+    /// Whether the call entered took a slot (its caller starts a sender).
+    fn sends(entry: &Entry<Reservation>) -> bool {
+        matches!(entry, Entry::Queued { send: true, .. })
+    }
+
     fn ids(batch: Option<Batch>) -> Vec<String> {
         match batch {
             Some(Batch::Reserve(calls)) => {
@@ -378,26 +389,26 @@ mod tests {
     }
 
     #[test]
-    fn calls_run_on_their_own_until_the_limit_then_wait() {
+    fn calls_start_senders_up_to_the_limit_then_only_wait() {
         let c = Coalescer::new(2, false);
-        assert!(matches!(reserve(&c, "a"), Entry::Own));
-        assert!(matches!(reserve(&c, "b"), Entry::Own));
-        let _waiting = reserve(&c, "c");
-        assert!(matches!(_waiting, Entry::Queued(_)));
-        // The slot that ends is kept for the waiting call; the other is freed.
-        assert!(c.leave());
-        assert_eq!(ids(c.next_batch()), ["c"]);
-        assert_eq!(ids(c.next_batch()), Vec::<String>::new());
+        let entered: Vec<_> = ["a", "b", "c"].iter().map(|id| reserve(&c, id)).collect();
+        assert_eq!(
+            entered.iter().map(sends).collect::<Vec<_>>(),
+            [true, true, false]
+        );
+        // The first sender takes every waiting call; the second finds none.
+        assert_eq!(ids(c.next_batch()), ["a", "b", "c"]);
+        assert!(c.next_batch().is_none());
         assert!(!c.leave());
         assert!(!c.leave());
-        assert!(matches!(reserve(&c, "d"), Entry::Own));
+        assert!(sends(&reserve(&c, "d")));
     }
 
     #[test]
     fn off_never_queues() {
         let c = Coalescer::new(0, false);
         for id in ["a", "b", "c"] {
-            assert!(matches!(reserve(&c, id), Entry::Own));
+            assert!(matches!(reserve(&c, id), Entry::Alone));
         }
         assert!(!c.leave());
     }
@@ -405,7 +416,6 @@ mod tests {
     #[test]
     fn a_statement_carries_a_key_once_and_completions_go_first() {
         let c = Coalescer::new(1, false);
-        assert!(matches!(reserve(&c, "busy"), Entry::Own));
         let waiting: Vec<_> = ["a", "b", "a", "c", "a"]
             .iter()
             .map(|id| reserve(&c, id))
@@ -419,7 +429,6 @@ mod tests {
                 Timestamp::from_millis(1),
             )
         });
-        assert!(c.leave());
         assert_eq!(ids(c.next_batch()), ["z"]);
         assert_eq!(ids(c.next_batch()), ["a", "b", "c"]);
         assert_eq!(ids(c.next_batch()), ["a"]);
@@ -431,41 +440,42 @@ mod tests {
     #[test]
     fn a_caller_that_gave_up_is_not_sent() {
         let c = Coalescer::new(1, false);
-        assert!(matches!(reserve(&c, "busy"), Entry::Own));
+        let first = reserve(&c, "first");
         let gone = reserve(&c, "gone");
         let kept = reserve(&c, "kept");
         drop(gone);
-        assert!(c.leave());
-        assert_eq!(ids(c.next_batch()), ["kept"]);
-        drop(kept);
+        assert_eq!(ids(c.next_batch()), ["first", "kept"]);
+        let late = reserve(&c, "late");
+        assert!(!sends(&late), "the slot is still the sender's");
+        drop(late);
         // Nobody waits any more: the slot is freed.
-        let _late = reserve(&c, "late");
-        drop(_late);
         assert!(!c.leave());
+        drop((first, kept));
     }
 
     #[test]
     fn a_statement_carries_at_most_most_calls() {
         let c = Coalescer::new(1, false);
-        assert!(matches!(reserve(&c, "busy"), Entry::Own));
         let waiting: Vec<_> = (0..MOST + 3).map(|i| reserve(&c, &i.to_string())).collect();
-        assert!(c.leave());
         assert_eq!(ids(c.next_batch()).len(), MOST);
         assert_eq!(ids(c.next_batch()).len(), 3);
         drop(waiting);
     }
 
     #[test]
-    fn abandoning_answers_every_waiting_call() {
+    fn abandoning_answers_every_waiting_call_and_frees_the_slot() {
         let c = Coalescer::new(1, false);
-        assert!(matches!(reserve(&c, "busy"), Entry::Own));
-        let Entry::Queued(mut rx) = reserve(&c, "a") else {
-            panic!("the second call should wait");
-        };
-        assert!(c.leave());
+        let entered = [reserve(&c, "a"), reserve(&c, "b")];
         c.abandon();
-        assert!(matches!(rx.try_recv(), Ok(Err(Error::Unavailable { .. }))));
-        // The slot is free again.
-        assert!(matches!(reserve(&c, "b"), Entry::Own));
+        for entry in entered {
+            let Entry::Queued { mut answer, .. } = entry else {
+                panic!("coalescing is on");
+            };
+            assert!(matches!(
+                answer.try_recv(),
+                Ok(Err(Error::Unavailable { .. }))
+            ));
+        }
+        assert!(sends(&reserve(&c, "c")));
     }
 }

@@ -235,11 +235,12 @@ impl PgRepository {
         .await
     }
 
-    /// Hands a coalescing slot that calls wait for to a task of its own,
-    /// which sends them until none wait. The slot goes with the task: given
-    /// back (or handed on) when it ends, and given back with every waiting
-    /// call answered at once when it cannot run (no runtime, or the runtime
-    /// shutting down cancels it, before its first poll or mid-way).
+    /// Starts a task of the repository's own on a coalescing slot just
+    /// taken, which sends the waiting calls until none wait. The slot goes
+    /// with the task: given back (or handed on) when it ends, and given back
+    /// with every waiting call answered at once when it cannot run (no
+    /// runtime, or the runtime shutting down cancels it, before its first
+    /// poll or mid-way). No caller's future holds a slot.
     fn send_waiting(&self) {
         let sender = Sender {
             repo: self.clone(),
@@ -431,19 +432,6 @@ impl<T> Answered for Result<T, Error> {
 impl<T> Answered for Vec<Result<T, Error>> {
     fn answered(&self) -> bool {
         self.iter().all(Answered::answered)
-    }
-}
-
-/// A coalescing slot taken by a call or by a task sending waiting calls;
-/// given back when dropped (the statement ended, or its caller gave up), or
-/// handed to a new task when calls wait for it.
-struct Slot<'a>(&'a PgRepository);
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        if self.0.coalescer.leave() {
-            self.0.send_waiting();
-        }
     }
 }
 
@@ -700,13 +688,15 @@ impl PgRepositoryBuilder {
     /// [`DEFAULT_COALESCE_ABOVE`], 4; `0` turns coalescing off). Also the URL
     /// option `coalesce_above=N`.
     ///
-    /// A call that finds fewer in flight sends its own statement at once, as
-    /// without this option. A call that finds this many waits; when one of
-    /// those statements ends, every call waiting then goes in one statement
-    /// over arrays (reservations through the reservation function, per key,
-    /// completions through the owner-checked update), up to 128 calls and
-    /// each key once, on a task of the repository's own, so that a caller
-    /// that gives up strands nobody. Each call keeps its own instants and gets
+    /// Statements are sent by tasks of the repository's own, one per slot. A
+    /// call that finds fewer in flight starts one, which sends it alone at
+    /// once (one task hop more than without this option). A call that finds
+    /// this many waits; when one of those statements ends, every call waiting
+    /// then goes in one statement over arrays (reservations as the reserve
+    /// plan says, then through the reservation function, per key; completions
+    /// through the owner-checked update), up to 128 calls and each key once.
+    /// A caller that gives up, or whose future is leaked and never polled
+    /// again, strands nobody and holds no slot. Each call keeps its own instants and gets
     /// its own answer, the one its single statement would have given; an
     /// error of the shared statement is each of its calls' (an outage or a
     /// timeout is "maybe applied", as for a single statement, and retried with
@@ -721,10 +711,7 @@ impl PgRepositoryBuilder {
     /// Reservations and completions on your own connection
     /// ([`PgRepository::in_transaction`], the
     /// [`PgTransactionalManager`](crate::PgTransactionalManager)) and the
-    /// batch operations are never coalesced. A slot belongs to the call that
-    /// took it until that call's statement ends: a `reserve` or `complete`
-    /// future you hold without polling it keeps its slot, as it keeps its
-    /// connection (see [`held_connections`](Self::held_connections)).
+    /// batch operations are never coalesced.
     ///
     /// ```
     /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
@@ -939,16 +926,13 @@ impl Repository for PgRepository {
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         match self.coalescer.enter_reserve(&request) {
-            Entry::Own => {
-                let _slot = Slot(self);
-                if self.coalescer.over_arrays() {
-                    let (waiting, answer) = Waiting::new(ReserveCall::of(&request));
-                    self.send_batch(Batch::Reserve(vec![waiting])).await;
-                    return self.coalesced("reserve", answer).await;
+            Entry::Alone => self.reserve_alone(&request).await,
+            Entry::Queued { answer, send } => {
+                if send {
+                    self.send_waiting();
                 }
-                self.reserve_alone(&request).await
+                self.coalesced("reserve", answer).await
             }
-            Entry::Queued(answer) => self.coalesced("reserve", answer).await,
         }
     }
 
@@ -1007,17 +991,16 @@ impl Repository for PgRepository {
     ) -> Result<(), Error> {
         let call = || CompleteCall::new(key, owner, result, expires_at, now);
         match self.coalescer.enter_complete(call) {
-            Entry::Own => {
-                let _slot = Slot(self);
-                if self.coalescer.over_arrays() {
-                    let (waiting, answer) = Waiting::new(call());
-                    self.send_batch(Batch::Complete(vec![waiting])).await;
-                    return self.coalesced("complete", answer).await;
-                }
+            Entry::Alone => {
                 self.complete_alone(key, owner, result, expires_at, now)
                     .await
             }
-            Entry::Queued(answer) => self.coalesced("complete", answer).await,
+            Entry::Queued { answer, send } => {
+                if send {
+                    self.send_waiting();
+                }
+                self.coalesced("complete", answer).await
+            }
         }
     }
 
@@ -1093,9 +1076,9 @@ mod tests {
         assert!(Statements::new(DEFAULT_SCHEMA, DEFAULT_TABLE).is_ok());
     }
 
-    /// A repository with one coalescing slot, taken, and a reservation
-    /// waiting for it (no server: nothing is sent).
-    fn one_slot_taken_and_one_waiting() -> (
+    /// A repository with one coalescing slot, taken for a sender not yet
+    /// started, and a reservation waiting (no server: nothing is sent).
+    fn a_slot_taken_and_a_call_waiting() -> (
         PgRepository,
         tokio::sync::oneshot::Receiver<Result<Reservation, Error>>,
     ) {
@@ -1104,17 +1087,17 @@ mod tests {
             .connect_lazy("postgres://nobody@127.0.0.1:1/nothing")
             .unwrap();
         let key = RecordKey::new("ns", "k", 64).unwrap();
-        let request = request(&key);
-        assert!(matches!(repo.coalescer.enter_reserve(&request), Entry::Own));
-        let Entry::Queued(waiting) = repo.coalescer.enter_reserve(&request) else {
-            panic!("the second call must wait for the slot");
+        let Entry::Queued { answer, send: true } = repo.coalescer.enter_reserve(&request(&key))
+        else {
+            panic!("the first call takes the free slot");
         };
-        (repo, waiting)
+        (repo, answer)
     }
 
     fn slot_is_free(repo: &PgRepository) -> bool {
         let key = RecordKey::new("ns", "other", 64).unwrap();
-        matches!(repo.coalescer.enter_reserve(&request(&key)), Entry::Own)
+        let entry = repo.coalescer.enter_reserve(&request(&key));
+        matches!(entry, Entry::Queued { send: true, .. })
     }
 
     fn request(key: &RecordKey) -> ReserveRequest<'_> {
@@ -1131,15 +1114,18 @@ mod tests {
         }
     }
 
+    fn a_runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+    }
+
     #[test]
     fn a_sender_the_runtime_cancels_before_it_runs_frees_its_slot() {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let (repo, mut waiting) = runtime.block_on(async { one_slot_taken_and_one_waiting() });
-        // The slot's statement ends: a sender is spawned for the waiting call,
-        // and the runtime shuts down before polling it.
-        runtime.block_on(async { drop(Slot(&repo)) });
+        let runtime = a_runtime();
+        let (repo, mut waiting) = runtime.block_on(async { a_slot_taken_and_a_call_waiting() });
+        // The sender is spawned, and the runtime shuts down before polling it.
+        runtime.block_on(async { repo.send_waiting() });
         assert!(waiting.try_recv().is_err(), "not answered yet");
         drop(runtime);
         assert!(matches!(
@@ -1147,20 +1133,15 @@ mod tests {
             Ok(Err(Error::Unavailable { .. }))
         ));
         assert!(slot_is_free(&repo), "the slot was given back");
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        runtime.block_on(async { drop(repo) });
+        a_runtime().block_on(async { drop(repo) });
     }
 
     #[test]
     fn without_a_runtime_waiting_calls_are_answered_and_the_slot_freed() {
-        // The pool is made on a runtime, the slot's statement ends outside it.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        let (repo, mut waiting) = runtime.block_on(async { one_slot_taken_and_one_waiting() });
-        drop(Slot(&repo));
+        // The pool is made on a runtime, the sender is started outside it.
+        let runtime = a_runtime();
+        let (repo, mut waiting) = runtime.block_on(async { a_slot_taken_and_a_call_waiting() });
+        repo.send_waiting();
         assert!(matches!(
             waiting.try_recv(),
             Ok(Err(Error::Unavailable { .. }))

@@ -483,3 +483,21 @@ async fn read_first_answers_duplicates_in_one_plain_read_and_leaves_the_rest() {
         "the read, then the function for the fresh key"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaked_caller_future_holds_no_slot() {
+    // A consumer that crashed in-process, or a future kept and never polled
+    // again: the one slot must not stay with it.
+    let s = Setup::new(ReservePlan::Function).await;
+    let (leaked, next) = (s.key("leaked"), s.key("next"));
+    let mut call = s.repo.reserve(request(&leaked, OwnerToken::random()));
+    assert!(futures::poll!(&mut call).is_pending());
+    std::mem::forget(call);
+    for i in 0..3 {
+        let key = s.key(&format!("next{i}"));
+        let answer = s.repo.reserve(request(&key, OwnerToken::random())).await;
+        assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+    }
+    let answer = s.repo.reserve(request(&next, OwnerToken::random())).await;
+    assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+}

@@ -536,7 +536,9 @@ async fn a_shared_pool_keeps_its_owners_share() {
 /// outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_the_pool_takes_back_the_kept_connections() {
-    let repo = common::repository(TABLE).await;
+    // Eight calls at once on a connection each (coalescing would send them on
+    // fewer, leaving one of the pool's five idle).
+    let repo = common::repository_not_coalescing(TABLE).await;
     let ns = common::unique("close");
     let keys: Vec<RecordKey> = (0..8)
         .map(|i| RecordKey::new(ns.as_str(), format!("k{i}"), 1024).unwrap())

@@ -37,6 +37,12 @@ pub(crate) async fn repository_over_arrays(table: &str, plan: ReservePlan) -> Pg
     build(builder.single_calls_over_arrays()).await
 }
 
+/// [`repository`] without coalescing: each call on a connection of its own,
+/// for tests of how connections are kept.
+pub(crate) async fn repository_not_coalescing(table: &str) -> PgRepository {
+    build(PgRepository::builder().table(table).coalesce_above(0)).await
+}
+
 /// Connects `builder` on a fresh small pool and migrates.
 async fn build(builder: PgRepositoryBuilder) -> PgRepository {
     let repo = builder
