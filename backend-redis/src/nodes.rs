@@ -675,6 +675,7 @@ mod tests {
     /// Lets a read started and left by its caller run to its end: the paused
     /// clock jumps past [`READ_TAKES`] as soon as every task is idle.
     async fn past_a_read() {
+        // Paused clock (these tests start paused): no real time passes.
         tokio::time::sleep(2 * READ_TAKES).await;
     }
 
@@ -688,6 +689,7 @@ mod tests {
             // Counted when a read is started, not when it is polled.
             reads.fetch_add(1, Ordering::SeqCst);
             async move {
+                // The read's own duration, on the paused clock.
                 tokio::time::sleep(READ_TAKES).await;
                 answer
             }
@@ -847,7 +849,9 @@ mod tests {
         );
         let deadline = Instant::now() + Duration::from_secs(10);
         while nodes.known_table().is_some() && Instant::now() < deadline {
-            // Polls for the orphaned attempt's end (a real connection).
+            // Polls for the orphaned attempt's end: a real connection attempt
+            // that nobody awaits (the point of the test), so real time, each
+            // poll 1 ms, bounded by the 10 s deadline above.
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
         assert!(
