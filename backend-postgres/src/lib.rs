@@ -105,8 +105,7 @@
 //! | `reserve`, duplicate (live record not open to a takeover) or re-sent by its owner | 1 | same call: answered by one plain read that also decides (no row lock, no transaction id, nothing written — since migration 2; one query since migration 4); while duplicates dominate, that `SELECT` alone |
 //! | `reserve`, takeover / expired row / key inserted concurrently | 1 | same call: the insert conflicts, `SELECT … FOR UPDATE` locks the newest row version, the function decides; a takeover adds one `UPDATE` of the locked row |
 //! | `reserve`, a case the plan's first statement does not answer (after the insert: a duplicate, a re-sent reserve, an expired row, a takeover, a key inserted concurrently; after the read: a fresh key, an expired row, a takeover) | 2 | the plain statement, which answers nothing and writes nothing (an `INSERT … ON CONFLICT DO NOTHING` that meets the key takes no transaction id), then the function |
-//! | `reserve_many`, `complete_many` (batches) | 1 | the same function, or the completing `UPDATE`, over arrays (`unnest`) |
-//! | `reserve`, `complete` waiting to be coalesced (see [Coalescing](#coalescing)) | 1 shared (2 when the plan's first statement leaves some keys) | the plan's first statement over arrays (the plain `INSERT … SELECT FROM unnest`, the plain `SELECT` joined to `unnest`, or the function over arrays), then the function over arrays for the keys it left; the completing `UPDATE` over arrays |
+//! | `reserve_many`, `complete_many` (batches), and `reserve`, `complete` waiting to be coalesced (see [Coalescing](#coalescing)) | 1 (2 when the plan's first statement leaves some keys) | the plan's first statement over arrays (the plain `INSERT … SELECT FROM unnest`, the plain `SELECT` joined to `unnest`, or the function over arrays), then the function over arrays for the keys it left; the completing `UPDATE` over arrays |
 //! | `complete`, `fail`, `extend` | 1 | `UPDATE … WHERE key AND owner AND status = 'processing' AND expires_at > now` (`complete` and `fail` set `purge_after = LEAST(purge_after, $expiry)`, unchanged as a rule, so the update is HOT; `extend` sets `expires_at = GREATEST(expires_at, $new)`) |
 //! | `release` | 1 | `DELETE …` with the same condition |
 //! | `get` | 1 | `SELECT … WHERE key AND expires_at > now` |
@@ -214,7 +213,7 @@
 //!   others.
 //! - **Where it does not apply.** Operations on your own connection
 //!   ([`PgRepository::in_transaction`], the transactional manager), the batch
-//!   operations, which are one statement already, and `fail`, `release`,
+//!   operations, which are sent over arrays already, and `fail`, `release`,
 //!   `extend`, `get` (one statement each, rare next to reservations and
 //!   completions).
 //!

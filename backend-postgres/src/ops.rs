@@ -163,12 +163,12 @@ pub(crate) async fn reserve_many<'e>(
     answered(answers, "reserve")
 }
 
-/// Coalesced reservations, their keys distinct: starting with the statement
-/// `first` names over arrays (the plain insert or the plain read of
+/// Reservations of distinct keys (a batch's, or coalesced calls'): starting
+/// with the statement `first` names over arrays (the plain insert or the plain read of
 /// [`reserve`], each answering only what it decides alone), then the
 /// reservation function over arrays for the requests it left, on the same
 /// connection.
-pub(crate) async fn reserve_coalesced(
+pub(crate) async fn reserve_planned_many(
     sql: &Statements,
     conn: &mut PgConnection,
     requests: &[ReserveRequest<'_>],

@@ -8,10 +8,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use idempotency_core::{Error, Reservation};
 
-/// How a single `reserve` on the repository's own connections reaches its
-/// answer (batches, and reservations on your connection through
-/// [`PgRepository::in_transaction`](crate::PgRepository::in_transaction) or
-/// the transactional manager, always call the reservation function).
+/// How a `reserve` on the repository's own connections reaches its answer,
+/// alone or over arrays (a batch's `reserve_many`, coalesced calls: the same
+/// statements for all the keys at once). Reservations on your connection
+/// through [`PgRepository::in_transaction`](crate::PgRepository::in_transaction)
+/// or the transactional manager always call the reservation function.
 ///
 /// Every plan answers exactly as the reservation function does: each first
 /// statement answers only the cases it decides alone, under the same rules,
@@ -39,9 +40,9 @@ use idempotency_core::{Error, Reservation};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum ReservePlan {
-    /// Follows the share of fresh keys among the repository's recent single
-    /// reservations (a moving average over about the last 32, shared by its
-    /// clones): [`InsertFirst`](Self::InsertFirst) while at least 85 % were
+    /// Follows the share of fresh keys among the repository's recent
+    /// reservations, single or in batches (a moving average over about the
+    /// last 32 keys, shared by its clones): [`InsertFirst`](Self::InsertFirst) while at least 85 % were
     /// fresh, [`ReadFirst`](Self::ReadFirst) while at most 15 % were, the
     /// [`Function`](Self::Function) in between and to begin with. A steady
     /// stream of new messages and a redelivery storm each get their cheaper

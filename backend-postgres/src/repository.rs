@@ -279,19 +279,40 @@ impl PgRepository {
         }
     }
 
-    /// Coalesced reservations (keys distinct), starting as the reserve plan
-    /// says, over arrays.
+    /// Coalesced reservations (keys distinct), as a batch's.
     async fn reserve_coalesced(
         &self,
         calls: &[Waiting<ReserveCall, Reservation>],
     ) -> Vec<Result<Reservation, Error>> {
         let requests: Vec<_> = calls.iter().map(|w| w.call.request()).collect();
+        self.reserve_over_arrays(&requests).await
+    }
+
+    /// Coalesced completions, as a batch's, each with its own instant.
+    async fn complete_coalesced(
+        &self,
+        calls: &[Waiting<CompleteCall, ()>],
+    ) -> Vec<Result<(), Error>> {
+        let writes: Vec<_> = calls.iter().map(|w| w.call.completion()).collect();
+        self.complete_over_arrays(&writes, |i| calls[i].call.now)
+            .await
+    }
+
+    /// Reservations of distinct keys over arrays, starting as the reserve
+    /// plan says: the plan's first statement for all of them (the plain
+    /// insert, the plain read, or the function), then the function for the
+    /// keys it left, on one connection (`ops::reserve_planned_many`). Each
+    /// answer feeds the planner, as a single reservation's does.
+    async fn reserve_over_arrays(
+        &self,
+        requests: &[ReserveRequest<'_>],
+    ) -> Vec<Result<Reservation, Error>> {
         let batch = self.lend("reserve", async |c| {
             if let Err(e) = self.ensure_schema(c).await {
                 return requests.iter().map(|_| Err(e.for_another())).collect();
             }
             let first = self.planner.first();
-            let answers = ops::reserve_coalesced(&self.sql, c, &requests, first).await;
+            let answers = ops::reserve_planned_many(&self.sql, c, requests, first).await;
             for reservation in answers.iter().flatten() {
                 self.planner.observe(reservation);
             }
@@ -299,23 +320,23 @@ impl PgRepository {
         });
         match self.timed("reserve", batch).await {
             Ok(answers) => answers,
-            Err(e) => calls.iter().map(|_| Err(e.for_another())).collect(),
+            Err(e) => requests.iter().map(|_| Err(e.for_another())).collect(),
         }
     }
 
-    /// Coalesced completions in one `UPDATE` over arrays, each with its own
-    /// instant.
-    async fn complete_coalesced(
+    /// Completions in one owner-checked `UPDATE` over arrays, write `i` at
+    /// instant `now(i)`.
+    async fn complete_over_arrays(
         &self,
-        calls: &[Waiting<CompleteCall, ()>],
+        writes: &[idempotency_core::Completion<'_>],
+        now: impl Fn(usize) -> Timestamp + Send + Sync,
     ) -> Vec<Result<(), Error>> {
-        let writes: Vec<_> = calls.iter().map(|w| w.call.completion()).collect();
         let batch = self.lend("complete", async |c| {
-            ops::complete_many(&self.sql, c, &writes, |i| calls[i].call.now).await
+            ops::complete_many(&self.sql, c, writes, &now).await
         });
         match self.timed("complete", batch).await {
             Ok(answers) => answers,
-            Err(e) => calls.iter().map(|_| Err(e.for_another())).collect(),
+            Err(e) => writes.iter().map(|_| Err(e.for_another())).collect(),
         }
     }
 
@@ -936,8 +957,10 @@ impl Repository for PgRepository {
         }
     }
 
-    /// One statement (and one round trip) for the whole batch: the
-    /// reservation function over arrays.
+    /// The batch over arrays, as coalesced reservations are sent: one
+    /// statement (and one round trip) when the reserve plan's first
+    /// statement decides every key (fresh keys inserting first, duplicates
+    /// reading first), else a second one, the function, for the keys left.
     async fn reserve_many(
         &self,
         requests: Vec<ReserveRequest<'_>>,
@@ -945,17 +968,7 @@ impl Repository for PgRepository {
         if requests.len() < 2 {
             return futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await;
         }
-        let count = requests.len();
-        let batch = self.lend("reserve", async |c| {
-            if let Err(e) = self.ensure_schema(c).await {
-                return (0..count).map(|_| Err(e.for_another())).collect();
-            }
-            ops::reserve_many(&self.sql, c, &requests).await
-        });
-        match self.timed("reserve", batch).await {
-            Ok(answers) => answers,
-            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
-        }
+        self.reserve_over_arrays(&requests).await
     }
 
     /// One statement (and one round trip) for the whole batch: an `UPDATE`
@@ -971,14 +984,7 @@ impl Repository for PgRepository {
                 .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
             return futures::future::join_all(each).await;
         }
-        let count = completions.len();
-        let batch = self.lend("complete", async |c| {
-            ops::complete_many(&self.sql, c, &completions, |_| now).await
-        });
-        match self.timed("complete", batch).await {
-            Ok(answers) => answers,
-            Err(e) => (0..count).map(|_| Err(e.for_another())).collect(),
-        }
+        self.complete_over_arrays(&completions, |_| now).await
     }
 
     async fn complete(

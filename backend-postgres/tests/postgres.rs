@@ -12,7 +12,7 @@ use idempotency_core::{
     Completion, Error, OwnerToken, RecordKey, Repository, RepositoryExt, Reservation,
     ReserveRequest, Timestamp,
 };
-use idempotency_postgres::PgRepository;
+use idempotency_postgres::{PgRepository, ReservePlan};
 
 const TABLE: &str = "idem_pg_specific";
 
@@ -328,40 +328,55 @@ async fn an_abandoned_statement_does_not_answer_the_next_one() {
 
 /// A batch statement waits at most its 100 ms `lock_timeout` for a row lock:
 /// then the whole statement is refused with a definite (non-outage) error,
-/// nothing applied, so the manager sends each key on its own at once.
+/// nothing applied, so the manager sends each key on its own at once. Under
+/// every reserve plan: the plain insert over arrays waits on the key's
+/// uncommitted row as the function does, and the plain read, which sees no
+/// such row, leaves both keys to the function.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_do_not_wait_on_a_locked_key() {
+    for plan in [
+        ReservePlan::Function,
+        ReservePlan::InsertFirst,
+        ReservePlan::ReadFirst,
+    ] {
+        let repo = common::repository_with(TABLE, plan).await;
+        let ns = common::unique("batch-locked");
+        let locked = RecordKey::new(ns.as_str(), "locked", 1024).unwrap();
+        let free = RecordKey::new(ns.as_str(), "free", 1024).unwrap();
+        let t = now();
+        let lease = Duration::from_secs(30);
+        let mut tx = repo.pool().begin().await.unwrap();
+        let holder = OwnerToken::random();
+        repo.in_transaction(&mut tx)
+            .reserve(ReserveRequest {
+                owner: holder,
+                ..req(&locked, t, lease)
+            })
+            .await
+            .unwrap();
+        let answers = repo
+            .reserve_many(vec![req(&free, t, lease), req(&locked, t, lease)])
+            .await;
+        for a in &answers {
+            let e = a.as_ref().unwrap_err();
+            assert!(
+                matches!(e, Error::Backend { .. }) && !e.is_store_outage(),
+                "{plan}: {e:?}"
+            );
+        }
+        assert!(
+            repo.get(&free, t).await.unwrap().is_none(),
+            "{plan}: nothing applied"
+        );
+        tx.rollback().await.unwrap();
+    }
     let repo = common::repository(TABLE).await;
     let ns = common::unique("batch-locked");
     let locked = RecordKey::new(ns.as_str(), "locked", 1024).unwrap();
     let free = RecordKey::new(ns.as_str(), "free", 1024).unwrap();
     let t = now();
     let lease = Duration::from_secs(30);
-    let mut tx = repo.pool().begin().await.unwrap();
     let holder = OwnerToken::random();
-    repo.in_transaction(&mut tx)
-        .reserve(ReserveRequest {
-            owner: holder,
-            ..req(&locked, t, lease)
-        })
-        .await
-        .unwrap();
-    let answers = repo
-        .reserve_many(vec![req(&free, t, lease), req(&locked, t, lease)])
-        .await;
-    for a in &answers {
-        let e = a.as_ref().unwrap_err();
-        assert!(
-            matches!(e, Error::Backend { .. }) && !e.is_store_outage(),
-            "{e:?}"
-        );
-    }
-    assert!(
-        repo.get(&free, t).await.unwrap().is_none(),
-        "nothing applied"
-    );
-
-    tx.rollback().await.unwrap();
 
     // The same for completions: the free key's record is ours, the statement
     // still refused as a whole while the other write waits on its row (which

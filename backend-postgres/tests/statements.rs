@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use idempotency_conformance::containers::{WireCounter, PING};
 use idempotency_core::{
-    Clock, Completion, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock,
-    Timestamp,
+    Clock, Completion, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, Status,
+    SystemClock, Timestamp,
 };
 use idempotency_postgres::{PgRepository, ReservePlan};
 use sqlx::{Connection, PgConnection};
@@ -467,6 +467,97 @@ async fn each_reserve_plan_costs_what_its_table_says() {
             "{plan}"
         );
     }
+}
+
+/// Statements a batch of ten keys costs under `repo`'s plan now: fresh keys,
+/// then the same keys again (duplicates of live reservations), each answered
+/// as the reservation rule says. With `prepared`, each is checked to be a
+/// whole round trip of a statement prepared before.
+async fn batch_costs(
+    repo: &PgRepository,
+    counts: &WireCounter,
+    ns: &str,
+    prepared: bool,
+) -> [u64; 2] {
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let id = rand::random::<u64>();
+    let keys: Vec<RecordKey> = (0..10)
+        .map(|i| RecordKey::new(ns, format!("batch-{id}-{i}"), 1024).unwrap())
+        .collect();
+    let mut costs = [0; 2];
+    for (fresh, cost) in [true, false].into_iter().zip(&mut costs) {
+        let before = counts.snapshot();
+        let answers = repo
+            .reserve_many(keys.iter().map(|k| request(k, t, lease)).collect())
+            .await;
+        let sent = counts.since(&before);
+        let n = sent.get(&'E').copied().unwrap_or(0);
+        let whole: BTreeMap<char, u64> = one_round_trip()
+            .into_iter()
+            .map(|(m, c)| (m, c * n))
+            .collect();
+        if prepared {
+            assert_eq!(sent, whole, "messages sent");
+        }
+        *cost = n;
+        for answer in answers {
+            match answer.unwrap() {
+                Reservation::Acquired { attempt: 1 } if fresh => {}
+                Reservation::Existing(r) if !fresh => assert_eq!(r.status, Status::Processing),
+                other => panic!("fresh {fresh}: {other:?}"),
+            }
+        }
+    }
+    costs
+}
+
+/// A batch starts as a single reservation does under each plan, over
+/// arrays: the plain insert answers fresh keys alone and the plain read
+/// duplicates alone, in one statement for the whole batch; the keys a plain
+/// statement leaves cost one more, the function over arrays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_follows_the_reserve_plan() {
+    for (plan, expected) in [
+        (ReservePlan::Function, [1, 1]),
+        (ReservePlan::InsertFirst, [1, 2]),
+        (ReservePlan::ReadFirst, [2, 1]),
+    ] {
+        let (repo, counts) = one_proxied_connection(plan).await;
+        let ns = common::unique("batch-plan");
+        // Warm-up: prepares every statement the plan sends.
+        batch_costs(&repo, &counts, &ns, false).await;
+        assert_eq!(
+            batch_costs(&repo, &counts, &ns, true).await,
+            expected,
+            "{plan}"
+        );
+    }
+    // The adaptive plan learns from batches too: a batch of fresh keys sends
+    // the next batch's insert first.
+    let (repo, counts) = one_proxied_connection(ReservePlan::Adaptive).await;
+    let ns = common::unique("batch-adaptive");
+    // (Counted in statements: the first of each kind is prepared on the way,
+    // and the repository's first reservation checks the schema first.)
+    let t = SystemClock.now();
+    let lease = Duration::from_secs(30);
+    let first = RecordKey::new(ns.as_str(), "first", 1024).unwrap();
+    repo.reserve(request(&first, t, lease)).await.unwrap();
+    assert_eq!(
+        batch_costs(&repo, &counts, &ns, false).await,
+        [1, 1],
+        "at first"
+    );
+    let fresh: Vec<RecordKey> = (0..100)
+        .map(|i| RecordKey::new(ns.as_str(), format!("f{i}"), 1024).unwrap())
+        .collect();
+    repo.reserve_many(fresh.iter().map(|k| request(k, t, lease)).collect())
+        .await;
+    let [fresh_cost, _] = batch_costs(&repo, &counts, &ns, false).await;
+    assert_eq!(
+        fresh_cost, 1,
+        "after a batch of fresh keys: the insert first"
+    );
 }
 
 /// The adaptive plan starts with the function, sends the insert first once
