@@ -68,7 +68,7 @@
 //!
 //! | | |
 //! |---|---|
-//! | atomicity | every operation is one statement under READ COMMITTED; `reserve` decides under the row lock |
+//! | atomicity | every write is one statement under READ COMMITTED (a reservation the plan's plain statement does not answer is decided by a second, the function); `reserve` decides under the row lock |
 //! | concurrency | exactly one `Acquired` among concurrent reservers of a key (the conformance races, and 48 tasks over three pools through ten takeover rounds in `tests/postgres.rs`) |
 //! | expiry | from the caller's `now` only; an expired row is absent to every operation before it is purged |
 //! | native expiry | no: schedule [`purge_expired`](idempotency_core::Repository::purge_expired) |

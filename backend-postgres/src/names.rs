@@ -48,9 +48,10 @@ fn quote(name: &str) -> String {
 /// statements.
 /// The SQL a [`PgRepository`](crate::PgRepository) runs, rendered once for its
 /// schema and table: review it, `EXPLAIN` it, or allow-list it in a proxy. Each
-/// operation is this one statement, prepared once per connection; a single
+/// operation is this one statement, prepared once per connection; a
 /// reservation may start with [`reserve_insert`](Self::reserve_insert) or
-/// [`reserve_read`](Self::reserve_read) instead (see
+/// [`reserve_read`](Self::reserve_read) instead, and a batch's or coalesced
+/// reservations with their forms over arrays (see
 /// [`ReservePlan`](crate::ReservePlan)).
 #[derive(Debug)]
 pub struct Statements {
@@ -144,8 +145,8 @@ impl Statements {
         &self.reserve_read
     }
 
-    /// [`reserve_insert`](Self::reserve_insert) over arrays, for coalesced
-    /// reservations (see
+    /// [`reserve_insert`](Self::reserve_insert) over arrays, for a batch's
+    /// reservations and coalesced ones (see
     /// [`coalesce_above`](crate::PgRepositoryBuilder::coalesce_above)): the
     /// parameters of `reserve` as arrays, keys distinct and in key order; a row
     /// (ending with its key's namespace and id) answers each key inserted.
@@ -153,8 +154,8 @@ impl Statements {
         &self.reserve_insert_many
     }
 
-    /// [`reserve_read`](Self::reserve_read) over arrays, for coalesced
-    /// reservations: a row (ending with the request's position, from 1)
+    /// [`reserve_read`](Self::reserve_read) over arrays, for a batch's
+    /// reservations and coalesced ones: a row (ending with the request's position, from 1)
     /// answers each key the read decides alone.
     pub fn reserve_read_many(&self) -> &str {
         &self.reserve_read_many

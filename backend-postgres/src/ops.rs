@@ -434,17 +434,19 @@ pub(crate) async fn complete_many<'e>(
 }
 
 /// The error of a batch statement. A key locked past the batch's
-/// `lock_timeout` (`55P03`) refused the whole statement, nothing applied: a
-/// definite `Backend` error rather than an ambiguous `Timeout`, so that the
-/// manager sends each key on its own at once, none counted as a lost write.
+/// `lock_timeout` (`55P03`) refused the whole statement, nothing of it
+/// applied: a definite `Backend` error rather than an ambiguous `Timeout`, so
+/// that the manager sends each of its keys on its own at once, none counted
+/// as a lost write. (Keys an earlier statement of the same call answered,
+/// such as the plan's plain insert, keep their answers.)
 fn batch_error(e: sqlx::Error, operation: &'static str, sql: &Statements) -> Error {
     let code = e.as_database_error().and_then(|d| d.code());
     if code.as_deref() == Some("55P03") {
         return Error::Backend {
             backend: crate::error::BACKEND,
             message: format!(
-                "{operation}: a key of the batch was locked by another transaction past the \
-                 batch's lock_timeout; nothing was applied"
+                "{operation}: a key of the batch statement was locked by another transaction \
+                 past the statement's lock_timeout; nothing of that statement was applied"
             ),
             source: Some(Box::new(e)),
         };

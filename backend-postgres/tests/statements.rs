@@ -551,12 +551,25 @@ async fn a_batch_follows_the_reserve_plan() {
     let fresh: Vec<RecordKey> = (0..100)
         .map(|i| RecordKey::new(ns.as_str(), format!("f{i}"), 1024).unwrap())
         .collect();
-    repo.reserve_many(fresh.iter().map(|k| request(k, t, lease)).collect())
-        .await;
-    let [fresh_cost, _] = batch_costs(&repo, &counts, &ns, false).await;
+    let hundred = || fresh.iter().map(|k| request(k, t, lease)).collect();
+    let answers = repo.reserve_many(hundred()).await;
+    assert!(answers
+        .iter()
+        .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
     assert_eq!(
-        fresh_cost, 1,
+        batch_costs(&repo, &counts, &ns, false).await,
+        [1, 2],
         "after a batch of fresh keys: the insert first"
+    );
+    // A batch of duplicates (the same keys, other owners) turns it to the read.
+    let answers = repo.reserve_many(hundred()).await;
+    assert!(answers
+        .iter()
+        .all(|a| matches!(a, Ok(Reservation::Existing(_)))));
+    assert_eq!(
+        batch_costs(&repo, &counts, &ns, false).await,
+        [2, 1],
+        "after a batch of duplicates: the read first"
     );
 }
 
