@@ -65,7 +65,9 @@ pub(crate) fn deadlocked(err: &Error) -> bool {
 
 /// Maps a sqlx error of `operation` (on `key`, when there is one).
 ///
-/// - connection problems (I/O, TLS, protocol errors of a connection cut
+/// - a TLS failure no retry fixes (a server without TLS under
+///   `ssl-mode=required`, a certificate not trusted) → [`Error::Config`];
+/// - connection problems (I/O, protocol errors of a connection cut
 ///   mid-handshake, a closed or exhausted pool, too many connections, a server
 ///   shutting down, a killed connection or statement, a connection the server
 ///   closed as idle) and deadlocks and snapshot conflicts (retryable by
@@ -88,10 +90,16 @@ pub(crate) fn map_sqlx(
     table: &str,
 ) -> Error {
     use sqlx::Error as E;
+    if let Some(problem) = tls_misconfiguration(&err) {
+        return Error::Config {
+            message: format!(
+                "{operation}: MySQL TLS: {problem} (check ssl-mode, ssl-ca and the server's \
+                 certificate)"
+            ),
+        };
+    }
     match err {
-        E::Io(_) | E::Tls(_) | E::Protocol(_) | E::PoolClosed | E::WorkerCrashed => {
-            unavailable(operation, err)
-        }
+        E::Io(_) | E::Protocol(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
         E::PoolTimedOut => Error::Unavailable {
             backend: BACKEND,
             message: format!(
@@ -164,6 +172,21 @@ fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
     }
 }
 
+/// A TLS failure that no retry fixes: every sqlx `Tls` error (a server
+/// without TLS when the URL requires it, a root certificate that cannot be
+/// read, a client built without TLS) and, with the `tls` feature, a handshake
+/// rustls refused (a certificate not trusted, no common protocol). A
+/// connection cut mid-handshake is an I/O error of another kind: an outage.
+fn tls_misconfiguration(err: &sqlx::Error) -> Option<String> {
+    if let sqlx::Error::Tls(e) = err {
+        return Some(e.to_string());
+    }
+    #[cfg(feature = "tls")]
+    return idempotency_core::tls::misconfiguration(err);
+    #[cfg(not(feature = "tls"))]
+    None
+}
+
 pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
     Error::Unavailable {
         backend: BACKEND,
@@ -175,6 +198,32 @@ pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_failures_no_retry_fixes_are_configuration_errors() {
+        let without = sqlx::Error::Tls("server does not support TLS".into());
+        assert!(matches!(
+            map_sqlx(without, "connect", None, "t"),
+            Error::Config { message } if message.contains("does not support TLS")
+        ));
+        // A connection cut mid-handshake stays an outage.
+        let cut = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(map_sqlx(cut, "connect", None, "t").is_store_outage());
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn an_untrusted_certificate_is_a_configuration_error() {
+        // How sqlx reports a handshake rustls refused: an I/O error carrying it.
+        let untrusted = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+        ));
+        assert!(matches!(
+            map_sqlx(untrusted, "connect", None, "t"),
+            Error::Config { message } if message.contains("UnknownIssuer")
+        ));
+    }
 
     #[test]
     fn io_pool_and_protocol_errors_are_outages() {

@@ -63,7 +63,7 @@
 //! | `…?table=payment_keys` | another table (ASCII letters, digits, `_`; at most 64) |
 //! | `…?max_connections=20&acquire_timeout=2s&operation_timeout=2s` | pool size and timeouts |
 //! | `…?migrate=false` | do not create or upgrade the table |
-//! | `…?ssl-mode=required` | TLS (the `tls` feature) |
+//! | `…?ssl-mode=required` | TLS (the `tls` feature); a server without TLS under such a mode, or a certificate the client does not trust (`verify_ca`, `verify_identity`), is an `Error::Config` (no retry fixes it) |
 //!
 //! Migrations are embedded and applied by [`MySqlRepository::connect`] (unless
 //! `migrate=false`) or [`MySqlRepository::migrate`], under a `GET_LOCK` named

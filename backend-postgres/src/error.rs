@@ -6,7 +6,9 @@ pub(crate) const BACKEND: &str = "postgres";
 
 /// Maps a sqlx error of `operation` (on `key`, when there is one).
 ///
-/// - connection problems (I/O, TLS, protocol errors of a connection cut during the
+/// - a TLS failure no retry fixes (a server without TLS under
+///   `sslmode=require`, a certificate not trusted) → [`Error::Config`];
+/// - connection problems (I/O, protocol errors of a connection cut during the
 ///   handshake, closed or exhausted pool, SQLSTATE class 08,
 ///   `57P01`/`57P02`/`57P03` shutdowns, class 53 insufficient resources) and
 ///   serialization failures / deadlocks (`40001`, `40P01`, retryable by
@@ -33,8 +35,16 @@ pub(crate) fn map_sqlx(
     table: &str,
 ) -> Error {
     use sqlx::Error as E;
+    if let Some(problem) = tls_misconfiguration(&err) {
+        return Error::Config {
+            message: format!(
+                "{operation}: PostgreSQL TLS: {problem} (check sslmode, sslrootcert and the server's \
+                 certificate)"
+            ),
+        };
+    }
     match err {
-        E::Io(_) | E::Tls(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
+        E::Io(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
         // A peer that accepts the TCP connection and closes it mid-handshake
         // (a proxy or load balancer in front of a server that is down or
         // starting, e.g. Docker's port proxy) surfaces as a protocol error such as
@@ -99,6 +109,21 @@ pub(crate) fn map_sqlx(
     }
 }
 
+/// A TLS failure that no retry fixes: every sqlx `Tls` error (a server
+/// without TLS when the URL requires it, a root certificate that cannot be
+/// read, a client built without TLS) and, with the `tls` feature, a handshake
+/// rustls refused (a certificate not trusted, no common protocol). A
+/// connection cut mid-handshake is an I/O error of another kind: an outage.
+fn tls_misconfiguration(err: &sqlx::Error) -> Option<String> {
+    if let sqlx::Error::Tls(e) = err {
+        return Some(e.to_string());
+    }
+    #[cfg(feature = "tls")]
+    return idempotency_core::tls::misconfiguration(err);
+    #[cfg(not(feature = "tls"))]
+    None
+}
+
 fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
     Error::Unavailable {
         backend: BACKEND,
@@ -110,6 +135,32 @@ fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tls_failures_no_retry_fixes_are_configuration_errors() {
+        let without = sqlx::Error::Tls("server does not support TLS".into());
+        assert!(matches!(
+            map_sqlx(without, "connect", None, "t"),
+            Error::Config { message } if message.contains("does not support TLS")
+        ));
+        // A connection cut mid-handshake stays an outage.
+        let cut = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert!(map_sqlx(cut, "connect", None, "t").is_store_outage());
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn an_untrusted_certificate_is_a_configuration_error() {
+        // How sqlx reports a handshake rustls refused: an I/O error carrying it.
+        let untrusted = sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+        ));
+        assert!(matches!(
+            map_sqlx(untrusted, "connect", None, "t"),
+            Error::Config { message } if message.contains("UnknownIssuer")
+        ));
+    }
 
     #[test]
     fn io_and_pool_errors_are_outages() {

@@ -50,7 +50,10 @@
 //! identifiers — ASCII letters, digits, `_`, not starting with a digit; at most 63
 //! and 48 bytes — and are always quoted (case-sensitive); anything else is an
 //! [`Error::Config`](idempotency_core::Error::Config), never SQL. TLS
-//! (`sslmode=require`, `verify-full`) needs this crate's `tls` feature.
+//! (`sslmode=require`, `verify-full`) needs this crate's `tls` feature; a
+//! server without TLS under such a mode, or a certificate the client does not
+//! trust, is an [`Error::Config`](idempotency_core::Error::Config) (no retry
+//! fixes it), a connection cut mid-handshake an outage.
 //!
 //! [`PgRepository::migrate`] applies the embedded migrations: idempotent, in one
 //! transaction under an advisory lock, so processes starting together are safe.

@@ -21,41 +21,6 @@ pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
         && err.detail().is_some_and(|d| d.contains("syntax error"))
 }
 
-/// A TLS failure that retrying cannot fix (certificate not trusted, no common
-/// protocol), found in the error's source chain.
-#[cfg(feature = "tls")]
-fn tls_misconfiguration(err: &RedisError) -> Option<String> {
-    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
-    fn as_rustls<'a>(e: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
-        // The `redis` crate keeps I/O errors as `Arc<dyn Error>`, whose `source`
-        // skips the I/O error itself: look inside.
-        let e: &(dyn std::error::Error + 'static) = match e.downcast_ref::<Shared>() {
-            Some(shared) => &**shared,
-            None => e,
-        };
-        e.downcast_ref::<rustls::Error>().or_else(|| {
-            e.downcast_ref::<std::io::Error>()
-                .and_then(|io| io.get_ref())
-                .and_then(|inner| inner.downcast_ref::<rustls::Error>())
-        })
-    }
-    let mut source = std::error::Error::source(err);
-    while let Some(e) = source {
-        if let Some(tls) = as_rustls(e) {
-            return matches!(
-                tls,
-                rustls::Error::InvalidCertificate(_)
-                    | rustls::Error::NoCertificatesPresented
-                    | rustls::Error::UnsupportedNameType
-                    | rustls::Error::PeerIncompatible(_)
-            )
-            .then(|| tls.to_string());
-        }
-        source = e.source();
-    }
-    None
-}
-
 /// Maps a client error of `operation` on `key`.
 ///
 /// Connection trouble (I/O, refused, reset, dropped), server states that pass
@@ -79,7 +44,7 @@ pub(crate) fn map_redis_error(
         };
     }
     #[cfg(feature = "tls")]
-    if let Some(problem) = tls_misconfiguration(&err) {
+    if let Some(problem) = idempotency_core::tls::misconfiguration(&err) {
         return Error::config(format!("redis TLS: {problem}"));
     }
     let code = err.code().map(str::to_owned);

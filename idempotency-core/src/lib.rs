@@ -67,6 +67,8 @@ pub mod stages;
 mod strategy;
 pub mod testing;
 mod time;
+#[cfg(feature = "rustls")]
+pub mod tls;
 
 pub use codec::{Codec, JsonCodec};
 pub use config::{

@@ -1,0 +1,128 @@
+//! TLS failures that retrying cannot fix, for stores reached through rustls
+//! (feature `rustls`). The built-in Redis, PostgreSQL and MySQL backends
+//! answer them as [`Error::Config`](crate::Error::Config), not as outages: a
+//! certificate the client does not trust fails every attempt the same way.
+
+use std::error::Error as StdError;
+use std::sync::Arc;
+
+/// What is wrong, when `err` or an error in its source chain is a rustls
+/// failure that retrying cannot fix: a certificate the client does not trust
+/// (unknown issuer, another name, expired, revoked), a server that presented
+/// none, or no protocol version or cipher suite in common. `None` for
+/// anything else, a connection cut mid-handshake among them (an outage).
+///
+/// rustls reports handshake failures through the I/O layer, so the search
+/// looks inside each [`std::io::Error`] of the chain, and inside
+/// `Arc<dyn Error + Send + Sync>` wrappers (as the `redis` crate keeps I/O
+/// errors).
+///
+/// ```
+/// use idempotency_core::tls::misconfiguration;
+/// use std::io::{Error, ErrorKind};
+///
+/// let untrusted = Error::new(
+///     ErrorKind::InvalidData,
+///     rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
+/// );
+/// assert!(misconfiguration(&untrusted).unwrap().contains("UnknownIssuer"));
+///
+/// let cut = Error::from(ErrorKind::ConnectionReset);
+/// assert_eq!(misconfiguration(&cut), None);
+/// ```
+pub fn misconfiguration(err: &(dyn StdError + 'static)) -> Option<String> {
+    let mut next = Some(err);
+    while let Some(e) = next {
+        if let Some(tls) = as_rustls(e) {
+            return matches!(
+                tls,
+                rustls::Error::InvalidCertificate(_)
+                    | rustls::Error::NoCertificatesPresented
+                    | rustls::Error::UnsupportedNameType
+                    | rustls::Error::PeerIncompatible(_)
+            )
+            .then(|| tls.to_string());
+        }
+        next = e.source();
+    }
+    None
+}
+
+/// `e` as a rustls error: itself, the error an I/O error carries, or either
+/// behind a shared `Arc`.
+fn as_rustls<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
+    type Shared = Arc<dyn StdError + Send + Sync>;
+    let e: &(dyn StdError + 'static) = match e.downcast_ref::<Shared>() {
+        Some(shared) => &**shared,
+        None => e,
+    };
+    e.downcast_ref::<rustls::Error>().or_else(|| {
+        e.downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Error, ErrorKind};
+
+    fn invalid_data(tls: rustls::Error) -> Error {
+        Error::new(ErrorKind::InvalidData, tls)
+    }
+
+    /// An error whose source is `inner`, as a client library wraps one.
+    #[derive(Debug)]
+    struct Wrapped(Box<dyn StdError + Send + Sync>);
+
+    impl std::fmt::Display for Wrapped {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("connecting failed")
+        }
+    }
+
+    impl StdError for Wrapped {
+        fn source(&self) -> Option<&(dyn StdError + 'static)> {
+            Some(&*self.0)
+        }
+    }
+
+    #[test]
+    fn certificates_and_incompatible_peers_are_misconfigurations() {
+        use rustls::{CertificateError, PeerIncompatible};
+        for tls in [
+            rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer),
+            rustls::Error::InvalidCertificate(CertificateError::Expired),
+            rustls::Error::NoCertificatesPresented,
+            rustls::Error::PeerIncompatible(PeerIncompatible::NoCipherSuitesInCommon),
+        ] {
+            let shown = tls.to_string();
+            // Directly, inside an I/O error, behind a wrapper, behind an Arc.
+            assert_eq!(misconfiguration(&tls), Some(shown.clone()));
+            let io = invalid_data(tls.clone());
+            assert_eq!(misconfiguration(&io), Some(shown.clone()));
+            let wrapped = Wrapped(Box::new(invalid_data(tls.clone())));
+            assert_eq!(misconfiguration(&wrapped), Some(shown.clone()));
+            let shared: Arc<dyn StdError + Send + Sync> = Arc::new(invalid_data(tls));
+            assert_eq!(misconfiguration(&Wrapped(Box::new(shared))), Some(shown));
+        }
+    }
+
+    #[test]
+    fn cut_connections_and_other_failures_are_not() {
+        assert_eq!(
+            misconfiguration(&Error::from(ErrorKind::ConnectionReset)),
+            None
+        );
+        assert_eq!(
+            misconfiguration(&Error::from(ErrorKind::UnexpectedEof)),
+            None
+        );
+        let alert = invalid_data(rustls::Error::AlertReceived(
+            rustls::AlertDescription::InternalError,
+        ));
+        assert_eq!(misconfiguration(&alert), None);
+        assert_eq!(misconfiguration(&Wrapped("plain".into())), None);
+    }
+}
