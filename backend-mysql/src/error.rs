@@ -178,13 +178,10 @@ fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
 /// rustls refused (a certificate not trusted, no common protocol). A
 /// connection cut mid-handshake is an I/O error of another kind: an outage.
 fn tls_misconfiguration(err: &sqlx::Error) -> Option<String> {
-    if let sqlx::Error::Tls(e) = err {
-        return Some(e.to_string());
+    match err {
+        sqlx::Error::Tls(e) => Some(e.to_string()),
+        _ => idempotency_core::tls::misconfiguration(err),
     }
-    #[cfg(feature = "tls")]
-    return idempotency_core::tls::misconfiguration(err);
-    #[cfg(not(feature = "tls"))]
-    None
 }
 
 pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {

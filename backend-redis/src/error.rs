@@ -43,7 +43,6 @@ pub(crate) fn map_redis_error(
             operation,
         };
     }
-    #[cfg(feature = "tls")]
     if let Some(problem) = idempotency_core::tls::misconfiguration(&err) {
         return Error::config(format!("redis TLS: {problem}"));
     }

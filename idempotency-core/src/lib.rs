@@ -67,7 +67,6 @@ pub mod stages;
 mod strategy;
 pub mod testing;
 mod time;
-#[cfg(feature = "rustls")]
 pub mod tls;
 
 pub use codec::{Codec, JsonCodec};

@@ -1,10 +1,9 @@
 //! TLS failures that retrying cannot fix, for stores reached through rustls
-//! (feature `rustls`). The built-in Redis, PostgreSQL and MySQL backends
-//! answer them as [`Error::Config`](crate::Error::Config), not as outages: a
+//! (found with the feature `rustls`). The built-in Redis, PostgreSQL and
+//! MySQL backends answer them as [`Error::Config`](crate::Error::Config), not as outages: a
 //! certificate the client does not trust fails every attempt the same way.
 
 use std::error::Error as StdError;
-use std::sync::Arc;
 
 /// What is wrong, when `err` or an error in its source chain is a rustls
 /// failure that retrying cannot fix: a certificate the client does not trust
@@ -17,41 +16,51 @@ use std::sync::Arc;
 /// `Arc<dyn Error + Send + Sync>` wrappers (as the `redis` crate keeps I/O
 /// errors).
 ///
+/// Without the feature `rustls`, always `None`.
+///
 /// ```
 /// use idempotency_core::tls::misconfiguration;
 /// use std::io::{Error, ErrorKind};
 ///
+/// let cut = Error::from(ErrorKind::ConnectionReset);
+/// assert_eq!(misconfiguration(&cut), None);
+///
+/// # #[cfg(feature = "rustls")] {
 /// let untrusted = Error::new(
 ///     ErrorKind::InvalidData,
 ///     rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),
 /// );
 /// assert!(misconfiguration(&untrusted).unwrap().contains("UnknownIssuer"));
-///
-/// let cut = Error::from(ErrorKind::ConnectionReset);
-/// assert_eq!(misconfiguration(&cut), None);
+/// # }
 /// ```
 pub fn misconfiguration(err: &(dyn StdError + 'static)) -> Option<String> {
-    let mut next = Some(err);
-    while let Some(e) = next {
-        if let Some(tls) = as_rustls(e) {
-            return matches!(
-                tls,
-                rustls::Error::InvalidCertificate(_)
-                    | rustls::Error::NoCertificatesPresented
-                    | rustls::Error::UnsupportedNameType
-                    | rustls::Error::PeerIncompatible(_)
-            )
-            .then(|| tls.to_string());
+    #[cfg(feature = "rustls")]
+    {
+        let mut next = Some(err);
+        while let Some(e) = next {
+            if let Some(tls) = as_rustls(e) {
+                return matches!(
+                    tls,
+                    rustls::Error::InvalidCertificate(_)
+                        | rustls::Error::NoCertificatesPresented
+                        | rustls::Error::UnsupportedNameType
+                        | rustls::Error::PeerIncompatible(_)
+                )
+                .then(|| tls.to_string());
+            }
+            next = e.source();
         }
-        next = e.source();
     }
+    #[cfg(not(feature = "rustls"))]
+    let _ = err;
     None
 }
 
 /// `e` as a rustls error: itself, the error an I/O error carries, or either
 /// behind a shared `Arc`.
+#[cfg(feature = "rustls")]
 fn as_rustls<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
-    type Shared = Arc<dyn StdError + Send + Sync>;
+    type Shared = std::sync::Arc<dyn StdError + Send + Sync>;
     let e: &(dyn StdError + 'static) = match e.downcast_ref::<Shared>() {
         Some(shared) => &**shared,
         None => e,
@@ -63,10 +72,11 @@ fn as_rustls<'a>(e: &'a (dyn StdError + 'static)) -> Option<&'a rustls::Error> {
     })
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "rustls"))]
 mod tests {
     use super::*;
     use std::io::{Error, ErrorKind};
+    use std::sync::Arc;
 
     fn invalid_data(tls: rustls::Error) -> Error {
         Error::new(ErrorKind::InvalidData, tls)
