@@ -133,22 +133,11 @@ fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
 mod tests {
     use super::*;
 
-    #[test]
-    fn tls_failures_no_retry_fixes_are_configuration_errors() {
-        let without = sqlx::Error::Tls("server does not support TLS".into());
-        assert!(matches!(
-            map_sqlx(without, "connect", None, "t"),
-            Error::Config { message } if message.contains("does not support TLS")
-        ));
-        // A connection cut mid-handshake stays an outage.
-        let cut = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
-        assert!(map_sqlx(cut, "connect", None, "t").is_store_outage());
-    }
-
     #[cfg(feature = "tls")]
     #[test]
     fn an_untrusted_certificate_is_a_configuration_error() {
-        // How sqlx reports a handshake rustls refused: an I/O error carrying it.
+        // How sqlx reports a handshake rustls refused: an I/O error carrying
+        // it. (A server without TLS, sqlx's own `Tls` error: `tests/errors.rs`.)
         let untrusted = sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),

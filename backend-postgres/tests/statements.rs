@@ -394,6 +394,22 @@ async fn pooled_operations_execute_one_statement_each() {
 
 // ------------------------------------------------------------ reserve plans
 
+/// The statements executed since `before`; with `whole`, checked to be
+/// whole round trips of statements prepared before (nothing prepared,
+/// nothing else sent).
+fn statements_since(counts: &WireCounter, before: &BTreeMap<char, u64>, whole: bool) -> u64 {
+    let sent = counts.since(before);
+    let n = sent.get(&'E').copied().unwrap_or(0);
+    if whole {
+        let expected: BTreeMap<char, u64> = one_round_trip()
+            .into_iter()
+            .map(|(m, c)| (m, c * n))
+            .collect();
+        assert_eq!(sent, expected, "messages sent");
+    }
+    n
+}
+
 /// The statements a reservation of each kind costs under `repo`'s plan now
 /// (fresh key, duplicate of a completed record, takeover of a lapsed lease),
 /// each checked to be whole round trips of prepared statements (nothing
@@ -428,14 +444,7 @@ async fn reserve_costs(repo: &PgRepository, counts: Option<&WireCounter>, ns: &s
         let before = counts.map(WireCounter::snapshot);
         let answer = repo.reserve(request(key, *now, lease)).await.unwrap();
         if let (Some(counts), Some(before)) = (counts, before) {
-            let sent = counts.since(&before);
-            let n = sent.get(&'E').copied().unwrap_or(0);
-            let whole: BTreeMap<char, u64> = one_round_trip()
-                .into_iter()
-                .map(|(m, c)| (m, c * n))
-                .collect();
-            assert_eq!(sent, whole, "case {i}: messages sent");
-            costs[i] = n;
+            costs[i] = statements_since(counts, &before, true);
         }
         match (i, answer) {
             (0, Reservation::Acquired { attempt: 1 })
@@ -491,16 +500,7 @@ async fn batch_costs(
         let answers = repo
             .reserve_many(keys.iter().map(|k| request(k, t, lease)).collect())
             .await;
-        let sent = counts.since(&before);
-        let n = sent.get(&'E').copied().unwrap_or(0);
-        let whole: BTreeMap<char, u64> = one_round_trip()
-            .into_iter()
-            .map(|(m, c)| (m, c * n))
-            .collect();
-        if prepared {
-            assert_eq!(sent, whole, "messages sent");
-        }
-        *cost = n;
+        *cost = statements_since(counts, &before, prepared);
         for answer in answers {
             match answer.unwrap() {
                 Reservation::Acquired { attempt: 1 } if fresh => {}
