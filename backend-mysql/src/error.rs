@@ -99,7 +99,9 @@ pub(crate) fn map_sqlx(
         };
     }
     match err {
-        E::Io(_) | E::Protocol(_) | E::PoolClosed | E::WorkerCrashed => unavailable(operation, err),
+        E::Io(_) | E::Tls(_) | E::Protocol(_) | E::PoolClosed | E::WorkerCrashed => {
+            unavailable(operation, err)
+        }
         E::PoolTimedOut => Error::Unavailable {
             backend: BACKEND,
             message: format!(
@@ -172,16 +174,25 @@ fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
     }
 }
 
-/// A TLS failure that no retry fixes: every sqlx `Tls` error (a server
+/// A TLS failure that no retry fixes: sqlx's own `Tls` errors (a server
 /// without TLS when the URL requires it, a root certificate that cannot be
-/// read, a client built without TLS) and, with the `tls` feature, a handshake
-/// rustls refused (a certificate not trusted, no common protocol). A
-/// connection cut mid-handshake is an I/O error of another kind: an outage.
+/// parsed, a client built without TLS) and, with the `tls` feature, a
+/// handshake rustls refused (a certificate not trusted, no common protocol,
+/// the server's refusal of ours). A connection cut mid-handshake is an
+/// outage, also when a TLS library reports it as a `Tls` error carrying the
+/// I/O error (as native-tls does); so is a certificate file that cannot be
+/// read (an I/O error).
 fn tls_misconfiguration(err: &sqlx::Error) -> Option<String> {
+    let found = idempotency_core::tls::misconfiguration(err);
     match err {
-        sqlx::Error::Tls(e) => Some(e.to_string()),
-        _ => idempotency_core::tls::misconfiguration(err),
+        sqlx::Error::Tls(e) if found.is_none() && !carries_io(&**e) => Some(e.to_string()),
+        _ => found,
     }
+}
+
+/// Whether `e` or an error in its source chain is an I/O error.
+fn carries_io(e: &(dyn std::error::Error + 'static)) -> bool {
+    std::iter::successors(Some(e), |e| e.source()).any(|e| e.is::<std::io::Error>())
 }
 
 pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
@@ -196,11 +207,24 @@ pub(crate) fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
 mod tests {
     use super::*;
 
+    #[test]
+    fn sqlx_tls_errors_are_configuration_unless_a_connection_was_cut() {
+        let without = sqlx::Error::Tls("server does not support TLS".into());
+        assert!(matches!(
+            map_sqlx(without, "connect", None, "t"),
+            Error::Config { message } if message.contains("does not support TLS")
+        ));
+        // As native-tls reports a connection reset mid-handshake.
+        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+        let cut = sqlx::Error::Tls(Box::new(reset));
+        assert!(map_sqlx(cut, "connect", None, "t").is_store_outage());
+    }
+
     #[cfg(feature = "tls")]
     #[test]
     fn an_untrusted_certificate_is_a_configuration_error() {
         // How sqlx reports a handshake rustls refused: an I/O error carrying
-        // it. (A server without TLS, sqlx's own `Tls` error: `tests/errors.rs`.)
+        // it.
         let untrusted = sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             rustls::Error::InvalidCertificate(rustls::CertificateError::UnknownIssuer),

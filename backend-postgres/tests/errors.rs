@@ -47,7 +47,9 @@ async fn connection_rows(server: &str) -> Vec<ErrorRow> {
     } else {
         // The harness's server has no TLS (and, were it given one, its
         // certificate would not be signed by a root this client trusts):
-        // either way no retry helps.
+        // either way no retry helps. (A server given by
+        // IDEMPOTENCY_TEST_POSTGRES_URL with a publicly trusted certificate
+        // would connect, and fail this row.)
         rows.push(ErrorRow::new(
             "`sslmode=verify-full` against a server without a trusted TLS certificate",
             idempotency_postgres::connect(&url_with::query(server, "sslmode=verify-full")).await,

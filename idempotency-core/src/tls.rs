@@ -7,9 +7,10 @@ use std::error::Error as StdError;
 
 /// What is wrong, when `err` or an error in its source chain is a rustls
 /// failure that retrying cannot fix: a certificate the client does not trust
-/// (unknown issuer, another name, expired, revoked), a server that presented
-/// none, or no protocol version or cipher suite in common. `None` for
-/// anything else, a connection cut mid-handshake among them (an outage).
+/// (unknown issuer, another name, expired), a server that presented none, no
+/// protocol version or cipher suite in common, or the server's alert that it
+/// refused the client's certificate or the protocol. `None` for anything
+/// else, a connection cut mid-handshake among them (an outage).
 ///
 /// rustls reports handshake failures through the I/O layer, so the search
 /// looks inside each [`std::io::Error`] of the chain, and inside
@@ -39,14 +40,7 @@ pub fn misconfiguration(err: &(dyn StdError + 'static)) -> Option<String> {
         let mut next = Some(err);
         while let Some(e) = next {
             if let Some(tls) = as_rustls(e) {
-                return matches!(
-                    tls,
-                    rustls::Error::InvalidCertificate(_)
-                        | rustls::Error::NoCertificatesPresented
-                        | rustls::Error::UnsupportedNameType
-                        | rustls::Error::PeerIncompatible(_)
-                )
-                .then(|| tls.to_string());
+                return permanent(tls).then(|| tls.to_string());
             }
             next = e.source();
         }
@@ -54,6 +48,33 @@ pub fn misconfiguration(err: &(dyn StdError + 'static)) -> Option<String> {
     #[cfg(not(feature = "rustls"))]
     let _ = err;
     None
+}
+
+/// Whether retrying cannot cure `tls`: the certificates or the protocols
+/// do not match, on our side or (an alert) on the server's.
+#[cfg(feature = "rustls")]
+fn permanent(tls: &rustls::Error) -> bool {
+    use rustls::AlertDescription as A;
+    match tls {
+        rustls::Error::InvalidCertificate(_)
+        | rustls::Error::NoCertificatesPresented
+        | rustls::Error::PeerIncompatible(_) => true,
+        rustls::Error::AlertReceived(alert) => matches!(
+            alert,
+            A::BadCertificate
+                | A::UnsupportedCertificate
+                | A::CertificateRevoked
+                | A::CertificateExpired
+                | A::CertificateUnknown
+                | A::UnknownCA
+                | A::CertificateRequired
+                | A::AccessDenied
+                | A::ProtocolVersion
+                | A::InsufficientSecurity
+                | A::HandshakeFailure
+        ),
+        _ => false,
+    }
 }
 
 /// `e` as a rustls error: itself, the error an I/O error carries, or either
@@ -106,6 +127,9 @@ mod tests {
             rustls::Error::InvalidCertificate(CertificateError::Expired),
             rustls::Error::NoCertificatesPresented,
             rustls::Error::PeerIncompatible(PeerIncompatible::NoCipherSuitesInCommon),
+            // The server refused our client certificate.
+            rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRequired),
+            rustls::Error::AlertReceived(rustls::AlertDescription::UnknownCA),
         ] {
             let shown = tls.to_string();
             // Directly, inside an I/O error, behind a wrapper, behind an Arc.
