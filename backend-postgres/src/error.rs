@@ -109,25 +109,16 @@ pub(crate) fn map_sqlx(
     }
 }
 
-/// A TLS failure that no retry fixes: sqlx's own `Tls` errors (a server
-/// without TLS when the URL requires it, a root certificate that cannot be
-/// parsed, a client built without TLS) and, with the `tls` feature, a
-/// handshake rustls refused (a certificate not trusted, no common protocol,
-/// the server's refusal of ours). A connection cut mid-handshake is an
-/// outage, also when a TLS library reports it as a `Tls` error carrying the
-/// I/O error (as native-tls does); so is a certificate file that cannot be
-/// read (an I/O error).
+/// A TLS failure that no retry fixes (`idempotency_core::tls`): sqlx's own
+/// `Tls` errors (a server without TLS when the URL requires it, a root
+/// certificate that cannot be parsed), unless one carries a cut connection,
+/// and a handshake rustls refused. A certificate file that cannot be read is
+/// an I/O error: an outage.
 fn tls_misconfiguration(err: &sqlx::Error) -> Option<String> {
-    let found = idempotency_core::tls::misconfiguration(err);
     match err {
-        sqlx::Error::Tls(e) if found.is_none() && !carries_io(&**e) => Some(e.to_string()),
-        _ => found,
+        sqlx::Error::Tls(e) => idempotency_core::tls::library_error(&**e),
+        _ => idempotency_core::tls::misconfiguration(err),
     }
-}
-
-/// Whether `e` or an error in its source chain is an I/O error.
-fn carries_io(e: &(dyn std::error::Error + 'static)) -> bool {
-    std::iter::successors(Some(e), |e| e.source()).any(|e| e.is::<std::io::Error>())
 }
 
 fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {

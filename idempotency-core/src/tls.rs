@@ -50,6 +50,30 @@ pub fn misconfiguration(err: &(dyn StdError + 'static)) -> Option<String> {
     None
 }
 
+/// What is wrong, for a client library's own TLS error `tls` (such as
+/// sqlx's `Error::Tls`: a server without TLS when TLS is required, a
+/// certificate that cannot be parsed, a client built without TLS): always a
+/// misconfiguration, unless it carries an I/O error, as a connection cut
+/// mid-handshake does in some TLS libraries (native-tls), which is an
+/// outage, or a rustls failure [`misconfiguration`] judges.
+///
+/// ```
+/// use idempotency_core::tls::library_error;
+/// let without: Box<dyn std::error::Error + Send + Sync> = "server does not support TLS".into();
+/// assert_eq!(library_error(&*without).as_deref(), Some("server does not support TLS"));
+/// let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+/// assert_eq!(library_error(&reset), None);
+/// ```
+pub fn library_error(tls: &(dyn StdError + 'static)) -> Option<String> {
+    let carries_io =
+        std::iter::successors(Some(tls), |&e| e.source()).any(|e| e.is::<std::io::Error>());
+    if carries_io {
+        misconfiguration(tls)
+    } else {
+        Some(tls.to_string())
+    }
+}
+
 /// Whether retrying cannot cure `tls`: the certificates or the protocols
 /// do not match, on our side or (an alert) on the server's.
 #[cfg(feature = "rustls")]
