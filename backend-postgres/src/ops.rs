@@ -164,10 +164,10 @@ pub(crate) async fn reserve_many<'e>(
 }
 
 /// Reservations of distinct keys (a batch's, or coalesced calls'): starting
-/// with the statement `first` names over arrays (the plain insert or the plain read of
-/// [`reserve`], each answering only what it decides alone), then the
-/// reservation function over arrays for the requests it left, on the same
-/// connection.
+/// with the statement `first` names over arrays (the plain insert or the
+/// plain read of [`reserve`], each answering only what it decides alone),
+/// then the reservation function over arrays for the requests it left, on
+/// the same connection.
 pub(crate) async fn reserve_planned_many(
     sql: &Statements,
     conn: &mut PgConnection,
@@ -218,7 +218,8 @@ pub(crate) async fn reserve_planned_many(
 
 /// Which request a row of a plain statement over arrays answers: the read
 /// ends with the request's position in `sent` (from 1), the insert with the
-/// key it inserted.
+/// key it inserted, found by binary search in `sent`, which is in key order
+/// (a key sent twice, never expected: the first, the one the insert took).
 fn answered_request(
     row: &PgRow,
     first: First,
@@ -234,10 +235,14 @@ fn answered_request(
     }
     let namespace: &[u8] = row.try_get(last.checked_sub(1)?).ok()?;
     let id: &[u8] = row.try_get(last).ok()?;
-    sent.iter().copied().find(|&i| {
+    let bytes = |i: usize| {
         let key = requests[i].key;
-        key.namespace().as_bytes() == namespace && key.id().as_bytes() == id
-    })
+        (key.namespace().as_bytes(), key.id().as_bytes())
+    };
+    let at = sent.partition_point(|&i| bytes(i) < (namespace, id));
+    sent.get(at)
+        .copied()
+        .filter(|&i| bytes(i) == (namespace, id))
 }
 
 /// The `LIMIT` of a statement joining arrays of `sent`'s length to the table
