@@ -15,6 +15,13 @@ pub(crate) fn is_noscript(err: &RedisError) -> bool {
     err.kind() == ErrorKind::Server(ServerErrorKind::NoScript) || err.code() == Some("NOSCRIPT")
 }
 
+/// Whether the server refused a command over keys of different hash slots
+/// (`CROSSSLOT`: a cluster node, or a proxy in front of shards, reached by a
+/// standalone URL). The command was not run.
+pub(crate) fn is_cross_slot(err: &RedisError) -> bool {
+    err.code() == Some("CROSSSLOT") || err.to_string().contains("hash to the same slot")
+}
+
 /// Whether the server rejected `SET … NX … GET` as a syntax error (Redis < 7.0).
 pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
     err.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)

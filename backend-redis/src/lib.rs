@@ -57,7 +57,7 @@
 //!
 //! | | |
 //! |---|---|
-//! | Atomicity | every operation is one `SET`/`GET`/`DEL` or one Lua script on one key: exactly one `reserve` wins a key, exactly one wins a takeover |
+//! | Atomicity | every operation is one `SET`/`GET`/`DEL` or one Lua script on one key (a batch's completions on a standalone server: one script over many keys, each decided as alone): exactly one `reserve` wins a key, exactly one wins a takeover |
 //! | Fencing | `complete`, `fail`, `release`, `extend` are scripts that compare the stored owner token byte for byte; a lost lease leaves the record untouched ([`LeaseLost`](idempotency_core::Error::LeaseLost)) |
 //! | Expiry | logical expiry (`expires_at <= now`, the caller's `now`) is checked by every operation; the key's physical TTL is `PX = expires_at - now` (at least 1 ms), so the server evicts a record when the caller's clock reaches its expiry, never before |
 //! | Lease and expiry | `extend` moves the lease and raises `expires_at` to `max(stored, given)` with the key's TTL in the same script: a handler that outlives the record's first expiry keeps its record; the expiry and the TTL are never lowered |
@@ -66,7 +66,7 @@
 //! | Bytes | results and errors are opaque: NUL, non-UTF-8 and empty values round-trip; `Some(empty)` ≠ `None` |
 //! | Keys | the Redis key is [`RecordKey::encode`](idempotency_core::RecordKey::encode), injective over (namespace, id), prefixed with an empty hash tag `{}` when the id contains `{` ([`RedisRepository::redis_key`]): braces in namespaces are escaped and ids never form a hash tag, so records spread over all cluster slots, also for ids like `/orders/{id}` |
 //! | Foreign data | a value under our key that is not a record (wrong type, unknown format) is [`Corrupt { key }`](idempotency_core::Error::Corrupt), never a panic |
-//! | Cluster | each script touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`) |
+//! | Cluster | each script a cluster runs touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`); `complete_many`, over many keys, runs only on a standalone server |
 //!
 //! # Commands per operation
 //!
@@ -81,7 +81,7 @@
 //! | `get` | 1 | `GET` |
 //! | `delete` | 1 | `DEL` |
 //! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
-//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own). On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes on its own, as a single operation. On a cluster connection passed in (`from_cluster_*`), one command per key |
+//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own); on a standalone server the completions are `EVALSHA complete_many` over up to 100 keys per call (a result over 256 KiB in a call of its own), each key decided and answered as `finish` would alone; a server that refuses a script over keys of different slots (`CROSSSLOT`: a proxy in front of shards) gets them as `EVALSHA finish` per key from then on. On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes on its own, as a single operation. On a cluster connection passed in (`from_cluster_*`), one command per key |
 //!
 //! So a **fresh execution** through the manager costs **2 commands** (reserve +
 //! complete) and a **duplicate 1**; the test `commands_per_operation` (in

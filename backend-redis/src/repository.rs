@@ -22,6 +22,8 @@ use crate::options::{
 };
 use crate::scripts::{LuaScript, Scripts};
 
+mod complete_many;
+
 /// The longest id stored verbatim; longer ids are digested by
 /// [`RecordKey::new`].
 pub const MAX_ID_BYTES: usize = 1024;
@@ -75,6 +77,10 @@ pub struct RedisRepository {
     strategy: ReserveStrategy,
     /// Cleared when the server rejects `SET … NX … GET` (Redis < 7.0).
     set_nx_get_supported: Arc<AtomicBool>,
+    /// Cleared when a standalone server refuses the `complete_many` script
+    /// because its keys hash to different slots (a proxy in front of shards,
+    /// or a cluster node reached by a standalone URL).
+    multi_key_scripts: Arc<AtomicBool>,
     max_result_bytes: usize,
     /// On a cluster reached by URL: the slot table and our connections to its
     /// primaries, for keyed commands and batches (see `nodes`).
@@ -207,6 +213,7 @@ impl RedisRepository {
             scripts: Arc::new(Scripts::new()),
             strategy: ReserveStrategy::default(),
             set_nx_get_supported: Arc::new(AtomicBool::new(true)),
+            multi_key_scripts: Arc::new(AtomicBool::new(true)),
             max_result_bytes: RedisOptions::default().max_result_bytes,
             #[cfg(feature = "cluster")]
             nodes: None,
@@ -289,7 +296,8 @@ impl RedisRepository {
 
     /// The Lua scripts this repository runs (`EVALSHA`, falling back to `EVAL`
     /// after `NOSCRIPT`): `reserve` (only for takeovers, or on Redis < 7 where
-    /// `SET … NX … GET` is rejected), `finish`, `release` and `extend`.
+    /// `SET … NX … GET` is rejected), `finish`, `release`, `extend`, and
+    /// `complete_many` (a batch's completions, on a standalone server).
     ///
     /// ```no_run
     /// # async fn show() -> Result<(), idempotency_core::Error> {
@@ -300,7 +308,7 @@ impl RedisRepository {
     /// # Ok(())
     /// # }
     /// ```
-    pub fn scripts(&self) -> [&LuaScript; 4] {
+    pub fn scripts(&self) -> [&LuaScript; 5] {
         self.scripts.all()
     }
 
@@ -542,8 +550,10 @@ impl RedisRepository {
         })
     }
 
-    /// Every completion's `EVALSHA finish` in one pipeline on a standalone
-    /// server; a script the server lost is reloaded through the single path.
+    /// Every completion's `EVALSHA finish` in one pipeline: to one primary of
+    /// a cluster (whose keys hash to many slots, so no script may take them
+    /// all), or to a standalone server that refused `complete_many` for that
+    /// reason; a script the server lost is reloaded through the single path.
     async fn complete_pipelined(
         &self,
         mut conn: impl redis::aio::ConnectionLike + Send,
@@ -1084,8 +1094,10 @@ impl Repository for RedisRepository {
         }
     }
 
-    /// One pipeline on a standalone server (one round trip); on a cluster,
-    /// as for `reserve_many`.
+    /// On a standalone server, the `complete_many` script over up to 100
+    /// keys per call, every call in one pipeline (one round trip); on a
+    /// cluster, or on a server that refused the script's keys as spread over
+    /// slots, `EVALSHA finish` per key, pipelined as for `reserve_many`.
     async fn complete_many(
         &self,
         completions: Vec<Completion<'_>>,
@@ -1093,8 +1105,12 @@ impl Repository for RedisRepository {
     ) -> Vec<Result<(), Error>> {
         match &self.conn {
             Conn::Standalone(conn) if completions.len() > 1 => {
-                self.complete_pipelined(conn.clone(), completions, now)
-                    .await
+                if self.multi_key_scripts.load(Ordering::Relaxed) {
+                    self.complete_scripted(conn.clone(), completions, now).await
+                } else {
+                    self.complete_pipelined(conn.clone(), completions, now)
+                        .await
+                }
             }
             #[cfg(feature = "cluster")]
             Conn::Cluster(_) if completions.len() > 1 && self.nodes.is_some() => {

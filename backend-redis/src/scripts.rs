@@ -1,6 +1,9 @@
-//! The Lua scripts. Each touches exactly one key (`KEYS[1]`), so each runs
-//! unchanged on Redis Cluster; each validates the stored record before reading it
-//! and answers `IDEMPOTENCY_CORRUPT …` instead of misreading foreign data.
+//! The Lua scripts. Each but `complete_many` touches exactly one key
+//! (`KEYS[1]`), so each runs unchanged on Redis Cluster; `complete_many`, many
+//! keys at once, runs only on a standalone server. Each validates the stored
+//! record before reading it and answers `IDEMPOTENCY_CORRUPT …` (or, for one of
+//! `complete_many`'s keys, the problem in that key's place) instead of
+//! misreading foreign data.
 //!
 //! Instants arrive as 8 big-endian bytes and are compared as (high, low) 32-bit
 //! halves: exact over the whole `u64` range, where Lua's doubles are not. Owner
@@ -9,7 +12,7 @@
 use redis::Script;
 
 /// Shared helpers, prepended to every script.
-const PRELUDE: &str = r#"
+const HELPERS: &str = r#"
 local function u64(s, pos)
   local hi, lo = struct.unpack('>I4I4', s, pos)
   return hi, lo
@@ -32,6 +35,20 @@ end
 local function owned(v, owner, now)
   return string.sub(v, 2, 2) == 'P' and string.sub(v, 15, 30) == owner and not expired(v, now)
 end
+local function finish(key, v, status, now, expires, px, add, value)
+  local flags = string.byte(v, 55) % 2
+  local fp = ''
+  if flags == 1 then fp = string.sub(v, 56, 87) end
+  flags = flags + tonumber(add)
+  redis.call('SET', key,
+    '\1' .. status .. string.sub(v, 3, 38) .. expires .. now .. string.char(flags) .. fp .. value,
+    'PX', px)
+end
+"#;
+
+/// Reads and validates `KEYS[1]`'s record into `v`, after [`HELPERS`], in every
+/// single-key script.
+const READ_ONE: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v then
   local problem = bad(v)
@@ -93,14 +110,39 @@ return {1, attempt}
 /// when the lease is lost.
 const FINISH: &str = r#"
 if (not v) or not owned(v, ARGV[1], ARGV[2]) then return 0 end
-local flags = string.byte(v, 55) % 2
-local fp = ''
-if flags == 1 then fp = string.sub(v, 56, 87) end
-flags = flags + tonumber(ARGV[6])
-redis.call('SET', KEYS[1],
-  '\1' .. ARGV[5] .. string.sub(v, 3, 38) .. ARGV[3] .. ARGV[2] .. string.char(flags) .. fp .. ARGV[7],
-  'PX', ARGV[4])
+finish(KEYS[1], v, ARGV[5], ARGV[2], ARGV[3], ARGV[4], ARGV[6], ARGV[7])
 return 1
+"#;
+
+/// `complete` for every key of `KEYS` (a standalone server only: the keys
+/// hash to many slots): ARGV = now, then five per key, in `KEYS`' order:
+/// owner, expires_at, PX, flags to add (as `finish`'s, for a completion),
+/// value. Answers one item per key, as `finish` would for it alone: 1, 0
+/// when the lease is lost, or, for a value that is not a record, the problem
+/// (a string) — never an error for the whole call, so that one foreign value
+/// does not hide which keys were completed.
+const COMPLETE_MANY: &str = r#"
+local now = ARGV[1]
+local out = {}
+for i = 1, #KEYS do
+  local a = 2 + (i - 1) * 5
+  local v = redis.pcall('GET', KEYS[i])
+  local answer = 0
+  if type(v) == 'table' then
+    answer = 'the key holds a value that is not a string'
+  elseif v then
+    answer = bad(v)
+    if not answer then
+      answer = 0
+      if owned(v, ARGV[a], now) then
+        finish(KEYS[i], v, 'C', now, ARGV[a + 1], ARGV[a + 2], ARGV[a + 3], ARGV[a + 4])
+        answer = 1
+      end
+    end
+  end
+  out[i] = answer
+end
+return out
 "#;
 
 /// `release`: ARGV = owner, now. Answers 1, or 0 when the lease is lost.
@@ -144,8 +186,9 @@ pub struct LuaScript {
 }
 
 impl LuaScript {
-    /// The script's name: `reserve`, `finish` (complete and fail), `release` or
-    /// `extend`.
+    /// The script's name: `reserve`, `finish` (complete and fail), `release`,
+    /// `extend` or `complete_many` (a batch's completions on a standalone
+    /// server).
     pub fn name(&self) -> &'static str {
         self.name
     }
@@ -160,8 +203,12 @@ impl LuaScript {
         &self.sha
     }
 
-    fn new(name: &'static str, body: &str) -> Self {
-        let source = format!("{PRELUDE}{body}");
+    /// A script over `KEYS[1]`, its record read and checked into `v` first.
+    fn one_key(name: &'static str, body: &str) -> Self {
+        Self::new(name, format!("{HELPERS}{READ_ONE}{body}"))
+    }
+
+    fn new(name: &'static str, source: String) -> Self {
         let sha = Script::new(&source).get_hash().to_owned();
         LuaScript { name, source, sha }
     }
@@ -174,19 +221,27 @@ pub(crate) struct Scripts {
     pub(crate) finish: LuaScript,
     pub(crate) release: LuaScript,
     pub(crate) extend: LuaScript,
+    pub(crate) complete_many: LuaScript,
 }
 
 impl Scripts {
     pub(crate) fn new() -> Self {
         Scripts {
-            reserve: LuaScript::new("reserve", RESERVE),
-            finish: LuaScript::new("finish", FINISH),
-            release: LuaScript::new("release", RELEASE),
-            extend: LuaScript::new("extend", EXTEND),
+            reserve: LuaScript::one_key("reserve", RESERVE),
+            finish: LuaScript::one_key("finish", FINISH),
+            release: LuaScript::one_key("release", RELEASE),
+            extend: LuaScript::one_key("extend", EXTEND),
+            complete_many: LuaScript::new("complete_many", format!("{HELPERS}{COMPLETE_MANY}")),
         }
     }
 
-    pub(crate) fn all(&self) -> [&LuaScript; 4] {
-        [&self.reserve, &self.finish, &self.release, &self.extend]
+    pub(crate) fn all(&self) -> [&LuaScript; 5] {
+        [
+            &self.reserve,
+            &self.finish,
+            &self.release,
+            &self.extend,
+            &self.complete_many,
+        ]
     }
 }

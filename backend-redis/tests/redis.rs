@@ -629,6 +629,62 @@ async fn flush_scripts_everywhere(cluster: &RedisClusterServer) {
     }
 }
 
+/// A standalone URL to a server that refuses scripts over keys of different
+/// slots (a proxy in front of shards; here a master of the harness's cluster):
+/// a batch's `complete_many` call comes back `CROSSSLOT`, unrun, and the
+/// completions go key by key, this batch and the next; every record is
+/// completed once, by its owner.
+#[cfg(feature = "cluster")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_completions_fall_back_where_keys_may_not_share_a_script() {
+    let (cluster, url) = cluster().await;
+    let placed = cluster_repo(&url, ReserveStrategy::SetNxGet).await;
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let keys: Vec<RecordKey> = (0..60).map(|i| key(&format!("crossslot-{i}"))).collect();
+    let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    for answer in placed
+        .reserve_many(requests_of(&keys, &owners, &clock))
+        .await
+    {
+        assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+    }
+    // The keys the first key's master holds, each in a slot of its own.
+    let master = holder(&cluster, &keys[0]).await;
+    let mut mine = Vec::new();
+    for (i, k) in keys.iter().enumerate() {
+        if holder(&cluster, k).await == master {
+            mine.push(i);
+        }
+    }
+    assert!(mine.len() >= 6, "{} keys on master {master}", mine.len());
+    let direct = RedisRepository::connect(cluster.nodes()[master].url())
+        .await
+        .unwrap();
+    let half = mine.len() / 2;
+    for round in [&mine[..half], &mine[half..]] {
+        let writes: Vec<Completion<'_>> = round
+            .iter()
+            .map(|&i| Completion {
+                key: &keys[i],
+                owner: owners[i],
+                result: Some(keys[i].id().as_bytes()),
+                expires_at: now + TTL,
+            })
+            .collect();
+        let answers = direct.complete_many(writes, now).await;
+        assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    }
+    for &i in &mine {
+        let r = placed.get(&keys[i], now).await.unwrap().unwrap();
+        assert_eq!((r.owner, r.status), (owners[i], Status::Completed));
+        assert_eq!(r.result.as_deref(), Some(keys[i].id().as_bytes()));
+    }
+    for k in &keys {
+        placed.delete(k).await.unwrap();
+    }
+}
+
 /// The whole conformance suite, both strategies, against the harness's
 /// three-master Redis Cluster; then the cluster-specific facts: records spread
 /// over the masters, and a `SCRIPT FLUSH` on every node is survived.
@@ -1834,9 +1890,10 @@ async fn batches_are_one_pipeline() {
                 .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 2 }))),
             "{strategy:?}: {takeovers:?}"
         );
-        // Their completions, in a pipeline too. The scripts were flushed: the
-        // first batch's writes come back NOSCRIPT and are sent again on their
-        // own (which loads the script); the second batch is one round trip.
+        // Their completions, in one `complete_many` call. The scripts were
+        // flushed: the first batch's call comes back NOSCRIPT and is sent
+        // again with the script's source (which loads it); the second batch
+        // is one round trip.
         let _: () = redis::cmd("SCRIPT")
             .arg("FLUSH")
             .query_async(&mut admin)
@@ -1857,13 +1914,23 @@ async fn batches_are_one_pipeline() {
         let first = repo.complete_many(writes(0..50), clock.now()).await;
         assert!(first.iter().all(Result::is_ok), "{strategy:?}: {first:?}");
         let before = counter.snapshot();
-        let second = repo.complete_many(writes(50..100), clock.now()).await;
+        let mut second = Vec::new();
+        let commands = commands_of(&mut admin, async {
+            second = repo.complete_many(writes(50..100), clock.now()).await;
+        })
+        .await;
         assert_eq!(
             counter.round_trips_since(&before),
             1,
             "{strategy:?}: completions"
         );
         assert!(second.iter().all(Result::is_ok), "{strategy:?}: {second:?}");
+        // One `complete_many` call for the 50 (each key's GET and SET inside).
+        assert_eq!(
+            commands,
+            counts(&[("evalsha", 1), ("get", 50), ("set", 50)]),
+            "{strategy:?}: completions"
+        );
         // Written again by the same owners: each refused on its own.
         let again = repo.complete_many(writes(0..100), clock.now()).await;
         assert!(again
@@ -1875,5 +1942,111 @@ async fn batches_are_one_pipeline() {
             assert_eq!(r.result.as_deref(), Some(k.id().as_bytes()));
             repo.delete(k).await.unwrap();
         }
+    }
+}
+
+/// A batch's completions on a standalone server are `complete_many` calls of
+/// at most 100 keys, a large result in a call of its own, all in one round
+/// trip; each key is answered as `complete` would answer it alone, whatever
+/// its neighbours are: a lease held by another owner or never taken, a value
+/// that is not a record (its key named), a result too large for the
+/// repository, a record completed; and nothing but the completed records
+/// changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_completions_answer_each_key_alone() {
+    let server = shared().await;
+    let counter = containers::WireCounter::redis(server.url()).await.unwrap();
+    let mut admin = admin(server.url()).await;
+    let repo = RedisRepository::connect(counter.url())
+        .await
+        .unwrap()
+        .with_max_result_bytes(1 << 20);
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    const N: usize = 250;
+    let keys: Vec<RecordKey> = (0..N).map(|i| shared_key(&format!("many-{i}"))).collect();
+    let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    // Every key reserved but the never-reserved ones and the foreign values.
+    let never = |i: usize| i % 50 == 7;
+    let foreign = |i: usize| i % 50 == 11 || i % 50 == 12;
+    let reserved: Vec<usize> = (0..N).filter(|&i| !never(i) && !foreign(i)).collect();
+    let requests: Vec<ReserveRequest<'_>> = reserved
+        .iter()
+        .map(|&i| request(&keys[i], owners[i], &clock))
+        .collect();
+    for answer in repo.reserve_many(requests).await {
+        assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+    }
+    for i in (0..N).filter(|&i| foreign(i)) {
+        let mut cmd = redis::cmd(if i % 2 == 0 { "HSET" } else { "SET" });
+        cmd.arg(RedisRepository::redis_key(&keys[i]));
+        if i % 2 == 0 {
+            cmd.arg("status");
+        }
+        let _: () = cmd
+            .arg("not a record")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+    }
+    let stranger = |i: usize| i % 50 == 3;
+    let too_large = 2 << 20;
+    let large = |i: usize| i % 100 == 20;
+    let results: Vec<Vec<u8>> = (0..N)
+        .map(|i| match i {
+            5 => vec![b'x'; too_large],
+            _ if large(i) => vec![i as u8; 300 * 1024],
+            _ => format!("result-{i}").into_bytes(),
+        })
+        .collect();
+    let writes: Vec<Completion<'_>> = (0..N)
+        .map(|i| Completion {
+            key: &keys[i],
+            owner: if stranger(i) {
+                OwnerToken::random()
+            } else {
+                owners[i]
+            },
+            result: Some(results[i].as_slice()),
+            expires_at: now + TTL,
+        })
+        .collect();
+    let before = counter.snapshot();
+    let answers = repo.complete_many(writes, now).await;
+    assert_eq!(counter.round_trips_since(&before), 1);
+    assert_eq!(answers.len(), N);
+    let completed = |i: usize| !never(i) && !foreign(i) && !stranger(i) && i != 5;
+    for (i, answer) in answers.into_iter().enumerate() {
+        let k = &keys[i];
+        match answer {
+            Ok(()) => assert!(completed(i), "key {i} completed"),
+            Err(Error::LeaseLost { key }) => {
+                assert!(never(i) || stranger(i), "key {i} lost");
+                assert_eq!(&key, k);
+            }
+            Err(Error::Corrupt { key: Some(key), .. }) => {
+                assert!(foreign(i), "key {i} corrupt");
+                assert_eq!(&key, k);
+            }
+            Err(Error::TooLarge { .. }) => assert_eq!(i, 5),
+            Err(e) => panic!("key {i}: {e:?}"),
+        }
+        let stored = repo.get(k, now).await;
+        if foreign(i) {
+            assert!(matches!(stored, Err(Error::Corrupt { .. })), "key {i}");
+        } else if never(i) {
+            assert_eq!(stored.unwrap(), None, "key {i}");
+        } else {
+            let r = stored.unwrap().unwrap();
+            assert_eq!(r.owner, owners[i], "key {i}");
+            if completed(i) {
+                assert_eq!(r.status, Status::Completed, "key {i}");
+                assert_eq!(r.result.as_deref(), Some(results[i].as_slice()), "key {i}");
+                assert_eq!(r.expires_at, now + TTL, "key {i}");
+            } else {
+                assert_eq!(r.status, Status::Processing, "key {i}");
+            }
+        }
+        let _ = repo.delete(k).await;
     }
 }
