@@ -66,7 +66,7 @@
 //! | Bytes | results and errors are opaque: NUL, non-UTF-8 and empty values round-trip; `Some(empty)` ≠ `None` |
 //! | Keys | the Redis key is [`RecordKey::encode`](idempotency_core::RecordKey::encode), injective over (namespace, id), prefixed with an empty hash tag `{}` when the id contains `{` ([`RedisRepository::redis_key`]): braces in namespaces are escaped and ids never form a hash tag, so records spread over all cluster slots, also for ids like `/orders/{id}` |
 //! | Foreign data | a value under our key that is not a record (wrong type, unknown format) is [`Corrupt { key }`](idempotency_core::Error::Corrupt), never a panic |
-//! | Cluster | each script a cluster runs touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`); `complete_many`, over many keys, runs only on a standalone server |
+//! | Cluster | each script a cluster runs touches a single key, so everything runs unchanged on Redis Cluster (feature `cluster`); `complete_many`, over many keys, runs only on a connection opened with a standalone URL (see the batch row below for proxies in front of shards) |
 //!
 //! # Commands per operation
 //!
@@ -81,7 +81,7 @@
 //! | `get` | 1 | `GET` |
 //! | `delete` | 1 | `DEL` |
 //! | `purge_expired` | 0 | none: Redis expires keys itself (`native_expiry`) |
-//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own); on a standalone server the completions are `EVALSHA complete_many` over up to 100 keys per call (a result over 256 KiB in a call of its own), each key decided and answered as `finish` would alone; a server that refuses a script over keys of different slots (`CROSSSLOT`: a proxy in front of shards) gets them as `EVALSHA finish` per key from then on. On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes on its own, as a single operation. On a cluster connection passed in (`from_cluster_*`), one command per key |
+//! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per server; on a cluster 1 per master, in parallel | the same commands, pipelined (what a pipeline cannot decide — a takeover, `NOSCRIPT` — goes on its own); on a standalone server the completions are `EVALSHA complete_many` over up to 100 keys per call (a result over 256 KiB in a call of its own), each key decided as `finish` would alone. Only the script's "completed" is final: a key it answered otherwise (a lost lease, a foreign value; rare) is sent again on its own as `EVALSHA finish` (one more round trip), whose answer stands, so that a proxy routing the whole call to the shard of its first key (twemproxy, Envoy) cannot turn another shard's completion into a lost lease. A server that refuses the script's keys as spread over slots (`CROSSSLOT`), or whose script missed a key that `finish` then completed, gets `EVALSHA finish` per key, pipelined, from then on. On a cluster reached by URL, the keys are grouped by the master serving their slot (`CLUSTER SLOTS`, read again whenever a node refuses a key) and each group is sent on a connection of the repository's own to that master, never through the cluster client, which re-sends a whole pipeline when one command is redirected; a key the master does not serve now (`MOVED`, `ASK`, `TRYAGAIN`, `CLUSTERDOWN`, `LOADING`, `READONLY`: not executed) goes on its own, as a single operation. On a cluster connection passed in (`from_cluster_*`), one command per key |
 //!
 //! So a **fresh execution** through the manager costs **2 commands** (reserve +
 //! complete) and a **duplicate 1**; the test `commands_per_operation` (in
@@ -92,7 +92,9 @@
 //! Scripts are loaded once (`SCRIPT LOAD` when connecting; on a cluster, on every
 //! primary). When a server has lost its script cache (restart, `SCRIPT FLUSH`,
 //! failover) the call that meets `NOSCRIPT` resends that script once with `EVAL`,
-//! which caches it again — transparently, one extra command per script and server.
+//! which caches it again — transparently, one extra command per script and server
+//! (for a batch's completions, one per call of up to 100 keys in the pipeline
+//! that met it).
 //!
 //! # Why `SET … NX PX … GET` and not one script
 //!

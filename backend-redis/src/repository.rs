@@ -550,6 +550,29 @@ impl RedisRepository {
         })
     }
 
+    /// Each completion's `finish` arguments, by index in `writes`, and an
+    /// answer already for each refused before anything is sent (a result
+    /// over the size limit); `None` for the others.
+    fn completion_args(
+        &self,
+        writes: &[Completion<'_>],
+        now: Timestamp,
+    ) -> (Answers<()>, Vec<Ready>) {
+        let mut answers = Vec::with_capacity(writes.len());
+        let mut ready = Vec::with_capacity(writes.len());
+        for (i, w) in writes.iter().enumerate() {
+            let completed = Status::Completed;
+            match self.finish_args(w.owner, completed, w.result, false, w.expires_at, now) {
+                Ok(args) => {
+                    ready.push((i, args));
+                    answers.push(None);
+                }
+                Err(e) => answers.push(Some(Err(e))),
+            }
+        }
+        (answers, ready)
+    }
+
     /// Every completion's `EVALSHA finish` in one pipeline: to one primary of
     /// a cluster (whose keys hash to many slots, so no script may take them
     /// all), or to a standalone server that refused `complete_many` for that
@@ -560,27 +583,18 @@ impl RedisRepository {
         writes: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
-        let mut pipe = redis::Pipeline::with_capacity(writes.len());
-        pipe.ignore_errors();
-        let mut answers: Vec<Option<Result<(), Error>>> = Vec::with_capacity(writes.len());
-        for w in &writes {
-            match self.finish_args(
-                w.owner,
-                Status::Completed,
-                w.result,
-                false,
-                w.expires_at,
-                now,
-            ) {
-                Ok(args) => {
-                    let sha = self.scripts.finish.sha.as_bytes();
-                    pipe.add_command(script_cmd("EVALSHA", sha, w.key, &args.slices(w.result)));
-                    answers.push(None);
-                }
-                Err(e) => answers.push(Some(Err(e))),
-            }
+        let (mut answers, ready) = self.completion_args(&writes, now);
+        if ready.is_empty() {
+            return fill(answers, |_| Err(unexpected("complete", "no answer")));
         }
-        let sent = answers.iter().filter(|a| a.is_none()).count();
+        let mut pipe = redis::Pipeline::with_capacity(ready.len());
+        pipe.ignore_errors();
+        let sha = self.scripts.finish.sha.as_bytes();
+        for (i, args) in &ready {
+            let w = &writes[*i];
+            pipe.add_command(script_cmd("EVALSHA", sha, w.key, &args.slices(w.result)));
+        }
+        let sent = ready.len();
         let replies = match pipe
             .query_async::<Vec<redis::RedisResult<Value>>>(&mut conn)
             .await
@@ -868,6 +882,12 @@ fn set_nx_get_cmd(req: &ReserveRequest<'_>, fresh: &[u8], px: u64) -> Cmd {
         .arg("GET");
     cmd
 }
+
+/// Answers by index in a batch, `None` until known.
+type Answers<T> = Vec<Option<Result<T, Error>>>;
+
+/// A completion on its way: its index in the batch and its `finish` arguments.
+type Ready = (usize, FinishArgs);
 
 /// The finish script's arguments, owned (the value is the caller's).
 struct FinishArgs {

@@ -25,6 +25,8 @@ use idempotency_core::{
 };
 use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
 
+mod sharding_proxy;
+
 const TTL: Duration = Duration::from_secs(3600);
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -661,6 +663,7 @@ async fn batch_completions_fall_back_where_keys_may_not_share_a_script() {
     let direct = RedisRepository::connect(cluster.nodes()[master].url())
         .await
         .unwrap();
+    let refusals = redirects(&cluster, master, "CROSSSLOT").await;
     let half = mine.len() / 2;
     for round in [&mine[..half], &mine[half..]] {
         let writes: Vec<Completion<'_>> = round
@@ -675,6 +678,8 @@ async fn batch_completions_fall_back_where_keys_may_not_share_a_script() {
         let answers = direct.complete_many(writes, now).await;
         assert!(answers.iter().all(Result::is_ok), "{answers:?}");
     }
+    // One refusal: the second batch no longer tried the script.
+    assert_eq!(redirects(&cluster, master, "CROSSSLOT").await - refusals, 1);
     for &i in &mine {
         let r = placed.get(&keys[i], now).await.unwrap().unwrap();
         assert_eq!((r.owner, r.status), (owners[i], Status::Completed));
@@ -1083,8 +1088,8 @@ async fn node_id(cluster: &RedisClusterServer, index: usize) -> String {
     }
 }
 
-/// How many replies of `kind` (`MOVED`, `ASK`) node `index` has sent since it
-/// started (`INFO errorstats`).
+/// How many replies of `kind` (`MOVED`, `ASK`, `CROSSSLOT`) node `index` has
+/// sent since it started (`INFO errorstats`).
 #[cfg(feature = "cluster")]
 async fn redirects(cluster: &RedisClusterServer, index: usize, kind: &str) -> u64 {
     let info = match cluster.nodes()[index]
@@ -1947,14 +1952,15 @@ async fn batches_are_one_pipeline() {
 
 /// A batch's completions on a standalone server are `complete_many` calls of
 /// at most 100 keys, a large result in a call of its own, all in one round
-/// trip; each key is answered as `complete` would answer it alone, whatever
-/// its neighbours are: a lease held by another owner or never taken, a value
-/// that is not a record (its key named), a result too large for the
-/// repository, a record completed; and nothing but the completed records
-/// changes.
+/// trip, and one more for the keys the script did not complete, each sent
+/// again on its own; each key is answered as `complete` would answer it
+/// alone, whatever its neighbours are: a lease held by another owner or never
+/// taken, a value that is not a record (its key named), a result too large
+/// for the repository, a record completed; and nothing but the completed
+/// records changes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batch_completions_answer_each_key_alone() {
-    let server = shared().await;
+    let server = dedicated().await;
     let counter = containers::WireCounter::redis(server.url()).await.unwrap();
     let mut admin = admin(server.url()).await;
     let repo = RedisRepository::connect(counter.url())
@@ -2012,8 +2018,18 @@ async fn batch_completions_answer_each_key_alone() {
         })
         .collect();
     let before = counter.snapshot();
-    let answers = repo.complete_many(writes, now).await;
-    assert_eq!(counter.round_trips_since(&before), 1);
+    let mut answers = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        answers = repo.complete_many(writes, now).await;
+    })
+    .await;
+    assert_eq!(counter.round_trips_since(&before), 2);
+    // 249 keys sent (key 5's result is refused first) in calls of 19, 1, 99,
+    // 1, 99, 1 and 29 keys (keys 20, 120 and 220 alone: their results are
+    // over 256 KiB); then the 20 keys not completed, one `finish` each.
+    let not_completed = (0..N).filter(|&i| never(i) || stranger(i) || foreign(i));
+    assert_eq!(not_completed.count(), 20);
+    assert_eq!(commands.get("evalsha"), Some(&(7 + 20)), "{commands:?}");
     assert_eq!(answers.len(), N);
     let completed = |i: usize| !never(i) && !foreign(i) && !stranger(i) && i != 5;
     for (i, answer) in answers.into_iter().enumerate() {
@@ -2024,9 +2040,18 @@ async fn batch_completions_answer_each_key_alone() {
                 assert!(never(i) || stranger(i), "key {i} lost");
                 assert_eq!(&key, k);
             }
-            Err(Error::Corrupt { key: Some(key), .. }) => {
+            Err(Error::Corrupt {
+                key: Some(key),
+                reason,
+            }) => {
                 assert!(foreign(i), "key {i} corrupt");
                 assert_eq!(&key, k);
+                let expected = if i % 2 == 0 {
+                    "the key holds a value that is not a string"
+                } else {
+                    "unsupported record format"
+                };
+                assert_eq!(reason, expected, "key {i}");
             }
             Err(Error::TooLarge { .. }) => assert_eq!(i, 5),
             Err(e) => panic!("key {i}: {e:?}"),
@@ -2048,5 +2073,62 @@ async fn batch_completions_answer_each_key_alone() {
             }
         }
         let _ = repo.delete(k).await;
+    }
+}
+
+/// Behind a proxy that routes a script to the shard of its first key without
+/// looking at the others (twemproxy, Envoy's Redis proxy), a batch's
+/// `complete_many` call does not find the other shards' keys and answers them
+/// as lost leases. Each is completed again on its own, which the proxy routes
+/// to its shard, and every later batch completes key by key: every answer is
+/// `Ok` and every record is completed once, by its owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_completions_survive_a_proxy_routing_scripts_by_their_first_key() {
+    let server = shared().await;
+    let proxy = sharding_proxy::ShardingProxy::start(server.url()).await;
+    let repo = RedisRepository::connect(proxy.url()).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    for round in 0..2 {
+        let keys: Vec<RecordKey> = (0..40)
+            .map(|i| shared_key(&format!("proxied-{round}-{i}")))
+            .collect();
+        let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        for answer in repo.reserve_many(requests_of(&keys, &owners, &clock)).await {
+            assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+        }
+        let mut shards = std::collections::BTreeSet::new();
+        for k in &keys {
+            let name = RedisRepository::redis_key(k);
+            let shard = sharding_proxy::ShardingProxy::shard_of(name.as_bytes());
+            assert!(proxy.holds(shard, &name).await, "{name} on shard {shard}");
+            shards.insert(shard);
+        }
+        assert_eq!(shards.len(), 2, "the keys spread over both shards");
+        let writes: Vec<Completion<'_>> = keys
+            .iter()
+            .zip(&owners)
+            .map(|(key, owner)| Completion {
+                key,
+                owner: *owner,
+                result: Some(key.id().as_bytes()),
+                expires_at: now + TTL,
+            })
+            .collect();
+        let scripts_before = proxy.multi_key_scripts();
+        let answers = repo.complete_many(writes, now).await;
+        assert!(
+            answers.iter().all(Result::is_ok),
+            "round {round}: {answers:?}"
+        );
+        // The first batch tried one script over its keys; the second none.
+        let expected = usize::from(round == 0);
+        assert_eq!(proxy.multi_key_scripts() - scripts_before, expected);
+        for (k, owner) in keys.iter().zip(&owners) {
+            let r = repo.get(k, now).await.unwrap().unwrap();
+            assert_eq!((r.owner, r.status), (*owner, Status::Completed), "{k}");
+            assert_eq!(r.result.as_deref(), Some(k.id().as_bytes()));
+            assert!(repo.delete(k).await.unwrap());
+        }
     }
 }

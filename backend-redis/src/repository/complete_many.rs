@@ -2,16 +2,16 @@
 //! up to [`KEYS_PER_CALL`] keys at a time, every call in one pipeline.
 //!
 //! One script call per hundred completions instead of one `EVALSHA finish`
-//! each saves the server a command and a script invocation per key, and the
-//! client a command to encode and a reply to parse. Each key is decided as
-//! `finish` decides it alone, and answered alone: one key's lost lease or
-//! foreign value never touches another's answer.
+//! each saves the client a command to encode, send and parse per key (the
+//! server's work per key is the same). Each key is decided as `finish`
+//! decides it alone, and answered alone: one key's lost lease or foreign
+//! value never touches another's answer.
 
-use idempotency_core::{Completion, Error, RecordKey, Status, Timestamp};
+use idempotency_core::{Completion, Error, RecordKey, Timestamp};
 use redis::aio::ConnectionManager;
 use redis::{Cmd, RedisResult, Value};
 
-use super::{fill, key_len, map_redis_error, owned_reply, unexpected, FinishArgs, KeyArg};
+use super::{fill, key_len, map_redis_error, owned_reply, unexpected, KeyArg, Ready};
 use super::{RedisRepository, BACKEND};
 use crate::codec::ts_bytes;
 use crate::error::{is_cross_slot, is_noscript};
@@ -24,40 +24,27 @@ pub(crate) const KEYS_PER_CALL: usize = 100;
 /// so it must not copy many large values at once.
 pub(crate) const VALUE_BYTES_PER_CALL: usize = 256 * 1024;
 
-/// One completion on its way: its index in the batch and its arguments.
-type Write = (usize, FinishArgs);
-
 impl RedisRepository {
     /// Every completion through `complete_many` calls, pipelined: one round
     /// trip. A call the server's script cache lost (`NOSCRIPT`) is sent again
-    /// with its source; one the server refused because its keys hash to
-    /// different slots (`CROSSSLOT`, not run) goes key by key, as do every
-    /// later batch's.
+    /// with its source.
+    ///
+    /// Only the script's "completed" is final. A key it answered otherwise (a
+    /// lease lost, a value that is not a record: rare) is completed again on
+    /// its own with `finish`, whose answer stands, so that a proxy routing the
+    /// whole call to the shard of its first key (as twemproxy and Envoy do)
+    /// never turns another shard's completion into a lost lease. A call the
+    /// server refused because its keys hash to different slots (`CROSSSLOT`,
+    /// not run) goes key by key too. Either sign of keys the script cannot see
+    /// (a refusal, or a key completed alone that the script had not found)
+    /// makes every later batch complete key by key.
     pub(super) async fn complete_scripted(
         &self,
         conn: ConnectionManager,
         writes: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
-        let mut answers: Vec<Option<Result<(), Error>>> = Vec::with_capacity(writes.len());
-        let mut ready = Vec::with_capacity(writes.len());
-        for (i, w) in writes.iter().enumerate() {
-            let args = self.finish_args(
-                w.owner,
-                Status::Completed,
-                w.result,
-                false,
-                w.expires_at,
-                now,
-            );
-            match args {
-                Ok(args) => {
-                    ready.push((i, args));
-                    answers.push(None);
-                }
-                Err(e) => answers.push(Some(Err(e))),
-            }
-        }
+        let (mut answers, ready) = self.completion_args(&writes, now);
         if ready.is_empty() {
             return fill(answers, |_| Err(unexpected("complete", "no answer")));
         }
@@ -66,26 +53,29 @@ impl RedisRepository {
             Ok(replies) => replies,
             Err(e) => return fill(answers, |i| Err(pipeline_error(e.as_ref(), writes[i].key))),
         };
-        let mut refused = Vec::new();
+        // Keys to complete on their own, and whether the script had answered
+        // each (rather than refused its call).
+        let mut alone = Vec::new();
         for (reply, call) in replies.iter().zip(&calls) {
             if matches!(reply, Err(e) if is_cross_slot(e)) {
-                refused.extend(call.iter().map(|(i, _)| *i));
+                self.stop_multi_key_scripts("refuses scripts over keys of different slots");
+                alone.extend(call.iter().map(|(i, _)| (*i, false)));
                 continue;
             }
             for (n, (i, _)) in call.iter().enumerate() {
-                answers[*i] = Some(call_answer(reply, n, call.len(), writes[*i].key));
+                match call_answer(reply, n, call.len(), writes[*i].key) {
+                    Err(Error::LeaseLost { .. } | Error::Corrupt { .. }) => alone.push((*i, true)),
+                    answer => answers[*i] = Some(answer),
+                }
             }
         }
-        if !refused.is_empty() {
-            tracing::warn!(
-                "the Redis server refuses scripts over keys of different slots (a proxy in \
-                 front of shards?); completing batches key by key from now on"
-            );
-            self.multi_key_scripts
-                .store(false, std::sync::atomic::Ordering::Relaxed);
-            let again = refused.iter().map(|&i| writes[i]).collect();
+        if !alone.is_empty() {
+            let again = alone.iter().map(|&(i, _)| writes[i]).collect();
             let answered = self.complete_pipelined(conn, again, now).await;
-            for (i, answer) in refused.into_iter().zip(answered) {
+            for ((i, answered_by_script), answer) in alone.into_iter().zip(answered) {
+                if answered_by_script && answer.is_ok() {
+                    self.stop_multi_key_scripts("ran a script over keys it does not hold");
+                }
                 answers[i] = Some(answer);
             }
         }
@@ -94,19 +84,33 @@ impl RedisRepository {
         })
     }
 
+    /// Batches complete key by key from now on: the server (a proxy in front
+    /// of shards) `why`.
+    fn stop_multi_key_scripts(&self, why: &str) {
+        if self
+            .multi_key_scripts
+            .swap(false, std::sync::atomic::Ordering::Relaxed)
+        {
+            tracing::warn!(
+                "the Redis server {why} (a proxy in front of shards?); completing batches key \
+                 by key from now on"
+            );
+        }
+    }
+
     /// Every call in one pipeline, and again with the script's source each
     /// one the server answered `NOSCRIPT`: one reply per call, or the
     /// pipeline's error (`None`: replies missing).
     async fn send_calls(
         &self,
         mut conn: ConnectionManager,
-        calls: &[&[Write]],
+        calls: &[&[Ready]],
         writes: &[Completion<'_>],
         now: Timestamp,
     ) -> Result<Vec<RedisResult<Value>>, Option<redis::RedisError>> {
         let stamp = ts_bytes(now);
         let script = &self.scripts.complete_many;
-        let cmd = |verb: &str, body: &str, call: &[Write]| {
+        let cmd = |verb: &str, body: &str, call: &[Ready]| {
             complete_many_cmd(verb, body.as_bytes(), &stamp, call, writes)
         };
         let mut pipe = redis::Pipeline::with_capacity(calls.len());
@@ -172,7 +176,7 @@ fn call_answer(
 /// The writes split into calls of at most [`KEYS_PER_CALL`] keys and
 /// [`VALUE_BYTES_PER_CALL`] bytes of results (a larger result alone), in
 /// order.
-fn calls(writes: &[Write], value_len: impl Fn(usize) -> usize) -> Vec<&[Write]> {
+fn calls(writes: &[Ready], value_len: impl Fn(usize) -> usize) -> Vec<&[Ready]> {
     let mut calls = Vec::with_capacity(writes.len() / KEYS_PER_CALL + 1);
     let (mut start, mut bytes) = (0, 0);
     for (n, (i, _)) in writes.iter().enumerate() {
@@ -196,7 +200,7 @@ fn complete_many_cmd(
     verb: &str,
     body: &[u8],
     now: &[u8],
-    call: &[Write],
+    call: &[Ready],
     writes: &[Completion<'_>],
 ) -> Cmd {
     let values = |i: usize| writes[i].result.unwrap_or_default();
@@ -241,6 +245,7 @@ fn key_answer(item: &Value, key: &RecordKey) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::FinishArgs;
     use super::*;
     use idempotency_core::OwnerToken;
 
@@ -255,13 +260,13 @@ mod tests {
         }
     }
 
-    fn sizes(writes: &[Write], lens: &[usize]) -> Vec<usize> {
+    fn sizes(writes: &[Ready], lens: &[usize]) -> Vec<usize> {
         calls(writes, |i| lens[i]).iter().map(|c| c.len()).collect()
     }
 
     #[test]
     fn calls_hold_at_most_their_keys_and_bytes_in_order() {
-        let writes: Vec<Write> = (0..250).map(|i| (i, args())).collect();
+        let writes: Vec<Ready> = (0..250).map(|i| (i, args())).collect();
         assert_eq!(sizes(&writes, &[10; 250]), [100, 100, 50]);
         // A result over the bound travels alone; small ones fill up to it.
         let mut lens = vec![10; 250];
