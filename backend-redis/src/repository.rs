@@ -575,8 +575,9 @@ impl RedisRepository {
 
     /// Every completion's `EVALSHA finish` in one pipeline: to one primary of
     /// a cluster (whose keys hash to many slots, so no script may take them
-    /// all), or to a standalone server that refused `complete_many` for that
-    /// reason; a script the server lost is reloaded through the single path.
+    /// all), or to a standalone server for the keys `complete_many` did not
+    /// complete or cannot take (see `complete_many.rs`); a script the server
+    /// lost is reloaded through the single path.
     async fn complete_pipelined(
         &self,
         mut conn: impl redis::aio::ConnectionLike + Send,
