@@ -77,9 +77,11 @@ pub struct RedisRepository {
     strategy: ReserveStrategy,
     /// Cleared when the server rejects `SET … NX … GET` (Redis < 7.0).
     set_nx_get_supported: Arc<AtomicBool>,
-    /// Cleared when a standalone server refuses the `complete_many` script
-    /// because its keys hash to different slots (a proxy in front of shards,
-    /// or a cluster node reached by a standalone URL).
+    /// Cleared when a standalone server shows that the `complete_many`
+    /// script cannot see all its keys (a proxy in front of shards, or a
+    /// cluster node reached by a standalone URL): it refused the keys as
+    /// spread over slots, or a key the script did not complete was then
+    /// completed on its own.
     multi_key_scripts: Arc<AtomicBool>,
     max_result_bytes: usize,
     /// On a cluster reached by URL: the slot table and our connections to its
@@ -1116,9 +1118,10 @@ impl Repository for RedisRepository {
     }
 
     /// On a standalone server, the `complete_many` script over up to 100
-    /// keys per call, every call in one pipeline (one round trip); on a
-    /// cluster, or on a server that refused the script's keys as spread over
-    /// slots, `EVALSHA finish` per key, pipelined as for `reserve_many`.
+    /// keys per call, every call in one pipeline (one round trip), and the
+    /// keys it did not complete again on their own (one more); on a cluster,
+    /// or on a server whose scripts cannot see all their keys, `EVALSHA
+    /// finish` per key, pipelined as for `reserve_many`.
     async fn complete_many(
         &self,
         completions: Vec<Completion<'_>>,

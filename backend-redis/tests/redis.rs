@@ -2074,18 +2074,56 @@ async fn batch_completions_answer_each_key_alone() {
         }
         let _ = repo.delete(k).await;
     }
+    // Lost leases and foreign values say nothing against the script: the
+    // next batch is one `complete_many` call again.
+    let next: Vec<RecordKey> = (0..10).map(|i| shared_key(&format!("next-{i}"))).collect();
+    let next_owners: Vec<OwnerToken> = next.iter().map(|_| OwnerToken::random()).collect();
+    for answer in repo
+        .reserve_many(requests_of(&next, &next_owners, &clock))
+        .await
+    {
+        assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+    }
+    let writes: Vec<Completion<'_>> = next
+        .iter()
+        .zip(&next_owners)
+        .map(|(key, owner)| Completion {
+            key,
+            owner: *owner,
+            result: None,
+            expires_at: now + TTL,
+        })
+        .collect();
+    let mut answers = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        answers = repo.complete_many(writes, now).await;
+    })
+    .await;
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+    assert_eq!(commands.get("evalsha"), Some(&1), "{commands:?}");
 }
 
-/// Behind a proxy that routes a script to the shard of its first key without
-/// looking at the others (twemproxy, Envoy's Redis proxy), a batch's
-/// `complete_many` call does not find the other shards' keys and answers them
-/// as lost leases. Each is completed again on its own, which the proxy routes
-/// to its shard, and every later batch completes key by key: every answer is
-/// `Ok` and every record is completed once, by its owner.
+/// Behind a proxy in front of shards, a batch's `complete_many` call cannot
+/// see every key. One that routes a script to the shard of its first key
+/// without looking at the others (twemproxy, Envoy's Redis proxy) gets the
+/// other shards' keys answered as lost leases; one that refuses scripts over
+/// many keys in its own words (not `CROSSSLOT`) gets the call refused. Either
+/// way each key the script did not complete is completed again on its own,
+/// which the proxy routes to its shard, and every later batch completes key
+/// by key: every answer is `Ok` and every record is completed once, by its
+/// owner.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batch_completions_survive_a_proxy_routing_scripts_by_their_first_key() {
+async fn batch_completions_survive_a_proxy_in_front_of_shards() {
+    use sharding_proxy::{Scripts, ShardingProxy};
     let server = shared().await;
-    let proxy = sharding_proxy::ShardingProxy::start(server.url()).await;
+    for scripts in [Scripts::FirstKey, Scripts::OneKeyOnly] {
+        proxied_batches(&ShardingProxy::start(server.url(), scripts).await).await;
+    }
+}
+
+/// Two batches of 40 keys spread over both shards through `proxy`, reserved
+/// and completed: the first tries one script over its keys, the second none.
+async fn proxied_batches(proxy: &sharding_proxy::ShardingProxy) {
     let repo = RedisRepository::connect(proxy.url()).await.unwrap();
     let clock = ManualClock::starting_now();
     let now = clock.now();

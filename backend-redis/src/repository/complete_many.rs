@@ -33,11 +33,12 @@ impl RedisRepository {
     /// lease lost, a value that is not a record: rare) is completed again on
     /// its own with `finish`, whose answer stands, so that a proxy routing the
     /// whole call to the shard of its first key (as twemproxy and Envoy do)
-    /// never turns another shard's completion into a lost lease. A call the
-    /// server refused because its keys hash to different slots (`CROSSSLOT`,
-    /// not run) goes key by key too. Either sign of keys the script cannot see
-    /// (a refusal, or a key completed alone that the script had not found)
-    /// makes every later batch complete key by key.
+    /// never turns another shard's completion into a lost lease. So are the
+    /// keys of a call the server refused as a whole for anything but an
+    /// outage: `CROSSSLOT` (keys of different slots; not run), or a proxy's
+    /// refusal in its own words. A `CROSSSLOT`, or a key completed alone that
+    /// the script did not complete, makes every later batch complete key by
+    /// key.
     pub(super) async fn complete_scripted(
         &self,
         conn: ConnectionManager,
@@ -53,28 +54,38 @@ impl RedisRepository {
             Ok(replies) => replies,
             Err(e) => return fill(answers, |i| Err(pipeline_error(e.as_ref(), writes[i].key))),
         };
-        // Keys to complete on their own, and whether the script had answered
-        // each (rather than refused its call).
+        // Keys to complete on their own with `finish`, whose answer stands.
         let mut alone = Vec::new();
         for (reply, call) in replies.iter().zip(&calls) {
-            if matches!(reply, Err(e) if is_cross_slot(e)) {
-                self.stop_multi_key_scripts("refuses scripts over keys of different slots");
-                alone.extend(call.iter().map(|(i, _)| (*i, false)));
-                continue;
-            }
-            for (n, (i, _)) in call.iter().enumerate() {
-                match call_answer(reply, n, call.len(), writes[*i].key) {
-                    Err(Error::LeaseLost { .. } | Error::Corrupt { .. }) => alone.push((*i, true)),
-                    answer => answers[*i] = Some(answer),
+            let keys = call.iter().map(|(i, _)| *i);
+            match reply {
+                Err(e) if is_cross_slot(e) => {
+                    self.stop_multi_key_scripts("refuses scripts over keys of different slots");
+                    alone.extend(keys);
+                }
+                // Refused as a whole, not for an outage (which the engine
+                // retries): each key on its own says what holds for it.
+                Err(e) if !map_redis_error(e.clone(), None, "complete").is_store_outage() => {
+                    alone.extend(keys);
+                }
+                _ => {
+                    for (n, (i, _)) in call.iter().enumerate() {
+                        match call_answer(reply, n, call.len(), writes[*i].key) {
+                            Err(Error::LeaseLost { .. } | Error::Corrupt { .. }) => alone.push(*i),
+                            answer => answers[*i] = Some(answer),
+                        }
+                    }
                 }
             }
         }
         if !alone.is_empty() {
-            let again = alone.iter().map(|&(i, _)| writes[i]).collect();
+            let again = alone.iter().map(|&i| writes[i]).collect();
             let answered = self.complete_pipelined(conn, again, now).await;
-            for ((i, answered_by_script), answer) in alone.into_iter().zip(answered) {
-                if answered_by_script && answer.is_ok() {
-                    self.stop_multi_key_scripts("ran a script over keys it does not hold");
+            for (i, answer) in alone.into_iter().zip(answered) {
+                if answer.is_ok() {
+                    self.stop_multi_key_scripts(
+                        "completes keys one by one that its scripts did not",
+                    );
                 }
                 answers[i] = Some(answer);
             }

@@ -1,7 +1,9 @@
 //! A proxy in front of two shards that routes each command by its first key,
 //! as twemproxy and Envoy's Redis proxy do: a script goes to the shard of its
-//! first key whatever its other keys are, and commands without a key go to
-//! every shard (the first one's reply is answered). The shards are two
+//! first key whatever its other keys are (or, with [`Scripts::OneKeyOnly`],
+//! a script over more than one key is refused in the proxy's own words), and
+//! commands without a key go to every shard (the first one's reply is
+//! answered). The shards are two
 //! databases of one real server, so a script sees only its first key's
 //! shard. Commands run one at a time per client connection, in order, so
 //! pipelines are answered in order.
@@ -9,9 +11,21 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use idempotency_redis::redis::{self, aio::MultiplexedConnection, RedisError, Value};
+use idempotency_redis::redis::{self, aio::MultiplexedConnection, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+
+/// What the proxy does with a script over more than one key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Scripts {
+    /// Sends it to the shard of its first key.
+    FirstKey,
+    /// Refuses it (`ERR …`), without `CROSSSLOT`.
+    OneKeyOnly,
+}
+
+/// An error reply: its code and detail.
+type Refusal = (String, String);
 
 /// The running proxy; it stops when dropped.
 pub(crate) struct ShardingProxy {
@@ -29,12 +43,18 @@ impl Drop for ShardingProxy {
 
 impl ShardingProxy {
     /// A proxy on 127.0.0.1 in front of databases 1 and 2 of the server at
-    /// `server_url` (`redis://host:port`).
-    pub(crate) async fn start(server_url: &str) -> Self {
+    /// `server_url`, treating scripts over many keys as `scripts` says.
+    pub(crate) async fn start(server_url: &str, scripts: Scripts) -> Self {
+        let client = redis::Client::open(server_url).unwrap();
         let mut shards = Vec::new();
         for db in [1, 2] {
-            let client = redis::Client::open(format!("{server_url}/{db}")).unwrap();
-            shards.push(client.get_multiplexed_async_connection().await.unwrap());
+            let mut shard = client.get_multiplexed_async_connection().await.unwrap();
+            let () = redis::cmd("SELECT")
+                .arg(db)
+                .query_async(&mut shard)
+                .await
+                .unwrap();
+            shards.push(shard);
         }
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("redis://{}", listener.local_addr().unwrap());
@@ -42,7 +62,7 @@ impl ShardingProxy {
         let (conns, counter) = (shards.clone(), multi_key_scripts.clone());
         let accept = tokio::spawn(async move {
             while let Ok((socket, _)) = listener.accept().await {
-                tokio::spawn(serve(socket, conns.clone(), counter.clone()));
+                tokio::spawn(serve(socket, conns.clone(), counter.clone(), scripts));
             }
         });
         ShardingProxy {
@@ -58,7 +78,7 @@ impl ShardingProxy {
         &self.url
     }
 
-    /// Scripts over more than one key the proxy has routed so far.
+    /// Scripts over more than one key the proxy has met so far.
     pub(crate) fn multi_key_scripts(&self) -> usize {
         self.multi_key_scripts.load(Ordering::SeqCst)
     }
@@ -82,15 +102,20 @@ impl ShardingProxy {
     }
 }
 
-async fn serve(socket: TcpStream, shards: Vec<MultiplexedConnection>, counter: Arc<AtomicUsize>) {
+async fn serve(
+    socket: TcpStream,
+    shards: Vec<MultiplexedConnection>,
+    counter: Arc<AtomicUsize>,
+    scripts: Scripts,
+) {
     let (read, mut write) = socket.into_split();
     let mut read = BufReader::new(read);
     while let Some(args) = read_request(&mut read).await {
-        let reply = route(&args, &shards, &counter).await;
+        let reply = route(&args, &shards, &counter, scripts).await;
         let mut out = Vec::new();
         match reply {
             Ok(value) => encode(&value, &mut out),
-            Err(e) => error_line(e.code(), e.detail(), &mut out),
+            Err((code, detail)) => error_line(Some(&code), Some(&detail), &mut out),
         }
         if write.write_all(&out).await.is_err() {
             return;
@@ -125,13 +150,18 @@ async fn route(
     args: &[Vec<u8>],
     shards: &[MultiplexedConnection],
     counter: &AtomicUsize,
-) -> Result<Value, RedisError> {
+    scripts: Scripts,
+) -> Result<Value, Refusal> {
     let name = String::from_utf8_lossy(&args[0]).to_ascii_uppercase();
     let key = match name.as_str() {
         "EVAL" | "EVALSHA" => {
             let keys: usize = String::from_utf8_lossy(&args[2]).parse().unwrap_or(0);
             if keys > 1 {
                 counter.fetch_add(1, Ordering::SeqCst);
+                if let Scripts::OneKeyOnly = scripts {
+                    let detail = "this proxy runs scripts over one key only".to_owned();
+                    return Err(("ERR".to_owned(), detail));
+                }
             }
             (keys > 0).then(|| &args[3])
         }
@@ -142,7 +172,7 @@ async fn route(
     for arg in args {
         cmd.arg(arg.as_slice());
     }
-    match key {
+    let reply = match key {
         Some(key) => {
             let mut shard = shards[ShardingProxy::shard_of(key)].clone();
             cmd.query_async(&mut shard).await
@@ -155,7 +185,11 @@ async fn route(
             }
             first.unwrap_or(Ok(Value::Nil))
         }
-    }
+    };
+    reply.map_err(|e| {
+        let code = e.code().unwrap_or("ERR").to_owned();
+        (code, e.detail().unwrap_or_default().to_owned())
+    })
 }
 
 fn error_line(code: Option<&str>, detail: Option<&str>, out: &mut Vec<u8>) {
