@@ -554,12 +554,13 @@ impl RedisRepository {
 
     /// Each completion's `finish` arguments, by index in `writes`, and an
     /// answer already for each refused before anything is sent (a result
-    /// over the size limit); `None` for the others.
+    /// over the size limit); `None` for the others. When every one was
+    /// refused, their answers.
     fn completion_args(
         &self,
         writes: &[Completion<'_>],
         now: Timestamp,
-    ) -> (Answers<()>, Vec<Ready>) {
+    ) -> Result<(Answers<()>, Vec<Ready>), Completed> {
         let mut answers = Vec::with_capacity(writes.len());
         let mut ready = Vec::with_capacity(writes.len());
         for (i, w) in writes.iter().enumerate() {
@@ -572,7 +573,10 @@ impl RedisRepository {
                 Err(e) => answers.push(Some(Err(e))),
             }
         }
-        (answers, ready)
+        if ready.is_empty() {
+            return Err(fill(answers, |_| Err(unexpected("complete", "no answer"))));
+        }
+        Ok((answers, ready))
     }
 
     /// Every completion's `EVALSHA finish` in one pipeline: to one primary of
@@ -586,10 +590,10 @@ impl RedisRepository {
         writes: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
-        let (mut answers, ready) = self.completion_args(&writes, now);
-        if ready.is_empty() {
-            return fill(answers, |_| Err(unexpected("complete", "no answer")));
-        }
+        let (mut answers, ready) = match self.completion_args(&writes, now) {
+            Ok(args) => args,
+            Err(answered) => return answered,
+        };
         let mut pipe = redis::Pipeline::with_capacity(ready.len());
         pipe.ignore_errors();
         let sha = self.scripts.finish.sha.as_bytes();
@@ -603,14 +607,7 @@ impl RedisRepository {
             .await
         {
             Ok(replies) if replies.len() == sent => replies,
-            Ok(_) => {
-                let e = || Error::Unavailable {
-                    backend: BACKEND,
-                    message: "complete: a pipeline answered with replies missing".into(),
-                    source: None,
-                };
-                return fill(answers, |_| Err(e()));
-            }
+            Ok(_) => return fill(answers, |_| Err(replies_missing("complete"))),
             Err(e) => {
                 return fill(answers, |i| {
                     Err(map_redis_error(e.clone(), Some(writes[i].key), "complete"))
@@ -694,14 +691,10 @@ impl RedisRepository {
             Ok(_) => {
                 // Some commands may have been applied: as ambiguous as a lost
                 // reply, so that the manager re-sends with the same token.
-                let e = || {
-                    Err(Error::Unavailable {
-                        backend: BACKEND,
-                        message: "reserve: a pipeline answered with replies missing".into(),
-                        source: None,
-                    })
-                };
-                return requests.iter().map(|_| e()).collect();
+                return requests
+                    .iter()
+                    .map(|_| Err(replies_missing("reserve")))
+                    .collect();
             }
             Err(e) => {
                 return requests
@@ -892,6 +885,9 @@ type Answers<T> = Vec<Option<Result<T, Error>>>;
 /// A completion on its way: its index in the batch and its `finish` arguments.
 type Ready = (usize, FinishArgs);
 
+/// One answer per completion of a batch, in order.
+type Completed = Vec<Result<(), Error>>;
+
 /// The finish script's arguments, owned (the value is the caller's).
 struct FinishArgs {
     owner: [u8; 16],
@@ -984,6 +980,17 @@ impl ToRedisArgs for KeyArg<'_> {
 /// command grows past this if it does.
 fn key_len(key: &RecordKey) -> usize {
     EMPTY_HASH_TAG.len() + key.namespace().len() + 1 + key.id().len()
+}
+
+/// A pipeline answered with fewer replies than commands: some may have run,
+/// as ambiguous as a lost reply (an outage, so that the manager re-sends with
+/// the same owner token).
+fn replies_missing(operation: &str) -> Error {
+    Error::Unavailable {
+        backend: BACKEND,
+        message: format!("{operation}: a pipeline answered with replies missing"),
+        source: None,
+    }
 }
 
 fn unexpected(operation: &str, what: &str) -> Error {

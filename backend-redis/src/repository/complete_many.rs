@@ -11,8 +11,8 @@ use idempotency_core::{Completion, Error, RecordKey, Timestamp};
 use redis::aio::ConnectionManager;
 use redis::{Cmd, RedisResult, Value};
 
-use super::{fill, key_len, map_redis_error, owned_reply, unexpected, KeyArg, Ready};
-use super::{RedisRepository, BACKEND};
+use super::{fill, key_len, map_redis_error, owned_reply, replies_missing, unexpected};
+use super::{KeyArg, Ready, RedisRepository};
 use crate::codec::ts_bytes;
 use crate::error::{is_cross_slot, is_noscript};
 
@@ -45,10 +45,10 @@ impl RedisRepository {
         writes: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
-        let (mut answers, ready) = self.completion_args(&writes, now);
-        if ready.is_empty() {
-            return fill(answers, |_| Err(unexpected("complete", "no answer")));
-        }
+        let (mut answers, ready) = match self.completion_args(&writes, now) {
+            Ok(args) => args,
+            Err(answered) => return answered,
+        };
         let calls = calls(&ready, |i| writes[i].result.map_or(0, <[u8]>::len));
         let replies = match self.send_calls(conn.clone(), &calls, &writes, now).await {
             Ok(replies) => replies,
@@ -157,15 +157,11 @@ impl RedisRepository {
 }
 
 /// The error of a whole pipeline, for `key`: the connection's, or replies
-/// missing (some calls may have run: as ambiguous as a lost reply).
+/// missing.
 fn pipeline_error(e: Option<&redis::RedisError>, key: &RecordKey) -> Error {
     match e {
         Some(e) => map_redis_error(e.clone(), Some(key), "complete"),
-        None => Error::Unavailable {
-            backend: BACKEND,
-            message: "complete: a pipeline answered with replies missing".into(),
-            source: None,
-        },
+        None => replies_missing("complete"),
     }
 }
 
