@@ -168,6 +168,10 @@ fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) -> Result<(), FormatError
     Ok(())
 }
 
+/// The most header slots reserved ahead of decoding: plenty for any real
+/// response, far below the most a [`HeaderMap`] can hold.
+const MOST_RESERVED_HEADERS: usize = 256;
+
 struct Reader<'a> {
     bytes: &'a [u8],
     pos: usize,
@@ -202,9 +206,12 @@ impl<'a> Reader<'a> {
     fn headers(&mut self) -> Result<HeaderMap, FormatError> {
         let count = usize::from(self.u16()?);
         // Each header takes at least 6 bytes: never reserve more than the input
-        // can hold.
-        let mut headers =
-            HeaderMap::with_capacity(count.min(self.bytes.len().saturating_sub(self.pos) / 6));
+        // can hold, nor more than a map may (beyond which `with_capacity`
+        // panics); a map grows past what was reserved as headers come.
+        let room = count
+            .min(self.bytes.len().saturating_sub(self.pos) / 6)
+            .min(MOST_RESERVED_HEADERS);
+        let mut headers = HeaderMap::with_capacity(room);
         for _ in 0..count {
             let name_len = usize::from(self.u16()?);
             let name = HeaderName::from_bytes(self.take(name_len)?)
@@ -212,7 +219,9 @@ impl<'a> Reader<'a> {
             let value_len = usize::try_from(self.u32()?).map_err(|_| err("header length"))?;
             let value = HeaderValue::from_bytes(self.take(value_len)?)
                 .map_err(|_| err("invalid header value"))?;
-            headers.append(name, value);
+            headers
+                .try_append(name, value)
+                .map_err(|_| err("too many headers"))?;
         }
         Ok(headers)
     }
@@ -489,6 +498,39 @@ mod tests {
         assert!(StoredResponse::decode(b"IDH1\x03\xe8\x00\x00\x00").is_err()); // status 1000
         assert!(StoredResponse::decode(b"IDH1\x00\xc8\x80\x00\x00").is_err()); // unknown flag
         assert!(StoredResponse::decode(br#"{"json":"from another codec"}"#).is_err());
+    }
+
+    #[test]
+    fn many_headers_round_trip_or_are_refused_never_a_panic() {
+        // Tens of thousands of values of one name: more than a map may
+        // reserve at once, yet a valid response, so it comes back whole.
+        let mut headers = HeaderMap::new();
+        for i in 0..30_000u32 {
+            headers.append("x-many", HeaderValue::from(i));
+        }
+        let many = StoredResponse {
+            headers,
+            ..StoredResponse::not_retained(StatusCode::OK, None)
+        };
+        let bytes = many.encode().unwrap();
+        assert_eq!(StoredResponse::decode(&bytes).unwrap(), many);
+
+        // A record declaring more distinct names than a map can hold (only a
+        // corrupt or foreign one can): an error.
+        let count: u16 = 40_000;
+        let mut corrupt = b"IDH1\x00\xc8\x00".to_vec();
+        corrupt.extend_from_slice(&count.to_be_bytes());
+        for i in 0..count {
+            let name = format!("h{i}");
+            corrupt.extend_from_slice(&u16::try_from(name.len()).unwrap().to_be_bytes());
+            corrupt.extend_from_slice(name.as_bytes());
+            corrupt.extend_from_slice(&0u32.to_be_bytes());
+        }
+        let refused = StoredResponse::decode(&corrupt).unwrap_err();
+        assert!(
+            refused.to_string().contains("too many headers"),
+            "{refused}"
+        );
     }
 
     #[test]
