@@ -80,7 +80,10 @@ pub(crate) fn deadlocked(err: &Error) -> bool {
 ///   saying what to fix;
 /// - a statement over the server's `max_allowed_packet` → [`Error::Config`]
 ///   naming the setting (values are capped below the packet size read at
-///   connect, so this means the server's setting was lowered since);
+///   connect, so this means the server's setting was lowered since; a
+///   completion or failure carrying a value reads the size again and answers
+///   [`Error::TooLarge`] instead, so that the manager records the outcome
+///   without the value);
 /// - undecodable columns → [`Error::Corrupt`] naming the key;
 /// - anything else → [`Error::Backend`].
 pub(crate) fn map_sqlx(

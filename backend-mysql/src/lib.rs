@@ -47,7 +47,7 @@
 //! | | |
 //! |---|---|
 //! | keys | `VARBINARY(512)` namespace and `VARBINARY(1024)` id: byte for byte, no collation, no `PAD SPACE` (`a`, `A`, `a ` and `a\0` are four keys); longer ids are digested by the manager |
-//! | results, stored errors | `LONGBLOB`, up to 64 MiB and below the server's `max_allowed_packet` (read at connect; MariaDB's default 16 MiB allows just under 16 MiB); larger values are refused with [`Error::TooLarge`](idempotency_core::Error::TooLarge) before any statement |
+//! | results, stored errors | `LONGBLOB`, up to 64 MiB and below the server's `max_allowed_packet` (read at connect; MariaDB's default 16 MiB allows just under 16 MiB); larger values are refused with [`Error::TooLarge`](idempotency_core::Error::TooLarge) before any statement. Should the server's setting be lowered later (or a proxy's be smaller), a write it refuses, or whose connection it cuts while the value is sent, reads the size again and is answered `TooLarge` too (the manager then records the outcome without the value), and later values are checked against the lower size |
 //! | timestamps | milliseconds (`BIGINT`), from the caller's clock; the server's clock is never used |
 //! | expiry | an expired row is absent to every operation; no native expiry: schedule [`purge_expired`](idempotency_core::Repository::purge_expired) |
 //! | timeouts | every operation under `operation_timeout` (default 5 s) → retryable [`Error::Timeout`](idempotency_core::Error::Timeout); pools made by [`connect`] also set the session's `innodb_lock_wait_timeout` to it (rounded up to whole seconds), so a statement abandoned behind a row lock frees its connection soon after (with your own pool, set it yourself) |

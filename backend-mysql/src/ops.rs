@@ -23,7 +23,7 @@ pub(crate) const MAX_RESULT_BYTES: usize = 64 * 1024 * 1024;
 
 /// Room left in a packet for the statement around a value (key, owner,
 /// timestamps: under 2 KiB; the rest is margin).
-const PACKET_HEADROOM: usize = 64 * 1024;
+pub(crate) const PACKET_HEADROOM: usize = 64 * 1024;
 
 /// How often a reservation starts over when the record it found vanished
 /// before it could lock it (an operator's delete or a purge between two

@@ -2,6 +2,7 @@
 
 use std::future::Future;
 use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,9 +55,10 @@ pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 pub struct MySqlRepository {
     pool: MySqlPool,
     sql: Arc<Statements>,
-    /// The server's `max_allowed_packet` when it was read: values are capped
-    /// below it.
-    max_allowed_packet: Option<u64>,
+    /// The server's `max_allowed_packet` as last read (at connect, and again
+    /// when a value's write failed: see [`MySqlRepository::over_packet`]):
+    /// values are capped below it. Shared by clones.
+    max_allowed_packet: Arc<AtomicU64>,
     operation_timeout: Duration,
 }
 
@@ -124,7 +126,7 @@ impl MySqlRepository {
         let repo = MySqlRepository {
             pool,
             sql: Arc::new(Statements::new(table)),
-            max_allowed_packet: Some(max_allowed_packet),
+            max_allowed_packet: Arc::new(AtomicU64::new(max_allowed_packet)),
             operation_timeout,
         };
         if options.migrate.unwrap_or(true) {
@@ -135,7 +137,7 @@ impl MySqlRepository {
 
     /// A repository on `table` over a pool the application configured (its
     /// size, TLS and timeouts are the pool's own). Reads the server's
-    /// `max_allowed_packet` once; run [`migrate`](Self::migrate) once before
+    /// `max_allowed_packet` (and again should a value's write fail); run [`migrate`](Self::migrate) once before
     /// use.
     ///
     /// # Errors
@@ -147,7 +149,7 @@ impl MySqlRepository {
         Ok(MySqlRepository {
             pool,
             sql: Arc::new(Statements::new(table)),
-            max_allowed_packet: Some(max_allowed_packet),
+            max_allowed_packet: Arc::new(AtomicU64::new(max_allowed_packet)),
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
         })
     }
@@ -232,6 +234,62 @@ impl MySqlRepository {
         let fut = ops::write_owned(&self.sql, &self.pool, key, owner, now, write);
         self.timed(operation, fut).await
     }
+
+    /// [`write_owned`](Self::write_owned) of a write carrying `value` (a
+    /// result or an error): refused with [`Error::TooLarge`] before any
+    /// statement when over the packet size last read, and also when the
+    /// write fails because the server's `max_allowed_packet` was lowered
+    /// since (the server refuses the statement, or cuts the connection while
+    /// it is sent): the manager then records the outcome without the value,
+    /// rather than retrying a write that cannot succeed until the lease ends.
+    async fn write_value(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+        (what, value): (&'static str, Option<&[u8]>),
+        write: OwnedWrite<'_>,
+    ) -> Result<(), Error> {
+        self.capabilities().check_value(what, value)?;
+        self.check_key(key)?;
+        let operation = write.operation();
+        self.timed(operation, async {
+            let written = ops::write_owned(&self.sql, &self.pool, key, owner, now, write).await;
+            match (written, value) {
+                (Err(e), Some(value)) if may_be_over_packet(&e, value) => {
+                    Err(self.over_packet(what, value).await.unwrap_or(e))
+                }
+                (written, _) => written,
+            }
+        })
+        .await
+    }
+
+    /// After a value's write failed: reads the server's `max_allowed_packet`
+    /// again, keeps the lower of it and the one known, and answers
+    /// [`Error::TooLarge`] when `value` no longer fits (a statement over the
+    /// packet size is refused before it runs: nothing was applied). `None`
+    /// when it fits, or the server cannot say.
+    async fn over_packet(&self, what: &'static str, value: &[u8]) -> Option<Error> {
+        let global: u64 =
+            sqlx::query_scalar("SELECT CAST(@@GLOBAL.max_allowed_packet AS UNSIGNED)")
+                .fetch_one(&self.pool)
+                .await
+                .ok()?;
+        self.max_allowed_packet.fetch_min(global, Ordering::Relaxed);
+        self.capabilities().check_value(what, Some(value)).err()
+    }
+}
+
+/// Whether a write's error may come from a statement carrying `value` over
+/// the server's `max_allowed_packet`: the server's refusal ([`Error::Config`]),
+/// or, for a value larger than any server's packet is set to in practice, the
+/// connection it cut while the statement was still being sent (an outage; a
+/// small value's outage is left as it is, without asking a server that may
+/// be gone).
+fn may_be_over_packet(err: &Error, value: &[u8]) -> bool {
+    matches!(err, Error::Config { .. })
+        || (err.is_store_outage() && value.len() > ops::PACKET_HEADROOM)
 }
 
 /// The session's `innodb_lock_wait_timeout` for an operation timeout: whole
@@ -273,7 +331,7 @@ async fn max_allowed_packet<'e>(
 #[async_trait]
 impl Repository for MySqlRepository {
     fn capabilities(&self) -> Capabilities {
-        ops::capabilities(self.max_allowed_packet)
+        ops::capabilities(Some(self.max_allowed_packet.load(Ordering::Relaxed)))
     }
 
     fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {
@@ -296,8 +354,8 @@ impl Repository for MySqlRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.capabilities().check_value("result", result)?;
-        self.write_owned(key, owner, now, OwnedWrite::complete(result, expires_at))
+        let write = OwnedWrite::complete(result, expires_at);
+        self.write_value(key, owner, now, ("result", result), write)
             .await
     }
 
@@ -310,9 +368,9 @@ impl Repository for MySqlRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.capabilities().check_value("error", error)?;
         let write = OwnedWrite::fail(error, retryable, expires_at);
-        self.write_owned(key, owner, now, write).await
+        self.write_value(key, owner, now, ("error", error), write)
+            .await
     }
 
     async fn release(

@@ -91,6 +91,111 @@ async fn values_are_capped_below_the_servers_packet_size() {
     assert!(stored.result.as_deref() == Some(value.as_slice()));
 }
 
+/// `max_allowed_packet` lowered on the server after the repository read it
+/// (an operator's `SET GLOBAL`, a proxy with a smaller limit): a result that
+/// no longer fits is `TooLarge`, not an error the manager would retry until
+/// the lease ends and then leave the record to run again; the manager records
+/// the execution without its result, the duplicate runs nothing, and later
+/// values are checked against the lowered size before any statement. A
+/// dedicated server: the setting is the whole server's.
+#[tokio::test]
+async fn a_packet_size_lowered_since_connect_is_too_large_not_an_outage() {
+    use idempotency_conformance::containers::MariaDbServer;
+    use idempotency_core::{Config, HandlerError, IdempotencyManager, Outcome};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    const LOWERED: usize = 1024 * 1024;
+
+    let server = MariaDbServer::dedicated()
+        .await
+        .unwrap_or_else(|e| panic!("a dedicated MariaDB server: {e}"));
+    let table = namespace("lowered");
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .max_connections(4)
+        .test_before_acquire(true)
+        .connect_lazy(server.url())
+        .unwrap();
+    // Two repositories that read the size before it was lowered: one
+    // called directly, one behind a manager.
+    let repo = MySqlRepository::from_pool(pool.clone(), &table)
+        .await
+        .unwrap();
+    repo.migrate().await.unwrap();
+    let managed = MySqlRepository::from_pool(pool.clone(), &table)
+        .await
+        .unwrap();
+    assert!(repo.capabilities().max_result_bytes.unwrap() > 2 * LOWERED);
+
+    let t = SystemClock.now();
+    let ttl = t + Duration::from_secs(60);
+    let ns = namespace("packet");
+    let key = RecordKey::new(ns.as_str(), "lowered", 1024).unwrap();
+    let r = req(&key, t, Duration::from_secs(30));
+    let owner = r.owner;
+    repo.reserve(r).await.unwrap();
+
+    // Lowered from a connection of its own; then every connection opened
+    // before is cut (the pool, which tests a connection before handing it
+    // out, replaces them): the repositories' next statements go over
+    // connections with the lowered packet size.
+    let mut admin = <sqlx::MySqlConnection as sqlx::Connection>::connect(server.url())
+        .await
+        .unwrap();
+    sqlx::query(&format!("SET GLOBAL max_allowed_packet = {LOWERED}"))
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let others: Vec<i64> = sqlx::query_scalar(
+        "SELECT ID FROM information_schema.PROCESSLIST \
+         WHERE ID <> CONNECTION_ID() AND USER = 'root'",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    assert!(!others.is_empty(), "the pool's connections");
+    for id in others {
+        // One that ended meanwhile is gone already.
+        let _ = sqlx::query(&format!("KILL {id}")).execute(&mut admin).await;
+    }
+
+    // Through the manager: the handler runs once, its execution is recorded
+    // without the result, and the duplicate does not run it again.
+    let config = Config {
+        max_result_size_bytes: usize::MAX,
+        ..Config::default()
+    };
+    let manager = IdempotencyManager::new(Arc::new(managed), config)
+        .unwrap()
+        .scoped(&ns)
+        .unwrap();
+    let runs = AtomicUsize::new(0);
+    let handler = || async {
+        runs.fetch_add(1, Ordering::SeqCst);
+        Ok::<_, HandlerError<String>>("r".repeat(2 * LOWERED))
+    };
+    let first = manager.execute("payment", &(), handler).await.unwrap();
+    assert!(matches!(&first, Outcome::Executed(v) if v.len() == 2 * LOWERED));
+    let again = manager.execute("payment", &(), handler).await.unwrap();
+    assert!(matches!(again, Outcome::Duplicate), "{again:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+
+    // Called directly: `TooLarge`, not retryable, nothing applied; the owner
+    // still completes, without the value.
+    let big = vec![7u8; 2 * LOWERED];
+    let err = repo
+        .complete(&key, owner, Some(&big), ttl, t)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::TooLarge { what: "result", size, max } if size == big.len() && max < LOWERED),
+        "{err:?}"
+    );
+    assert!(!err.is_retryable());
+    repo.complete(&key, owner, None, ttl, t).await.unwrap();
+    assert_eq!(repo.get(&key, t).await.unwrap().unwrap().result, None);
+    // The lowered size is known from now on: checked before any statement.
+    assert!(repo.capabilities().max_result_bytes.unwrap() < LOWERED);
+}
+
 #[tokio::test]
 async fn migrations_are_idempotent_concurrent_and_versioned() {
     let table = common::unique_table("idem_migrate");
