@@ -452,17 +452,23 @@ impl DynamoDbRepository {
                     WriteFailure::Error(e) => return Err(e),
                 },
             };
-            // Still ours, only the expiry condition failed: the other variant.
-            let ours = match old {
-                Some(item) => {
-                    let r = self.parse(key, &item)?;
-                    r.status == Status::Processing && r.owner == owner_token && !r.is_expired(now)
-                }
-                None => false,
+            let stored = match old {
+                Some(item) => self.parse(key, &item)?,
+                None => return Err(Error::LeaseLost { key: key.clone() }),
             };
-            if !ours {
+            if stored.status != Status::Processing
+                || stored.owner != owner_token
+                || stored.is_expired(now)
+            {
                 return Err(Error::LeaseLost { key: key.clone() });
             }
+            // Ours, and already as this extension leaves it: the SDK re-sent a
+            // request that was applied (its reply lost), whose condition the
+            // applied write itself now fails.
+            if stored.lease_until == lease_until && stored.expires_at >= expires_at {
+                return Ok(());
+            }
+            // Still ours, only the expiry condition failed: the other variant.
         }
         // Ours both times, yet the expiry was neither >= nor < the new one: the
         // record changed between the two requests; its owner is us, so retrying
@@ -531,11 +537,17 @@ impl Repository for DynamoDbRepository {
             };
             current = lost_to.map(|item| self.parse(req.key, &item)).transpose()?;
         }
-        // The key changed under every write: answer with the live record last
-        // seen (its holder is active), or ask the caller to retry.
-        match current {
-            Some(record) if !record.is_expired(req.now) => Ok(Reservation::Existing(record)),
-            _ => Err(Error::Unavailable {
+        // The key changed under every write. The record last seen decides
+        // what needs no write: ours (the last write was applied and its reply
+        // lost, the SDK's re-send refused by it), or another live holder's.
+        // One that would need a write again: the caller retries.
+        match reserve_transition(current.as_ref(), &req) {
+            ReserveTransition::AlreadyHeld { attempt } => Ok(Reservation::Acquired { attempt }),
+            ReserveTransition::Existing => match current {
+                Some(record) => Ok(Reservation::Existing(record)),
+                None => Err(Error::corrupt(req.key, "no record to return")),
+            },
+            ReserveTransition::Create | ReserveTransition::Takeover { .. } => Err(Error::Unavailable {
                 backend: BACKEND,
                 message: format!(
                     "{} changed under {MAX_RESERVE_ROUNDS} consecutive conditional writes on table `{}`; retry",

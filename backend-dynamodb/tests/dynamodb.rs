@@ -784,3 +784,96 @@ async fn contract_v2_items() {
         .unwrap();
     assert!(repo.get(&k, now).await.unwrap().unwrap().retryable);
 }
+
+/// Loses the reply of the first request raising a record's expiry (the
+/// second `UpdateItem` of an `extend` whose TTL must grow) after DynamoDB
+/// applied it: the reply becomes a 500, which the SDK re-sends.
+#[derive(Debug, Default, Clone)]
+struct LoseRaiseReply {
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    lost: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl aws_sdk_dynamodb::config::Intercept for LoseRaiseReply {
+    fn name(&self) -> &'static str {
+        "LoseRaiseReply"
+    }
+
+    fn read_before_transmit(
+        &self,
+        context: &aws_sdk_dynamodb::config::interceptors::BeforeTransmitInterceptorContextRef<'_>,
+        _runtime_components: &aws_sdk_dynamodb::config::RuntimeComponents,
+        _cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        use std::sync::atomic::Ordering;
+        let body = context.request().body().bytes().unwrap_or_default();
+        let raises = body.windows(4).any(|w| w == b":ttl");
+        if raises && self.lost.load(Ordering::SeqCst) == 0 {
+            self.armed.store(true, Ordering::SeqCst);
+        }
+        Ok(())
+    }
+
+    fn modify_before_deserialization(
+        &self,
+        context: &mut aws_sdk_dynamodb::config::interceptors::BeforeDeserializationInterceptorContextMut<'_>,
+        _runtime_components: &aws_sdk_dynamodb::config::RuntimeComponents,
+        _cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        use std::sync::atomic::Ordering;
+        if self.armed.swap(false, Ordering::SeqCst) {
+            assert_eq!(context.response().status().as_u16(), 200, "applied");
+            self.lost.fetch_add(1, Ordering::SeqCst);
+            let response = context.response_mut();
+            *response.status_mut() = 500u16.try_into()?;
+            *response.body_mut() = aws_smithy_types::body::SdkBody::from(
+                r#"{"__type":"com.amazonaws.dynamodb.v20120810#InternalServerError","message":"reply lost"}"#,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// An `extend` whose raise was applied but whose reply was lost: the SDK's
+/// re-send fails its own condition (the expiry is no longer below the new
+/// one), yet the record is ours and already as the extension leaves it, so
+/// the extension succeeded — not an error that would let the lease lapse.
+#[tokio::test]
+async fn an_extension_applied_with_its_reply_lost_succeeds() {
+    let repo = common::repository().await;
+    let lossy = LoseRaiseReply::default();
+    let client = aws_sdk_dynamodb::Client::from_conf(
+        repo.client()
+            .config()
+            .to_builder()
+            .interceptor(lossy.clone())
+            .build(),
+    );
+    let repo = DynamoDbRepository::from_client(client, repo.table_name());
+    let ns = namespace();
+    let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    let k = key(&ns, "raised");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&k, owner, now)).await.unwrap();
+
+    let later = now + Duration::from_secs(10);
+    let (lease, expiry) = (later + LEASE, later + 2 * TTL);
+    repo.extend(&k, owner, lease, expiry, later).await.unwrap();
+    assert_eq!(lossy.lost.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let stored = repo.get(&k, later).await.unwrap().unwrap();
+    assert_eq!(
+        (stored.owner, stored.lease_until, stored.expires_at),
+        (owner, lease, expiry)
+    );
+
+    // Someone else's record is still refused after a lost reply: only our
+    // own, already extended, is a success.
+    let other = key(&ns, "other");
+    repo.reserve(request(&other, OwnerToken::random(), now))
+        .await
+        .unwrap();
+    assert!(matches!(
+        repo.extend(&other, owner, lease, expiry, later).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}
