@@ -1,12 +1,15 @@
 //! One request through the layer: decide, reserve, run, store, answer.
 
+use std::any::Any;
 use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
 use futures::future::{BoxFuture, LocalBoxFuture};
+use futures::FutureExt;
 use http::header::HeaderValue;
 use http::request::Parts;
 use http::{Request, Response, StatusCode};
@@ -52,6 +55,12 @@ pub(crate) enum Failure<E> {
     NotStored(StatusCode),
     /// The response body failed while it was being read.
     BodyFailed(StatusCode),
+    /// The inner service panicked: released like a `500`, whatever the
+    /// manager's failure policy (which would store a panic under
+    /// `FailurePolicy::Store`, and answer every retry with that failure),
+    /// then the panic continues in the request. (In a mutex for `Sync`, as
+    /// above; taken once.)
+    Panicked(Mutex<Option<Box<dyn Any + Send>>>),
 }
 
 impl<E> fmt::Display for Failure<E> {
@@ -62,6 +71,7 @@ impl<E> fmt::Display for Failure<E> {
             Failure::BodyFailed(status) => {
                 write!(f, "the body of response {status} failed while being read")
             }
+            Failure::Panicked(_) => f.write_str("the inner service panicked"),
         }
     }
 }
@@ -92,7 +102,14 @@ where
         self,
         ctx: ExecutionContext,
     ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>> {
-        run(&self.shared, self.inner, self.request, &self.slot, &ctx).await
+        let running = run(&self.shared, self.inner, self.request, &self.slot, &ctx);
+        AssertUnwindSafe(running)
+            .catch_unwind()
+            .await
+            .unwrap_or_else(|panic| {
+                let failure = Failure::Panicked(Mutex::new(Some(panic)));
+                Err(HandlerError::transient(failure))
+            })
     }
 }
 
@@ -290,6 +307,12 @@ where
         }
         Err(ExecuteError::Handler(Failure::Service(e))) => {
             Err(e.into_inner().unwrap_or_else(PoisonError::into_inner))
+        }
+        Err(ExecuteError::Handler(Failure::Panicked(panic))) => {
+            let panic = panic.into_inner().unwrap_or_else(PoisonError::into_inner);
+            std::panic::resume_unwind(
+                panic.unwrap_or_else(|| Box::new("the inner service panicked")),
+            )
         }
         Err(ExecuteError::Handler(failure)) => match produced.take() {
             Some(response) => Ok(response),
@@ -505,6 +528,16 @@ fn problem_for(settings: &Settings, route: &str, error: Error) -> Problem {
             ProblemKind::KeyReused,
             "this key was used before with a different request; use a new key for a new request",
         ),
+        // The layer never stores a failure (every failure releases the key):
+        // something else sharing the manager's namespace stored this one.
+        Error::PreviouslyFailed { .. } => {
+            tracing::warn!(route = %route, "a failure stored under this key by another writer");
+            Problem::new(
+                ProblemKind::StoreError,
+                "an earlier attempt with this key failed and its failure is stored; it is not \
+                 run again: use a new key",
+            )
+        }
         e @ (Error::Codec { .. } | Error::Corrupt { .. }) => {
             tracing::error!(route = %route, error = %e, "a stored response could not be read back");
             Problem::new(

@@ -26,9 +26,9 @@ use http_body::Frame;
 use http_body_util::{BodyExt, StreamBody};
 use idempotency_conformance::containers::unique_namespace;
 use idempotency_core::{
-    async_trait, Capabilities, Config, Error, IdempotencyManager, InProgressPolicy, OwnerToken,
-    Record, RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Status,
-    Timestamp,
+    async_trait, Capabilities, Config, Error, FailurePolicy, IdempotencyManager, InProgressPolicy,
+    OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest, SharedRepository,
+    Status, Timestamp,
 };
 use idempotency_http::{
     caller_from_header, record_id, IdempotencyLayer, Protection, RequestFingerprint,
@@ -925,22 +925,37 @@ pub async fn dropped_request_still_completes_and_replays(repo: SharedRepository)
     assert_eq!(app.runs("slow"), 1, "the handler ran once");
 }
 
-/// A handler that panics releases the key; the retry runs it again.
+/// A handler that panics releases the key, like a `500`, whatever the
+/// manager's failure policy (one that stores failures would otherwise answer
+/// every retry with the panic's record); the retry runs it again.
 pub async fn panicking_handler_releases_the_key(repo: SharedRepository) {
-    let app = Arc::new(TestApp::new(repo));
-    let first = {
-        let app = app.clone();
-        tokio::spawn(async move { app.send(post("/panic-once", Some("p"), "")).await })
-    };
-    assert!(first.await.unwrap_err().is_panic());
-    let retry = app.send(post("/panic-once", Some("p"), "")).await;
-    assert_eq!(retry.status, StatusCode::CREATED);
-    assert_eq!(retry.text(), "survived 2");
-    assert_eq!(app.runs("panic"), 2);
-    assert!(app
-        .send(post("/panic-once", Some("p"), ""))
-        .await
-        .replayed());
+    for failure_policy in [
+        FailurePolicy::Release,
+        FailurePolicy::Store,
+        FailurePolicy::StoreAndRetry,
+    ] {
+        let options = Options {
+            config: Config {
+                failure_policy,
+                ..Config::default()
+            },
+            ..Options::default()
+        };
+        let app = Arc::new(TestApp::with(repo.clone(), options));
+        let first = {
+            let app = app.clone();
+            tokio::spawn(async move { app.send(post("/panic-once", Some("p"), "")).await })
+        };
+        assert!(first.await.unwrap_err().is_panic(), "{failure_policy:?}");
+        let retry = app.send(post("/panic-once", Some("p"), "")).await;
+        assert_eq!(retry.status, StatusCode::CREATED, "{failure_policy:?}");
+        assert_eq!(retry.text(), "survived 2");
+        assert_eq!(app.runs("panic"), 2);
+        assert!(app
+            .send(post("/panic-once", Some("p"), ""))
+            .await
+            .replayed());
+    }
 }
 
 /// A response body that fails while the layer reads it releases the key (like
