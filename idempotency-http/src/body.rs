@@ -3,6 +3,8 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{Bytes, BytesMut};
@@ -36,6 +38,8 @@ pin_project! {
     pub struct IdempotencyBody<B> {
         #[pin]
         kind: Kind<B>,
+        // Set when the body yields an error (see `IdempotencyBody::watched`).
+        failed: Option<Arc<AtomicBool>>,
     }
 }
 
@@ -59,7 +63,16 @@ impl<B> IdempotencyBody<B> {
     pub fn new(body: B) -> Self {
         IdempotencyBody {
             kind: Kind::Inner { body },
+            failed: None,
         }
+    }
+
+    /// The same body, setting `failed` when it yields an error (a request
+    /// body cut short by its client), for the layer to see after the inner
+    /// service read it.
+    pub(crate) fn watched(mut self, failed: Arc<AtomicBool>) -> Self {
+        self.failed = Some(failed);
+        self
     }
 
     /// A complete body from bytes and optional trailers.
@@ -87,6 +100,7 @@ impl<B> IdempotencyBody<B> {
                 rest,
                 error,
             },
+            failed: None,
         }
     }
 }
@@ -121,35 +135,12 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match self.project().kind.project() {
-            KindProj::Inner { body } => match body.poll_frame(cx) {
-                Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
-                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
-                Poll::Ready(None) => Poll::Ready(None),
-                Poll::Pending => Poll::Pending,
-            },
-            KindProj::Buffered {
-                frames,
-                rest,
-                error,
-            } => {
-                if let Some(frame) = frames.pop_front() {
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                if let Some(body) = rest {
-                    match body.as_mut().poll_frame(cx) {
-                        Poll::Pending => return Poll::Pending,
-                        Poll::Ready(Some(Ok(frame))) => return Poll::Ready(Some(Ok(frame))),
-                        Poll::Ready(Some(Err(e))) => {
-                            *rest = None;
-                            return Poll::Ready(Some(Err(e.into())));
-                        }
-                        Poll::Ready(None) => *rest = None,
-                    }
-                }
-                Poll::Ready(error.take().map(Err))
-            }
+        let this = self.project();
+        let polled = poll_kind(this.kind, cx);
+        if let (Poll::Ready(Some(Err(_))), Some(failed)) = (&polled, this.failed) {
+            failed.store(true, Ordering::Release);
         }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -189,6 +180,46 @@ where
                     }
                 }
             }
+        }
+    }
+}
+
+/// One frame of the body's kind.
+fn poll_kind<B>(
+    kind: Pin<&mut Kind<B>>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    match kind.project() {
+        KindProj::Inner { body } => match body.poll_frame(cx) {
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+            Poll::Ready(None) => Poll::Ready(None),
+            Poll::Pending => Poll::Pending,
+        },
+        KindProj::Buffered {
+            frames,
+            rest,
+            error,
+        } => {
+            if let Some(frame) = frames.pop_front() {
+                return Poll::Ready(Some(Ok(frame)));
+            }
+            if let Some(body) = rest {
+                match body.as_mut().poll_frame(cx) {
+                    Poll::Pending => return Poll::Pending,
+                    Poll::Ready(Some(Ok(frame))) => return Poll::Ready(Some(Ok(frame))),
+                    Poll::Ready(Some(Err(e))) => {
+                        *rest = None;
+                        return Poll::Ready(Some(Err(e.into())));
+                    }
+                    Poll::Ready(None) => *rest = None,
+                }
+            }
+            Poll::Ready(error.take().map(Err))
         }
     }
 }

@@ -5,6 +5,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use bytes::Bytes;
@@ -55,6 +56,9 @@ pub(crate) enum Failure<E> {
     NotStored(StatusCode),
     /// The response body failed while it was being read.
     BodyFailed(StatusCode),
+    /// The inner service refused the request (a `4xx`) after its body
+    /// failed, unread by the fingerprint: the client's upload was cut short.
+    RequestBodyFailed(StatusCode),
     /// The inner service panicked: released like a `500`, whatever the
     /// manager's failure policy (which would store a panic under
     /// `FailurePolicy::Store`, and answer every retry with that failure),
@@ -70,6 +74,9 @@ impl<E> fmt::Display for Failure<E> {
             Failure::NotStored(status) => write!(f, "response {status} is not stored"),
             Failure::BodyFailed(status) => {
                 write!(f, "the body of response {status} failed while being read")
+            }
+            Failure::RequestBodyFailed(status) => {
+                write!(f, "response {status} answers a request body that failed")
             }
             Failure::Panicked(_) => f.write_str("the inner service panicked"),
         }
@@ -89,6 +96,8 @@ pub(crate) struct Job<S, ReqB, ResB> {
     shared: Arc<Settings>,
     inner: S,
     request: Request<IdempotencyBody<ReqB>>,
+    /// Set should the request body fail while the inner service reads it.
+    request_failed: Arc<AtomicBool>,
     slot: Slot<ResB>,
 }
 
@@ -102,7 +111,12 @@ where
         self,
         ctx: ExecutionContext,
     ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>> {
-        let running = run(&self.shared, self.inner, self.request, &self.slot, &ctx);
+        let call = Call {
+            request: self.request,
+            request_failed: &self.request_failed,
+            slot: &self.slot,
+        };
+        let running = run(&self.shared, self.inner, call, &ctx);
         AssertUnwindSafe(running)
             .catch_unwind()
             .await
@@ -237,6 +251,9 @@ where
     let caller = settings.caller_fn.as_ref().and_then(|f| f(&parts));
     let id = record_id(caller.as_deref(), &parts.method, &route, &key);
 
+    // Whether the request body, streamed to the inner service unread by the
+    // fingerprint, failed (a client that went away mid-upload).
+    let request_failed = Arc::new(AtomicBool::new(false));
     let (body, fingerprint) = if settings.fingerprint.reads_body() {
         match collect_up_to(body, settings.max_request_body).await {
             Collected::Complete { data, trailers } => {
@@ -257,7 +274,8 @@ where
         }
     } else {
         let fingerprint = settings.fingerprint.compute(&parts, &[]);
-        (IdempotencyBody::new(body), fingerprint)
+        let watched = IdempotencyBody::new(body).watched(request_failed.clone());
+        (watched, fingerprint)
     };
     let request = Request::from_parts(parts, body);
 
@@ -269,6 +287,7 @@ where
         shared: shared.clone(),
         inner,
         request,
+        request_failed,
         slot: slot.clone(),
     };
     let outcome = D::execute(settings.manager.clone(), id, fingerprint, job).await;
@@ -338,13 +357,19 @@ where
     Ok(response.map(IdempotencyBody::new))
 }
 
+/// What one call of the inner service takes and where its response goes.
+struct Call<'a, ReqB, ResB> {
+    request: Request<IdempotencyBody<ReqB>>,
+    request_failed: &'a AtomicBool,
+    slot: &'a Slot<ResB>,
+}
+
 /// The handler the manager runs once per key: call the inner service, then keep
 /// the response (up to the cap) or release the key.
 async fn run<S, ReqB, ResB>(
     settings: &Settings,
     mut inner: S,
-    request: Request<IdempotencyBody<ReqB>>,
-    slot: &Slot<ResB>,
+    call: Call<'_, ReqB, ResB>,
     ctx: &ExecutionContext,
 ) -> Result<StoredResponse, HandlerError<Failure<S::Error>>>
 where
@@ -352,6 +377,11 @@ where
     ResB: Body<Data = Bytes>,
     ResB::Error: Into<BoxError>,
 {
+    let Call {
+        request,
+        request_failed,
+        slot,
+    } = call;
     let response = inner
         .call(request)
         .await
@@ -365,6 +395,13 @@ where
     {
         hand_over(slot, head, IdempotencyBody::new(body));
         return Err(HandlerError::transient(Failure::NotStored(status)));
+    }
+    // A refusal of a request whose body was cut short (axum's "failed to
+    // buffer the request body"): an answer to this attempt's transport, not
+    // to the request, so the client's full retry must run, not get it back.
+    if status.is_client_error() && request_failed.load(Ordering::Acquire) {
+        hand_over(slot, head, IdempotencyBody::new(body));
+        return Err(HandlerError::transient(Failure::RequestBodyFailed(status)));
     }
     let headers = settings.select_headers(&head.headers);
     let room = settings

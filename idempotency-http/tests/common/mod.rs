@@ -958,6 +958,53 @@ pub async fn panicking_handler_releases_the_key(repo: SharedRepository) {
     }
 }
 
+/// An upload cut short, with a fingerprint that does not read the body (as
+/// for large uploads): the inner service answers the failed body with a `400`
+/// (axum: "failed to buffer the request body"), which answers the broken
+/// transport, not the request. It is not stored: the client's full retry runs.
+pub async fn cut_upload_is_not_stored(repo: SharedRepository) {
+    let options = Options {
+        fingerprint: RequestFingerprint::MethodPath,
+        ..Options::default()
+    };
+    let app = TestApp::with(repo, options);
+    let cut = futures::stream::iter([
+        Ok(Bytes::from_static(b"{\"amount\":")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "client went away",
+        )),
+    ]);
+    let first = app
+        .send(request(
+            Method::POST,
+            "/orders",
+            Some("cut"),
+            Body::from_stream(cut),
+        ))
+        .await;
+    assert_eq!(first.status, StatusCode::BAD_REQUEST);
+    assert_eq!(app.runs("orders"), 0, "the handler never got a body");
+    let retry = app
+        .send(post("/orders", Some("cut"), "{\"amount\":1}"))
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed(), "the full retry ran");
+    assert_eq!(app.runs("orders"), 1);
+    let again = app
+        .send(post("/orders", Some("cut"), "{\"amount\":1}"))
+        .await;
+    assert_eq!(again.status, StatusCode::CREATED);
+    assert!(again.replayed());
+    assert_eq!(app.runs("orders"), 1);
+    // A 400 to a whole body is the request's answer, and is stored.
+    let invalid = app.send(post("/status/400", Some("whole"), "")).await;
+    assert_eq!(invalid.status, StatusCode::BAD_REQUEST);
+    let again = app.send(post("/status/400", Some("whole"), "")).await;
+    assert!(again.replayed());
+    assert_eq!(app.runs("status"), 1);
+}
+
 /// A response body that fails while the layer reads it releases the key (like
 /// a 5xx): the client sees the failure after the bytes that came, and its retry
 /// runs the handler again.
@@ -1223,6 +1270,7 @@ macro_rules! http_scenarios {
             dropped_request_still_completes_and_replays,
             panicking_handler_releases_the_key,
             failing_response_body_releases_the_key,
+            cut_upload_is_not_stored,
             wait_policy_replays_after_the_first_finishes,
             request_body_over_the_cap_is_413,
             trailers_are_replayed,
