@@ -12,6 +12,20 @@ pub(crate) mod code {
     pub(crate) const LOCK_WAIT_TIMEOUT: u16 = 1205;
     pub(crate) const LOCK_DEADLOCK: u16 = 1213;
     pub(super) const CON_COUNT: u16 = 1040;
+    /// Also Galera's "WSREP has not yet prepared node for application use".
+    pub(super) const UNKNOWN_COM_ERROR: u16 = 1047;
+    pub(super) const ABORTING_CONNECTION: u16 = 1152;
+    pub(super) const NET_READ_ERROR: u16 = 1158;
+    pub(super) const NET_ERROR_ON_WRITE: u16 = 1160;
+    pub(super) const NEW_ABORTING_CONNECTION: u16 = 1184;
+    /// A user's `max_user_connections`.
+    pub(super) const TOO_MANY_USER_CONNECTIONS: u16 = 1203;
+    /// A user's hourly limits (`MAX_QUERIES_PER_HOUR`, …).
+    pub(super) const USER_LIMIT_REACHED: u16 = 1226;
+    /// MySQL's `super_read_only`/`read_only` as reported by some versions.
+    pub(super) const READ_ONLY_MODE: u16 = 1836;
+    /// MySQL's `offline_mode`.
+    pub(super) const SERVER_OFFLINE_MODE: u16 = 3032;
     pub(super) const DBACCESS_DENIED: u16 = 1044;
     pub(super) const ACCESS_DENIED: u16 = 1045;
     pub(super) const BAD_DB: u16 = 1049;
@@ -68,10 +82,12 @@ pub(crate) fn deadlocked(err: &Error) -> bool {
 /// - a TLS failure no retry fixes (a server without TLS under
 ///   `ssl-mode=required`, a certificate not trusted) → [`Error::Config`];
 /// - connection problems (I/O, protocol errors of a connection cut
-///   mid-handshake, a closed or exhausted pool, too many connections, a server
-///   shutting down, a killed connection or statement, a connection the server
-///   closed as idle) and deadlocks and snapshot conflicts (retryable by
-///   definition) → [`Error::Unavailable`];
+///   mid-handshake, a closed or exhausted pool, too many connections, also
+///   the user's own `max_user_connections` or hourly limits, a server shutting
+///   down, in `offline_mode` or a Galera node not yet ready, a killed or
+///   aborted connection or statement, a network read or write error, a
+///   connection the server closed as idle) and deadlocks and snapshot
+///   conflicts (retryable by definition) → [`Error::Unavailable`];
 /// - a server that refuses writes (`read_only`: e.g. a replica after a
 ///   failover) → [`Error::Unavailable`], saying so;
 /// - a lock wait or statement timeout → [`Error::Timeout`];
@@ -133,22 +149,32 @@ fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
     };
     match n {
         CON_COUNT
+        | TOO_MANY_USER_CONNECTIONS
+        | USER_LIMIT_REACHED
+        | SERVER_OFFLINE_MODE
+        | UNKNOWN_COM_ERROR
         | SERVER_SHUTDOWN
         | CONNECTION_KILLED
+        | ABORTING_CONNECTION
+        | NEW_ABORTING_CONNECTION
+        | NET_READ_ERROR
+        | NET_ERROR_ON_WRITE
         | NET_READ_INTERRUPTED
         | NET_WRITE_INTERRUPTED
         | LOCK_DEADLOCK
         | QUERY_INTERRUPTED
         | CHECKREAD
         | CLIENT_INTERACTION_TIMEOUT => unavailable(operation, err),
-        OPTION_PREVENTS_STATEMENT | CANT_EXECUTE_IN_READ_ONLY_TRANSACTION => Error::Unavailable {
-            backend: BACKEND,
-            message: format!(
-                "{operation}: the server refuses writes (read-only: a replica, or a primary \
-                 during a failover): {err}"
-            ),
-            source: Some(Box::new(err)),
-        },
+        OPTION_PREVENTS_STATEMENT | CANT_EXECUTE_IN_READ_ONLY_TRANSACTION | READ_ONLY_MODE => {
+            Error::Unavailable {
+                backend: BACKEND,
+                message: format!(
+                    "{operation}: the server refuses writes (read-only: a replica, or a primary \
+                     during a failover): {err}"
+                ),
+                source: Some(Box::new(err)),
+            }
+        }
         LOCK_WAIT_TIMEOUT | STATEMENT_TIMEOUT | QUERY_TIMEOUT => Error::Timeout {
             backend: BACKEND,
             operation,

@@ -186,6 +186,37 @@ async fn read_only_row(server: &str) -> ErrorRow {
     )
 }
 
+/// A user at its `max_user_connections`: the server refuses another
+/// connection for now (it frees when one closes), a retryable outage.
+async fn user_connection_limit_row(server: &str) -> ErrorRow {
+    let admin = common::repository("idem_errors_admin", "").await;
+    let (user, url) = create_writer(&admin, server).await;
+    run_all(
+        &admin,
+        &[format!(
+            "ALTER USER '{user}'@'%' WITH MAX_USER_CONNECTIONS 1"
+        )],
+    )
+    .await;
+    let held = <sqlx::MySqlConnection as sqlx::Connection>::connect(&url)
+        .await
+        .unwrap();
+    let table = common::unique_table("errors_limit");
+    let got = idempotency_mysql::connect(&url_with::query(
+        &url,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await;
+    drop(held);
+    run_all(&admin, &[format!("DROP USER '{user}'@'%'")]).await;
+    ErrorRow::new(
+        "user at its `max_user_connections`",
+        got,
+        Expected::Unavailable,
+        &["max_user_connections"],
+    )
+}
+
 /// A server that stops answering: each call fails after the default operation
 /// timeout, however long the outage lasts.
 async fn black_hole_row(server: &str) -> ErrorRow {
@@ -219,6 +250,7 @@ async fn every_cause_has_its_error_and_message() {
     rows.push(foreign_row(&server).await);
     rows.push(unmigrated_row(&server).await);
     rows.push(privilege_row(&server).await);
+    rows.push(user_connection_limit_row(&server).await);
     rows.push(read_only_row(&server).await);
     rows.push(black_hole_row(&server).await);
     assert_error_table("mysql", &rows);
