@@ -79,9 +79,11 @@
 //! **Instants are the caller's.** Every condition compares against the `now` the
 //! manager passes, never the server's clock. A record whose `expires_at <= now`
 //! is absent to every operation while it is still stored. The TTL attribute is
-//! `expires_at` in seconds rounded up, so DynamoDB never deletes a record before
-//! its logical expiry — as long as the consumers' clocks are not ahead of
-//! DynamoDB's by more than the time a record lives.
+//! `expires_at` in seconds rounded up, and DynamoDB deletes by its own clock,
+//! never before that instant (usually well after it), so it never deletes a
+//! record before its logical expiry — unless a consumer's clock runs behind
+//! DynamoDB's, and then at most by that difference early (keep clocks in sync,
+//! as `clock_skew` assumes).
 //!
 //! **Retries and errors.** The SDK retries throttling and transient errors (its
 //! standard retry mode, 3 attempts). What is left maps to the core's errors:
