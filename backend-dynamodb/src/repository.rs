@@ -396,7 +396,7 @@ impl DynamoDbRepository {
         }
     }
 
-    /// `extend`: moves the lease and, only when later, the expiry and TTL. One
+    /// `extend`: raises the lease and, only when later, the expiry and TTL. One
     /// request when the stored expiry already covers the new one (the common
     /// case: the TTL is longer than the lease); a second, raising it, when not.
     async fn extend_lease(
@@ -418,6 +418,9 @@ impl DynamoDbRepository {
                 now_v = e.value(":now", ts(now)),
             );
             let mut condition = Self::owned_condition(&mut e, owner_token, now);
+            // Never moves the lease back: an older extension applied late
+            // fails here, and finds the record as it would leave it.
+            condition.push_str(&format!(" AND {} <= :lease", e.lease_until()));
             let exp = e.expires_at();
             let new_exp = e.value(":new_exp", ts(expires_at));
             if raise {
@@ -462,10 +465,11 @@ impl DynamoDbRepository {
             {
                 return Err(Error::LeaseLost { key: key.clone() });
             }
-            // Ours, and already as this extension leaves it: the SDK re-sent a
-            // request that was applied (its reply lost), whose condition the
-            // applied write itself now fails.
-            if stored.lease_until == lease_until && stored.expires_at >= expires_at {
+            // Ours, and already held at least as long as this extension asks:
+            // the SDK re-sent a request that was applied (its reply lost),
+            // whose condition the applied write itself now fails, or a newer
+            // extension was applied first.
+            if stored.lease_until >= lease_until && stored.expires_at >= expires_at {
                 return Ok(());
             }
             // Still ours, only the expiry condition failed: the other variant.

@@ -101,7 +101,8 @@ impl Statements {
                  expires_at = ?, updated_at = ? WHERE {OWNED}"
             ),
             extend: format!(
-                "UPDATE {t} SET lease_until = ?, expires_at = GREATEST(expires_at, ?), \
+                "UPDATE {t} SET lease_until = GREATEST(lease_until, ?), \
+                 expires_at = GREATEST(expires_at, ?), \
                  updated_at = ? WHERE {OWNED}"
             ),
             release: format!("DELETE FROM {t} WHERE {OWNED}"),

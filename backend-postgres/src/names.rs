@@ -178,8 +178,8 @@ impl Statements {
         &self.release
     }
 
-    /// `extend`: the owner-checked `UPDATE` binding namespace, id, owner, lease
-    /// end, now and the expiry to raise to (never lowered).
+    /// `extend`: the owner-checked `UPDATE` binding namespace, id, owner, the
+    /// lease end to raise to, now and the expiry to raise to (neither lowered).
     pub fn extend(&self) -> &str {
         &self.extend
     }
@@ -303,7 +303,7 @@ impl Statements {
             ),
             release: format!("DELETE FROM {qualified} WHERE {live_owned} AND expires_at > $4"),
             extend: format!(
-                "UPDATE {qualified} SET lease_until = $4, updated_at = $5, \
+                "UPDATE {qualified} SET lease_until = GREATEST(lease_until, $4), updated_at = $5, \
                  expires_at = GREATEST(expires_at, $6) WHERE {live_owned} AND expires_at > $5"
             ),
             get: format!(

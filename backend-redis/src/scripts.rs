@@ -153,16 +153,21 @@ return 1
 "#;
 
 /// `extend`: ARGV = owner, now, lease_until, expires_at, PX (`expires_at -
-/// now`). Sets the lease and raises the expiry to `max(stored, expires_at)` in
-/// one write: when the given expiry is later, the record takes it and the key's
-/// TTL becomes PX; otherwise the stored expiry and the key's TTL (which was set
-/// from it) are kept, so neither is ever lowered. Answers 1, or 0 when the
-/// lease is lost.
+/// now`). Raises the lease to `max(stored, lease_until)` and the expiry to
+/// `max(stored, expires_at)` in one write (an older extension applied after a
+/// newer one undoes nothing): when the given expiry is later, the record takes
+/// it and the key's TTL becomes PX; otherwise the stored expiry and the key's
+/// TTL (which was set from it) are kept, so neither is ever lowered. Answers
+/// 1, or 0 when the lease is lost.
 const EXTEND: &str = r#"
 if (not v) or not owned(v, ARGV[1], ARGV[2]) then return 0 end
 local eh, el = u64(v, 39)
 local gh, gl = u64(ARGV[4], 1)
-local head = string.sub(v, 1, 30) .. ARGV[3]
+local lh, ll = u64(v, 31)
+local nh, nl = u64(ARGV[3], 1)
+local lease = ARGV[3]
+if le(nh, nl, lh, ll) then lease = string.sub(v, 31, 38) end
+local head = string.sub(v, 1, 30) .. lease
 local tail = ARGV[2] .. string.sub(v, 55)
 if le(gh, gl, eh, el) then
   redis.call('SET', KEYS[1], head .. string.sub(v, 39, 46) .. tail, 'KEEPTTL')

@@ -4,8 +4,8 @@
 //! TTL as well as through the repository:
 //!
 //! 1. `fail` remembers `retryable` (flag bit 3), and only on a `Failed` record;
-//! 2. `extend` raises `expires_at` to `max(stored, given)` and the key's TTL
-//!    with it, never lowering either;
+//! 2. `extend` raises the lease and `expires_at` to `max(stored, given)` and
+//!    the key's TTL with it, never lowering any of them;
 //! 3. a `reserve` re-sent by the owner of the live `Processing` record is
 //!    `Acquired` with the stored attempt, writes nothing, and comes before the
 //!    fingerprint check;
@@ -356,6 +356,20 @@ async fn extend_raises_expiry_and_ttl_never_lowers_them() {
         .unwrap();
     assert_eq!(f.record(&k).await.expires_at, far, "never lowered");
     assert!(f.pttl(&k).await > (1 << 32) - 10_000);
+    // The lease likewise, also across the high half: an older extension
+    // applied late (an earlier lease) moves nothing, and answers ok.
+    f.repo.extend(&k, owner, far, far, later).await.unwrap();
+    f.repo
+        .extend(&k, owner, later + LEASE, far, later)
+        .await
+        .unwrap();
+    assert_eq!(f.record(&k).await.lease_until, far, "lease never lowered");
+    let just_later = far + Duration::from_millis(1);
+    f.repo
+        .extend(&k, owner, just_later, just_later, later)
+        .await
+        .unwrap();
+    assert_eq!(f.record(&k).await.lease_until, just_later);
 
     // The record is unchanged but for lease, expiry and updated_at; it completes.
     let r = f.record(&k).await;

@@ -208,7 +208,8 @@ static STATEMENTS: LazyLock<Statements> = LazyLock::new(|| Statements {
          expires_at = ?9, updated_at = ?4 WHERE {OWNED}"
     ),
     extend: format!(
-        "UPDATE idempotency_records SET lease_until = ?5, expires_at = MAX(expires_at, ?6), \
+        "UPDATE idempotency_records SET lease_until = MAX(lease_until, ?5), \
+         expires_at = MAX(expires_at, ?6), \
          updated_at = ?4 WHERE {OWNED}"
     ),
     release: format!("DELETE FROM idempotency_records WHERE {OWNED}"),

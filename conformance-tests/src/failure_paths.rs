@@ -65,7 +65,9 @@ pub async fn check_reserve_resent_by_holder(repo: SharedRepository) -> CheckResu
 }
 
 /// `extend` moves expiry with the lease, in the same step: the record outlives
-/// its first expiry, and expiry is never moved earlier.
+/// its first expiry, and neither the lease nor the expiry is ever moved
+/// earlier (an older extension applied after a newer one, as a statement
+/// abandoned by its caller's timeout can be, must not undo it).
 pub async fn check_extend_moves_expiry(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("extend-expiry");
@@ -98,14 +100,23 @@ pub async fn check_extend_moves_expiry(repo: SharedRepository) -> CheckResult {
     )?;
     ensure_eq!((r.owner, r.status), (owner, Status::Processing));
 
-    // An extension asking for an earlier expiry moves the lease only.
+    // An extension asking for an earlier lease and expiry (an older one
+    // applied late) moves neither, and succeeds: the lease is held at least
+    // that long.
     let shorter = cx.now() + Duration::from_secs(1);
     cx.repo
         .extend(&key, owner, shorter, shorter, cx.now())
         .await?;
     let r = cx.record(&key).await?;
-    ensure_eq!(r.lease_until, shorter, "the lease is set as asked");
+    ensure_eq!(r.lease_until, lease, "the lease is never moved earlier");
     ensure_eq!(r.expires_at, expiry, "expiry is never moved earlier");
+    // A later one still moves the lease alone while the expiry covers it.
+    let later_lease = lease + Duration::from_secs(1);
+    cx.repo
+        .extend(&key, owner, later_lease, expiry, cx.now())
+        .await?;
+    let r = cx.record(&key).await?;
+    ensure_eq!((r.lease_until, r.expires_at), (later_lease, expiry));
     cx.repo
         .complete(&key, owner, Some(b"done"), cx.now() + TTL, cx.now())
         .await?;

@@ -279,7 +279,7 @@ async fn run_sequence(repo: &SharedRepository, ops: &[Op]) -> Result<(), String>
                 let expires_at = lease_until + Duration::from_millis(*skew);
                 let want = model.owned(*key, owners[*owner], now, |r| {
                     if let Some(r) = r {
-                        r.lease_until = lease_until;
+                        r.lease_until = r.lease_until.max(lease_until);
                         r.expires_at = r.expires_at.max(expires_at);
                     }
                 });

@@ -119,6 +119,8 @@ flaws! {
     ExtendLowersExpiry,
     /// `extend` leaves the lease where it was.
     ExtendKeepsLease,
+    /// `extend` sets the lease as asked, also earlier (an older extension applied late undoes a newer one).
+    ExtendLowersLease,
     /// Records never expire.
     IgnoresExpiry,
     /// `get` returns expired records.
@@ -546,9 +548,11 @@ impl Repository for Fixture {
         let flaw = self.flaw;
         self.owned(key, owner, now, "extend", |map, k| {
             if let Some(r) = map.get_mut(&k) {
-                if flaw != Flaw::ExtendKeepsLease {
-                    r.lease_until = lease_until;
-                }
+                r.lease_until = match flaw {
+                    Flaw::ExtendKeepsLease => r.lease_until,
+                    Flaw::ExtendLowersLease => lease_until,
+                    _ => r.lease_until.max(lease_until),
+                };
                 r.expires_at = match flaw {
                     Flaw::ExtendKeepsExpiry => r.expires_at,
                     Flaw::ExtendLowersExpiry => expires_at,

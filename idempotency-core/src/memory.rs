@@ -304,7 +304,7 @@ impl Repository for MemoryRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.with_owned(key, owner, now, |r| {
-            r.lease_until = lease_until;
+            r.lease_until = r.lease_until.max(lease_until);
             r.expires_at = r.expires_at.max(expires_at);
             r.updated_at = now;
             true

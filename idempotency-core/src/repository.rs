@@ -293,9 +293,10 @@ pub enum Reservation {
 ///   lease's end does not matter (the token, not the clock, decides). Otherwise
 ///   they return [`Error::LeaseLost`] and leave the record untouched.
 /// - **Lease and expiry.** A `Processing` record never expires before its lease:
-///   [`extend`](Repository::extend) moves `lease_until` and raises `expires_at`
-///   to at least the given instant in the same atomic step, and a backend with
-///   native expiry (a key TTL, a TTL attribute) moves that with it.
+///   [`extend`](Repository::extend) raises `lease_until` and `expires_at` to at
+///   least the given instants in the same atomic step (never lowers either: an
+///   older extension applied late undoes nothing), and a backend with native
+///   expiry (a key TTL, a TTL attribute) moves that with it.
 /// - **Errors.** A store that cannot be reached yields [`Error::Unavailable`] or
 ///   [`Error::Timeout`] (retryable: the operation may or may not have been
 ///   applied); a stored value that does not parse yields [`Error::Corrupt`]
@@ -389,9 +390,12 @@ pub trait Repository: Send + Sync + Debug + 'static {
         now: Timestamp,
     ) -> Result<(), Error>;
 
-    /// Moves the lease of the `Processing` record `owner` holds to `lease_until`
-    /// and raises its expiry to at least `expires_at` (never lowers it), with the
-    /// backend's native TTL, in one atomic step. The manager passes
+    /// Raises the lease of the `Processing` record `owner` holds to at least
+    /// `lease_until` and its expiry to at least `expires_at`, with the
+    /// backend's native TTL, in one atomic step; never lowers either, and
+    /// answers ok when the record already holds both (the lease keeper gives
+    /// up on a slow extension and sends the next: should the first be applied
+    /// after it, the lease must not move back). The manager passes
     /// `expires_at = lease_until + clock_skew`, so the record outlives its lease.
     async fn extend(
         &self,

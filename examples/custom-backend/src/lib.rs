@@ -234,8 +234,9 @@ impl Repository for CasRepository {
     ) -> Result<(), Error> {
         self.update_owned(key, owner, now, |r| {
             Some(Record {
-                lease_until,
-                // Extension may only move expiry later, never earlier.
+                // Extension moves the lease and expiry later, never earlier
+                // (an older extension applied late must not undo a newer one).
+                lease_until: r.lease_until.max(lease_until),
                 expires_at: r.expires_at.max(expires_at),
                 updated_at: now,
                 ..r.clone()
