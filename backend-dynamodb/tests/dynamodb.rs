@@ -699,7 +699,7 @@ async fn contract_v2_items() {
     assert_eq!(raw_item(&repo, &k).await.unwrap(), before, "no write");
 
     // Extend past the expiry: expiry and TTL follow (two requests); an earlier
-    // expiry lowers neither (one request).
+    // lease and expiry lower nothing (one request).
     counter.reset();
     let until = now + TTL * 3;
     repo.extend(&k, owner, until, until, now).await.unwrap();
@@ -715,7 +715,11 @@ async fn contract_v2_items() {
     repo.extend(&k, owner, short, short, now).await.unwrap();
     assert_eq!(counter.take(), counts(&[("UpdateItem", 1)]));
     let r = repo.get(&k, now).await.unwrap().unwrap();
-    assert_eq!((r.lease_until, r.expires_at), (short, until), "expiry kept");
+    assert_eq!(
+        (r.lease_until, r.expires_at),
+        (until, until),
+        "lease and expiry kept"
+    );
     let item = raw_item(&repo, &k).await.unwrap();
     assert_eq!(item.get("ttl"), Some(&AttributeValue::N(ttl_secs)));
     assert!(matches!(

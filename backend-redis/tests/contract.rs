@@ -262,7 +262,7 @@ async fn fail_remembers_retryable_and_gates_the_takeover() {
     }
 }
 
-/// Contract point 2: `extend` sets the lease and raises the expiry, with the
+/// Contract point 2: `extend` raises the lease and the expiry, with the
 /// key's TTL, in one step — a handler that outlives the record's first expiry
 /// keeps its record — and a lower (or equal) expiry changes neither the stored
 /// expiry nor the TTL. The comparison is exact to the millisecond across the
@@ -306,16 +306,15 @@ async fn extend_raises_expiry_and_ttl_never_lowers_them() {
     assert!(later > t0 + Duration::from_secs(10));
     assert_eq!(f.record(&k).await.owner, owner);
 
-    // A lower expiry: the lease moves, the expiry and the TTL do not.
+    // A lower expiry with a later lease: the lease moves, the expiry and the
+    // TTL do not.
     let lower = later + Duration::from_secs(20);
-    f.repo
-        .extend(&k, owner, later + Duration::from_secs(15), lower, later)
-        .await
-        .unwrap();
+    let moved = lease + Duration::from_secs(5);
+    f.repo.extend(&k, owner, moved, lower, later).await.unwrap();
     let r = f.record(&k).await;
     assert_eq!(
         (r.lease_until, r.expires_at, r.updated_at),
-        (later + Duration::from_secs(15), expires, later)
+        (moved, expires, later)
     );
     let t = f.pttl(&k).await;
     assert!(
