@@ -250,6 +250,19 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
+    collect_up_to_by(body, cap, None::<fn() -> tokio::time::Instant>).await
+}
+
+/// [`collect_up_to`], also stopping at the instant `deadline` answers (asked
+/// again when it passes, since it may have moved: a lease extended): a body
+/// still coming then is answered as one over the cap (the frames read so far,
+/// and the rest).
+pub(crate) async fn collect_up_to_by<B, D>(body: B, cap: usize, deadline: Option<D>) -> Collected<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+    D: Fn() -> tokio::time::Instant,
+{
     let mut body = Box::pin(body);
     let cap64 = u64::try_from(cap).unwrap_or(u64::MAX);
     let mut frames = VecDeque::new();
@@ -258,7 +271,18 @@ where
     }
     let mut len = 0usize;
     loop {
-        match body.frame().await {
+        let next = loop {
+            let Some(deadline) = &deadline else {
+                break body.frame().await;
+            };
+            match tokio::time::timeout_at(deadline(), body.frame()).await {
+                Ok(next) => break next,
+                // Moved on meanwhile (the lease was extended): wait on.
+                Err(_) if deadline() > tokio::time::Instant::now() => {}
+                Err(_) => return Collected::Overflow { frames, rest: body },
+            }
+        };
+        match next {
             None => break,
             Some(Err(e)) => {
                 return Collected::Failed {

@@ -20,7 +20,7 @@ use idempotency_core::{
 };
 use tower::Service;
 
-use crate::body::{collect_up_to, drain, Collected, IdempotencyBody};
+use crate::body::{collect_up_to, collect_up_to_by, drain, Collected, IdempotencyBody};
 use crate::grpc::Dialect;
 use crate::key::{parse_key, record_id, KeyError};
 use crate::layer::{Protection, Settings};
@@ -35,9 +35,9 @@ const TRAILER_ALLOWANCE: usize = 256;
 /// a client decodes is 4 MiB).
 const GRPC_DRAIN_LIMIT: usize = 64 * 1024 * 1024;
 
-/// Until when a gRPC answer is read to its status: a tenth of the processing
-/// timeout (at most a second) before the lease ends, so that its outcome is
-/// recorded while the lease holds.
+/// Until when a response body is read (a gRPC answer to its status): a tenth
+/// of the processing timeout (at most a second) before the lease ends, so that
+/// its outcome is recorded while the lease holds.
 fn drain_deadline(settings: &Settings, ctx: &ExecutionContext) -> tokio::time::Instant {
     let processing = settings.manager.config().processing_timeout;
     let margin = (processing / 10).min(std::time::Duration::from_secs(1));
@@ -408,7 +408,11 @@ where
         .store_limit
         .saturating_sub(StoredResponse::head_len(&headers) + 4 + TRAILER_ALLOWANCE);
     let cap = settings.max_cached_body.min(room);
-    match collect_up_to(body, cap).await {
+    // Read within the lease: the outcome must be recorded before it ends, or
+    // a retry takes the key over and runs the handler again. A body still
+    // coming then streams through, kept as not retained (the handler ran).
+    let lease_end = || drain_deadline(settings, ctx);
+    match collect_up_to_by(body, cap, Some(lease_end)).await {
         Collected::Complete { data, trailers } => {
             let stores = settings.dialect.stores_complete(
                 &head.headers,
@@ -464,7 +468,8 @@ where
             tracing::debug!(
                 %status,
                 cap,
-                "response body over the cache cap: streamed through, not retained for replays"
+                "response body over the cache cap, or still coming as the lease ends: streamed \
+                 through, not retained for replays"
             );
             hand_over(
                 slot,

@@ -261,3 +261,74 @@ async fn without_caller_identity_clients_share_keys() {
     assert_eq!(bob.text(), "order 1");
     assert_eq!(runs.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// The manager's clock following Tokio's (paused in the test below), so that
+/// leases end as Tokio's time passes.
+#[derive(Debug)]
+struct TokioClock {
+    start: tokio::time::Instant,
+    at_start: Timestamp,
+}
+
+impl idempotency_core::Clock for TokioClock {
+    fn now(&self) -> Timestamp {
+        self.at_start + self.start.elapsed()
+    }
+}
+
+/// A response body still coming as the lease ends: waiting on would let a
+/// retry take the key over and run the handler again. The layer stops reading
+/// a tenth of the processing timeout before the lease ends: the body streams
+/// through to its client, the key is kept as not retained, and a retry while
+/// the body still comes (or after) gets `409`, never a second run. With lease
+/// extension on, the lease moves and the layer reads on: the retry meanwhile
+/// is told the key is in progress, and the whole body is stored and replayed.
+#[tokio::test(start_paused = true)]
+async fn a_response_body_slower_than_the_lease_never_runs_twice() {
+    for extension in [None, Some(std::time::Duration::from_secs(5))] {
+        let clock = Arc::new(TokioClock {
+            start: tokio::time::Instant::now(),
+            at_start: Timestamp::from_system_time(std::time::SystemTime::now()),
+        });
+        let options = Options {
+            config: Config {
+                processing_timeout: std::time::Duration::from_secs(30),
+                lease_extension_interval: extension,
+                ..Config::default()
+            },
+            clock: Some(clock),
+            ..Options::default()
+        };
+        let app = Arc::new(TestApp::with(repository().await, options));
+        // The second chunk comes two minutes after the first: four leases.
+        let first = {
+            let app = app.clone();
+            tokio::spawn(async move { app.send(post("/slow-body?secs=120", Some("k"), "")).await })
+        };
+        // A retry two leases later, while the body still comes.
+        tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+        let retry = app.send(post("/slow-body?secs=120", Some("k"), "")).await;
+        match extension {
+            None => retry.assert_problem(StatusCode::CONFLICT, "response-not-retained"),
+            Some(_) => retry.assert_problem(StatusCode::CONFLICT, "in-progress"),
+        };
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{extension:?}");
+        assert_eq!(first.text(), "run 1: first; last", "the client gets it all");
+        let after = app.send(post("/slow-body?secs=120", Some("k"), "")).await;
+        match extension {
+            None => {
+                after.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+            }
+            Some(_) => {
+                assert!(after.replayed(), "kept while the lease was extended");
+                assert_eq!(after.text(), "run 1: first; last");
+            }
+        }
+        assert_eq!(
+            app.runs("slow-body"),
+            1,
+            "{extension:?}: never a second run"
+        );
+    }
+}

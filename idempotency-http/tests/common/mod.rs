@@ -176,6 +176,8 @@ pub struct Options {
     /// Read the route template with an explicit extractor (true) or rely on
     /// the crate's default (the `axum` feature, else the path).
     pub explicit_route_extractor: bool,
+    /// The manager's clock (the system's when none).
+    pub clock: Option<Arc<dyn idempotency_core::Clock>>,
 }
 
 impl Default for Options {
@@ -184,6 +186,7 @@ impl Default for Options {
             config: Config::default(),
             fingerprint: RequestFingerprint::default(),
             explicit_route_extractor: true,
+            clock: None,
         }
     }
 }
@@ -208,7 +211,10 @@ impl TestApp {
             key_prefix: unique_namespace("http"),
             ..options.config
         };
-        let manager = IdempotencyManager::new(repo.clone(), config).unwrap();
+        let mut manager = IdempotencyManager::new(repo.clone(), config).unwrap();
+        if let Some(clock) = options.clock {
+            manager = manager.with_clock(clock);
+        }
         let (started_tx, started_rx) = mpsc::unbounded_channel();
         let (gate_tx, gate_rx) = watch::channel(false);
         let shared = Arc::new(Shared {
@@ -238,6 +244,7 @@ impl TestApp {
             )
             .route("/orders/{id}/items", routing::post(items))
             .route("/slow", routing::post(slow))
+            .route("/slow-body", routing::post(slow_body))
             .route("/flaky", routing::post(flaky))
             .route("/status/{code}", routing::post(status))
             .route("/big", routing::post(big))
@@ -324,6 +331,27 @@ async fn slow(State(s): State<Arc<Shared>>) -> Response {
     let _ = gate.wait_for(|open| *open).await;
     let n = s.bump("slow");
     (StatusCode::CREATED, format!("slow {n}")).into_response()
+}
+
+/// A body whose second chunk comes `secs` (query) after the first.
+async fn slow_body(
+    State(s): State<Arc<Shared>>,
+    Query(q): Query<HashMap<String, u64>>,
+) -> Response {
+    let n = s.bump("slow-body");
+    let pause = Duration::from_secs(q.get("secs").copied().unwrap_or(0));
+    let chunks = futures::stream::unfold(0u8, move |step| async move {
+        let chunk = match step {
+            0 => format!("run {n}: first;"),
+            1 => {
+                tokio::time::sleep(pause).await;
+                " last".to_owned()
+            }
+            _ => return None,
+        };
+        Some((Ok::<_, Infallible>(Bytes::from(chunk)), step + 1))
+    });
+    (StatusCode::CREATED, Body::from_stream(chunks)).into_response()
 }
 
 async fn flaky(State(s): State<Arc<Shared>>) -> Response {
