@@ -396,9 +396,14 @@ impl DynamoDbRepository {
         }
     }
 
-    /// `extend`: raises the lease and, only when later, the expiry and TTL. One
-    /// request when the stored expiry already covers the new one (the common
-    /// case: the TTL is longer than the lease); a second, raising it, when not.
+    /// `extend`: raises the lease and the expiry (with the TTL), each only
+    /// when later than stored. DynamoDB cannot take a maximum in one update, so
+    /// each request sets what the record last seen lacks, conditioned on the
+    /// record still lacking exactly that: one request in the common case (a
+    /// later lease, the stored expiry covering it), a second when the refusal
+    /// shows otherwise (the expiry to raise too; a newer extension applied
+    /// first). A record ours and already holding both is answered ok without
+    /// a write.
     async fn extend_lease(
         &self,
         key: &RecordKey,
@@ -407,57 +412,17 @@ impl DynamoDbRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let pk = self.pk(key)?;
-        for raise in [false, true] {
-            let mut e = Expr::new(&self.names);
-            let mut update = format!(
-                "SET {lu} = {lease}, {ua} = {now_v}",
-                lu = e.lease_until(),
-                lease = e.value(":lease", ts(lease_until)),
-                ua = e.updated_at(),
-                now_v = e.value(":now", ts(now)),
-            );
-            let mut condition = Self::owned_condition(&mut e, owner_token, now);
-            // Never moves the lease back: an older extension applied late
-            // fails here, and finds the record as it would leave it.
-            condition.push_str(&format!(" AND {} <= :lease", e.lease_until()));
-            let exp = e.expires_at();
-            let new_exp = e.value(":new_exp", ts(expires_at));
-            if raise {
-                let ttl_attr = e.ttl();
-                update.push_str(&format!(
-                    ", {exp} = {new_exp}, {ttl_attr} = {ttl_v}",
-                    ttl_v = e.value(":ttl", ttl(expires_at)),
-                ));
-                condition.push_str(&format!(" AND {exp} < {new_exp}"));
-            } else {
-                condition.push_str(&format!(" AND {exp} >= {new_exp}"));
-            }
-            let (names, values) = e.into_parts();
-            let result = self
-                .client
-                .update_item()
-                .table_name(&*self.table)
-                .set_key(Some(self.key_map(pk.clone())))
-                .update_expression(update)
-                .condition_expression(condition)
-                .set_expression_attribute_names(names)
-                .set_expression_attribute_values(values)
-                .return_values_on_condition_check_failure(
-                    ReturnValuesOnConditionCheckFailure::AllOld,
-                )
-                .send()
-                .await;
-            let old = match result {
-                Ok(_) => return Ok(()),
-                Err(err) => match classify(err, self.ctx("UpdateItem")) {
-                    WriteFailure::Condition(old) => old,
-                    WriteFailure::Error(e) => return Err(e),
-                },
-            };
-            let stored = match old {
-                Some(item) => self.parse(key, &item)?,
-                None => return Err(Error::LeaseLost { key: key.clone() }),
+        let want = Extension {
+            owner: owner_token,
+            lease_until,
+            expires_at,
+            now,
+        };
+        // The common case first: the lease to raise, the expiry covering it.
+        let mut lacks = (true, false);
+        for _ in 0..MAX_EXTEND_ROUNDS {
+            let Some(stored) = self.extend_once(key, &want, lacks).await? else {
+                return Ok(());
             };
             if stored.status != Status::Processing
                 || stored.owner != owner_token
@@ -465,18 +430,19 @@ impl DynamoDbRepository {
             {
                 return Err(Error::LeaseLost { key: key.clone() });
             }
-            // Ours, and already held at least as long as this extension asks:
-            // the SDK re-sent a request that was applied (its reply lost),
-            // whose condition the applied write itself now fails, or a newer
-            // extension was applied first.
-            if stored.lease_until >= lease_until && stored.expires_at >= expires_at {
+            lacks = (
+                stored.lease_until < lease_until,
+                stored.expires_at < expires_at,
+            );
+            // Ours, and already as long as asked: the SDK re-sent a request
+            // that was applied (its reply lost), or a newer extension came
+            // first.
+            if lacks == (false, false) {
                 return Ok(());
             }
-            // Still ours, only the expiry condition failed: the other variant.
         }
-        // Ours both times, yet the expiry was neither >= nor < the new one: the
-        // record changed between the two requests; its owner is us, so retrying
-        // is the caller's call.
+        // Ours every time, yet changed under every request: retrying is the
+        // caller's call.
         Err(Error::Unavailable {
             backend: BACKEND,
             message: format!(
@@ -486,7 +452,71 @@ impl DynamoDbRepository {
             source: None,
         })
     }
+
+    /// One conditional `UpdateItem` of `extend` setting the lease and/or the
+    /// expiry (`lacks`: what the record lacks, as the condition requires).
+    /// `None` when applied; else the record the refusal returned (`LeaseLost`
+    /// when none: the item is gone).
+    async fn extend_once(
+        &self,
+        key: &RecordKey,
+        want: &Extension,
+        (raise_lease, raise_expiry): (bool, bool),
+    ) -> Result<Option<Record>, Error> {
+        let pk = self.pk(key)?;
+        let mut e = Expr::new(&self.names);
+        let mut condition = Self::owned_condition(&mut e, want.owner, want.now);
+        let mut sets = vec![format!("{} = :now", e.updated_at())];
+        let (lu, lease) = (e.lease_until(), e.value(":lease", ts(want.lease_until)));
+        condition.push_str(&if raise_lease {
+            sets.push(format!("{lu} = {lease}"));
+            format!(" AND {lu} <= {lease}")
+        } else {
+            format!(" AND {lu} >= {lease}")
+        });
+        let (exp, new_exp) = (e.expires_at(), e.value(":new_exp", ts(want.expires_at)));
+        condition.push_str(&if raise_expiry {
+            let ttl_v = e.value(":ttl", ttl(want.expires_at));
+            sets.push(format!("{exp} = {new_exp}, {} = {ttl_v}", e.ttl()));
+            format!(" AND {exp} < {new_exp}")
+        } else {
+            format!(" AND {exp} >= {new_exp}")
+        });
+        let (names, values) = e.into_parts();
+        let result = self
+            .client
+            .update_item()
+            .table_name(&*self.table)
+            .set_key(Some(self.key_map(pk)))
+            .update_expression(format!("SET {}", sets.join(", ")))
+            .condition_expression(condition)
+            .set_expression_attribute_names(names)
+            .set_expression_attribute_values(values)
+            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
+            .send()
+            .await;
+        match result {
+            Ok(_) => Ok(None),
+            Err(err) => match classify(err, self.ctx("UpdateItem")) {
+                WriteFailure::Condition(Some(item)) => Ok(Some(self.parse(key, &item)?)),
+                WriteFailure::Condition(None) => Err(Error::LeaseLost { key: key.clone() }),
+                WriteFailure::Error(e) => Err(e),
+            },
+        }
+    }
 }
+
+/// What one `extend` asks for.
+struct Extension {
+    owner: OwnerToken,
+    lease_until: Timestamp,
+    expires_at: Timestamp,
+    now: Timestamp,
+}
+
+/// How many conditional writes one `extend` makes at most before asking the
+/// caller to retry (each learns the record as it is).
+const MAX_EXTEND_ROUNDS: usize = 3;
 
 #[async_trait]
 impl Repository for DynamoDbRepository {

@@ -722,6 +722,17 @@ async fn contract_v2_items() {
     );
     let item = raw_item(&repo, &k).await.unwrap();
     assert_eq!(item.get("ttl"), Some(&AttributeValue::N(ttl_secs)));
+    // An earlier lease with a later expiry: the expiry and TTL rise, the lease
+    // stays (two requests: the first refusal shows what the record lacks).
+    let further = until + TTL;
+    counter.reset();
+    repo.extend(&k, owner, short, further, now).await.unwrap();
+    assert_eq!(counter.take(), counts(&[("UpdateItem", 2)]));
+    let r = repo.get(&k, now).await.unwrap().unwrap();
+    assert_eq!((r.lease_until, r.expires_at), (until, further));
+    let item = raw_item(&repo, &k).await.unwrap();
+    let further_secs = further.as_millis().div_ceil(1000).to_string();
+    assert_eq!(item.get("ttl"), Some(&AttributeValue::N(further_secs)));
     assert!(matches!(
         repo.extend(&k, OwnerToken::random(), until, until, now)
             .await,

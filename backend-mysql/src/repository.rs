@@ -267,8 +267,11 @@ impl MySqlRepository {
 
     /// After a value's write failed: reads the server's `max_allowed_packet`
     /// again, keeps the lower of it and the one known, and answers
-    /// [`Error::TooLarge`] when `value` no longer fits (a statement over the
-    /// packet size is refused before it runs: nothing was applied). `None`
+    /// [`Error::TooLarge`] when `value` no longer fits. A statement over its
+    /// connection's packet size is refused before it runs; after a cut
+    /// connection that still had a larger size the write may have been
+    /// applied, and the manager's retry without the value then finds the
+    /// execution recorded by its own token, as after any lost reply. `None`
     /// when it fits, or the server cannot say.
     async fn over_packet(&self, what: &'static str, value: &[u8]) -> Option<Error> {
         let global: u64 =

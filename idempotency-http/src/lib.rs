@@ -112,7 +112,7 @@
 //!   ([`max_cached_body`](IdempotencyLayer::max_cached_body), the manager's
 //!   `max_result_size_bytes` and the store's limit, whichever is smallest); a
 //!   larger one, or one still coming shortly before the lease ends (with lease
-//!   extension on, the lease moves and the layer reads on), streams through to
+//!   extension on, each extension confirmed moves that deadline), streams through to
 //!   the first client, the key completes without it, and retries get
 //!   `409 response-not-retained`, so the handler still runs once. Responses that are not stored release the key, and so does
 //!   a `4xx` to a request whose body failed while the inner service read it
