@@ -247,14 +247,27 @@ impl DynamoDbRepository {
                 cutoff = e.value(":cutoff", ts(req.lease_cutoff())),
             ));
         }
+        self.update_if(pk.clone(), e, format!("{remove} SET {set}"), cond)
+            .await
+    }
+
+    /// One conditional `UpdateItem`: `None` when applied; on a failed
+    /// condition, the stored item if any.
+    async fn update_if(
+        &self,
+        pk: AttributeValue,
+        e: Expr<'_>,
+        update: String,
+        condition: String,
+    ) -> Result<Option<Option<Item>>, Error> {
         let (names, values) = e.into_parts();
         let result = self
             .client
             .update_item()
             .table_name(&*self.table)
-            .set_key(Some(self.key_map(pk.clone())))
-            .update_expression(format!("{remove} SET {set}"))
-            .condition_expression(cond)
+            .set_key(Some(self.key_map(pk)))
+            .update_expression(update)
+            .condition_expression(condition)
             .set_expression_attribute_names(names)
             .set_expression_attribute_values(values)
             .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
@@ -482,26 +495,11 @@ impl DynamoDbRepository {
         } else {
             format!(" AND {exp} >= {new_exp}")
         });
-        let (names, values) = e.into_parts();
-        let result = self
-            .client
-            .update_item()
-            .table_name(&*self.table)
-            .set_key(Some(self.key_map(pk)))
-            .update_expression(format!("SET {}", sets.join(", ")))
-            .condition_expression(condition)
-            .set_expression_attribute_names(names)
-            .set_expression_attribute_values(values)
-            .return_values_on_condition_check_failure(ReturnValuesOnConditionCheckFailure::AllOld)
-            .send()
-            .await;
-        match result {
-            Ok(_) => Ok(None),
-            Err(err) => match classify(err, self.ctx("UpdateItem")) {
-                WriteFailure::Condition(Some(item)) => Ok(Some(self.parse(key, &item)?)),
-                WriteFailure::Condition(None) => Err(Error::LeaseLost { key: key.clone() }),
-                WriteFailure::Error(e) => Err(e),
-            },
+        let update = format!("SET {}", sets.join(", "));
+        match self.update_if(pk, e, update, condition).await? {
+            None => Ok(None),
+            Some(Some(item)) => Ok(Some(self.parse(key, &item)?)),
+            Some(None) => Err(Error::LeaseLost { key: key.clone() }),
         }
     }
 }
