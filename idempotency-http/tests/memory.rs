@@ -305,7 +305,9 @@ async fn a_response_body_slower_than_the_lease_never_runs_twice() {
             let app = app.clone();
             tokio::spawn(async move { app.send(post("/slow-body?secs=120", Some("k"), "")).await })
         };
-        // A retry two leases later, while the body still comes.
+        // A retry two leases later, while the body still comes. The test's
+        // Tokio clock is paused: this sleep takes no real time, the runtime
+        // jumps to it once every task is idle.
         tokio::time::sleep(std::time::Duration::from_secs(60)).await;
         let retry = app.send(post("/slow-body?secs=120", Some("k"), "")).await;
         match extension {

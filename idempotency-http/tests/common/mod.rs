@@ -344,6 +344,7 @@ async fn slow_body(
         let chunk = match step {
             0 => format!("run {n}: first;"),
             1 => {
+                // Only the paused-clock test asks for a pause: no real time.
                 tokio::time::sleep(pause).await;
                 " last".to_owned()
             }
