@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::{
     Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, Repository, Reservation,
-    ReserveRequest, Timestamp,
+    ReserveRequest, Status, Timestamp,
 };
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::{Connection, MySqlConnection, MySqlPool, Row};
@@ -56,7 +56,7 @@ pub struct MySqlRepository {
     pool: MySqlPool,
     sql: Arc<Statements>,
     /// The server's `max_allowed_packet` as last read (at connect, and again
-    /// when a value's write failed: see [`MySqlRepository::over_packet`]):
+    /// when a value's write failed: see `MySqlRepository::over_packet`):
     /// values are capped below it. Shared by clones.
     max_allowed_packet: Arc<AtomicU64>,
     operation_timeout: Duration,
@@ -137,8 +137,8 @@ impl MySqlRepository {
 
     /// A repository on `table` over a pool the application configured (its
     /// size, TLS and timeouts are the pool's own). Reads the server's
-    /// `max_allowed_packet` (and again should a value's write fail); run [`migrate`](Self::migrate) once before
-    /// use.
+    /// `max_allowed_packet` (and again should a value's write fail); run
+    /// [`migrate`](Self::migrate) once before use.
     ///
     /// # Errors
     /// [`Error::Config`] for an invalid table name; the store's errors when
@@ -222,6 +222,13 @@ impl MySqlRepository {
         self.capabilities().check_id(key)
     }
 
+    /// One owner-checked write. One carrying a value (a result or an error) is
+    /// refused with [`Error::TooLarge`] before any statement when over the
+    /// packet size last read, and also when the write fails because the
+    /// server's `max_allowed_packet` was lowered since (the server refuses the
+    /// statement, or cuts the connection while it is sent): the manager then
+    /// records the outcome without the value, rather than retrying a write
+    /// that cannot succeed until the lease ends.
     async fn write_owned(
         &self,
         key: &RecordKey,
@@ -229,27 +236,7 @@ impl MySqlRepository {
         now: Timestamp,
         write: OwnedWrite<'_>,
     ) -> Result<(), Error> {
-        self.check_key(key)?;
-        let operation = write.operation();
-        let fut = ops::write_owned(&self.sql, &self.pool, key, owner, now, write);
-        self.timed(operation, fut).await
-    }
-
-    /// [`write_owned`](Self::write_owned) of a write carrying `value` (a
-    /// result or an error): refused with [`Error::TooLarge`] before any
-    /// statement when over the packet size last read, and also when the
-    /// write fails because the server's `max_allowed_packet` was lowered
-    /// since (the server refuses the statement, or cuts the connection while
-    /// it is sent): the manager then records the outcome without the value,
-    /// rather than retrying a write that cannot succeed until the lease ends.
-    async fn write_value(
-        &self,
-        key: &RecordKey,
-        owner: OwnerToken,
-        now: Timestamp,
-        (what, value): (&'static str, Option<&[u8]>),
-        write: OwnedWrite<'_>,
-    ) -> Result<(), Error> {
+        let (what, value) = carried(&write);
         self.capabilities().check_value(what, value)?;
         self.check_key(key)?;
         let operation = write.operation();
@@ -281,6 +268,19 @@ impl MySqlRepository {
                 .ok()?;
         self.max_allowed_packet.fetch_min(global, Ordering::Relaxed);
         self.capabilities().check_value(what, Some(value)).err()
+    }
+}
+
+/// The value `write` carries, named as the size check names it.
+fn carried<'a>(write: &OwnedWrite<'a>) -> (&'static str, Option<&'a [u8]>) {
+    match write {
+        OwnedWrite::Finish {
+            status: Status::Completed,
+            value,
+            ..
+        } => ("result", *value),
+        OwnedWrite::Finish { value, .. } => ("error", *value),
+        OwnedWrite::Extend { .. } | OwnedWrite::Release => ("value", None),
     }
 }
 
@@ -357,8 +357,7 @@ impl Repository for MySqlRepository {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let write = OwnedWrite::complete(result, expires_at);
-        self.write_value(key, owner, now, ("result", result), write)
+        self.write_owned(key, owner, now, OwnedWrite::complete(result, expires_at))
             .await
     }
 
@@ -372,8 +371,7 @@ impl Repository for MySqlRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         let write = OwnedWrite::fail(error, retryable, expires_at);
-        self.write_value(key, owner, now, ("error", error), write)
-            .await
+        self.write_owned(key, owner, now, write).await
     }
 
     async fn release(

@@ -38,7 +38,7 @@ pub enum OwnedWrite<'a> {
         /// The record's new expiry.
         expires_at: Timestamp,
     },
-    /// A new lease; the expiry never moves back.
+    /// The lease and the expiry raised (neither moves back).
     Extend {
         /// The new end of the lease.
         lease_until: Timestamp,
