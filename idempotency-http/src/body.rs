@@ -271,16 +271,12 @@ where
     }
     let mut len = 0usize;
     loop {
-        let next = loop {
-            let Some(deadline) = &deadline else {
-                break body.frame().await;
-            };
-            match tokio::time::timeout_at(deadline(), body.frame()).await {
-                Ok(next) => break next,
-                // Moved on meanwhile (the lease was extended): wait on.
-                Err(_) if deadline() > tokio::time::Instant::now() => {}
-                Err(_) => return Collected::Overflow { frames, rest: body },
-            }
+        let next = match &deadline {
+            None => body.frame().await,
+            Some(deadline) => match next_frame_by(&mut body, deadline).await {
+                Some(next) => next,
+                None => return Collected::Overflow { frames, rest: body },
+            },
         };
         match next {
             None => break,
@@ -322,6 +318,27 @@ where
     }
 }
 
+/// The next frame of `body`, or `None` once the instant `deadline` answers
+/// has passed (asked again when it passes, since it may have moved: a lease
+/// extended).
+async fn next_frame_by<B, D>(
+    body: &mut Pin<Box<B>>,
+    deadline: &D,
+) -> Option<Option<Result<Frame<Bytes>, B::Error>>>
+where
+    B: Body<Data = Bytes>,
+    D: Fn() -> tokio::time::Instant,
+{
+    loop {
+        match tokio::time::timeout_at(deadline(), body.frame()).await {
+            Ok(next) => return Some(next),
+            // Moved on meanwhile (the lease was extended): wait on.
+            Err(_) if deadline() > tokio::time::Instant::now() => {}
+            Err(_) => return None,
+        }
+    }
+}
+
 /// A body read by [`drain`]: to its end, or as far as its bounds allowed.
 pub(crate) struct Drained<B> {
     /// Every frame read, in order (trailers included).
@@ -337,16 +354,18 @@ pub(crate) struct Drained<B> {
 /// Reads the `rest` of an overflowing body to its end after the `frames`
 /// already read, keeping every frame: for answers that can only be judged at
 /// their end (gRPC's final status). Stops early, leaving the rest unread,
-/// once more than `max_bytes` of data are held or at `deadline`.
-pub(crate) async fn drain<B>(
+/// once more than `max_bytes` of data are held or at the instant `deadline`
+/// answers (asked again when it passes, as for [`collect_up_to_by`]).
+pub(crate) async fn drain<B, D>(
     mut frames: VecDeque<Frame<Bytes>>,
     mut rest: Pin<Box<B>>,
     max_bytes: usize,
-    deadline: tokio::time::Instant,
+    deadline: D,
 ) -> Drained<B>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
+    D: Fn() -> tokio::time::Instant,
 {
     let mut held: usize = frames
         .iter()
@@ -358,7 +377,7 @@ where
         if held > max_bytes {
             return cut_short(frames, rest);
         }
-        let Ok(next) = tokio::time::timeout_at(deadline, rest.frame()).await else {
+        let Some(next) = next_frame_by(&mut rest, &deadline).await else {
             return cut_short(frames, rest);
         };
         match next {

@@ -32,9 +32,11 @@
 //! unary message) before the layer decides, and a stored one is then kept
 //! without its message (a retry gets `response-not-retained`). That read is
 //! bounded: past 64 MiB, or shortly before the key's lease ends (a tenth of
-//! the processing timeout, at most a second, before it), the layer stops
-//! waiting, passes the rest through, and keeps the key with its status
-//! unknown: the method ran, so a retry is refused rather than run again.
+//! the processing timeout, at most a second, before it; each lease extension
+//! confirmed moves that point), the layer stops waiting, passes the rest
+//! through, and keeps the key with its status unknown: the method ran, so a
+//! retry is refused rather than run again. An answer whose body fails before
+//! its status is kept the same way.
 //!
 //! **Streaming methods are left alone** unless named with
 //! [`IdempotencyLayer::route`](crate::IdempotencyLayer::route): a stream is not one answer. Replaying it

@@ -117,7 +117,9 @@
 //!   `409 response-not-retained`, so the handler still runs once. Responses that are not stored release the key, and so does
 //!   a `4xx` to a request whose body failed while the inner service read it
 //!   (an upload cut short, under a fingerprint that does not read the body):
-//!   it answers the broken transfer, not the request.
+//!   it answers the broken transfer, not the request. A response body that
+//!   fails while it is read is kept as not retained (the handler ran; a retry
+//!   is refused, not run again), unless the request body had failed first.
 //!
 //! # Frameworks
 //!

@@ -37,12 +37,13 @@ const GRPC_DRAIN_LIMIT: usize = 64 * 1024 * 1024;
 
 /// Until when a response body is read (a gRPC answer to its status): a tenth
 /// of the processing timeout (at most a second) before the lease ends, so that
-/// its outcome is recorded while the lease holds.
+/// its outcome is recorded while the lease holds. On Tokio's monotonic clock,
+/// as the lease keeper counts it; each extension confirmed moves it.
 fn drain_deadline(settings: &Settings, ctx: &ExecutionContext) -> tokio::time::Instant {
     let processing = settings.manager.config().processing_timeout;
     let margin = (processing / 10).min(std::time::Duration::from_secs(1));
-    let left = ctx.lease_until().duration_since(settings.manager.now());
-    tokio::time::Instant::now() + left.saturating_sub(margin)
+    let deadline = ctx.lease_deadline();
+    deadline.checked_sub(margin).unwrap_or(deadline)
 }
 
 /// Why the "handler" (the inner service and reading its body) did not produce a
@@ -54,7 +55,10 @@ pub(crate) enum Failure<E> {
     Service(Mutex<E>),
     /// The response is of a kind that is not stored (5xx by default).
     NotStored(StatusCode),
-    /// The response body failed while it was being read.
+    /// The response body failed while it was being read, after the request
+    /// body had failed too (an upload cut short that the handler streamed
+    /// from): the request never arrived whole. (A response body that fails
+    /// after a whole request is kept as not retained: the handler ran.)
     BodyFailed(StatusCode),
     /// The inner service refused the request (a `4xx`) after its body
     /// failed, unread by the fingerprint: the client's upload was cut short.
@@ -432,10 +436,9 @@ where
             // The final status, which decides, is at the end: read to it,
             // within bounds (memory, and the lease: the outcome must be
             // recorded before the lease ends, or a retry runs again).
-            let deadline = drain_deadline(settings, ctx);
-            let drained = drain(frames, rest, GRPC_DRAIN_LIMIT, deadline).await;
+            let drained = drain(frames, rest, GRPC_DRAIN_LIMIT, lease_end).await;
             if let Some(error) = drained.error {
-                return body_failed(slot, head, drained.frames, error);
+                return body_failed(slot, head, drained.frames, error, request_failed);
             }
             if let Some(rest) = drained.rest {
                 // Too large or too slow to judge: the method ran, so the key
@@ -478,7 +481,9 @@ where
             );
             Ok(StoredResponse::not_retained(status, None))
         }
-        Collected::Failed { frames, error } => body_failed(slot, head, frames, error),
+        Collected::Failed { frames, error } => {
+            body_failed(slot, head, frames, error, request_failed)
+        }
     }
 }
 
@@ -488,21 +493,34 @@ fn hand_over<B>(slot: &Slot<B>, head: http::response::Parts, body: IdempotencyBo
 }
 
 /// The response body failed while it was read: the client gets what was read
-/// and the error; the key is released.
+/// and the error. The handler ran (its head says so), so the key is kept with
+/// its answer not retained: a retry is refused, never run again, as for a body
+/// too large or too slow to keep. Only when the request body had failed too
+/// (the handler streamed an upload that was cut short) is the key released:
+/// the request never arrived whole, and the client's full retry must run.
 fn body_failed<B, E>(
     slot: &Slot<B>,
     head: http::response::Parts,
     frames: VecDeque<Frame<Bytes>>,
     error: BoxError,
+    request_failed: &AtomicBool,
 ) -> Result<StoredResponse, HandlerError<Failure<E>>> {
     let status = head.status;
-    tracing::warn!(%status, error = %error, "the response body failed; releasing the key");
+    let released = request_failed.load(Ordering::Acquire);
+    if released {
+        tracing::warn!(%status, error = %error, "the response body failed after the request body did; releasing the key");
+    } else {
+        tracing::warn!(%status, error = %error, "the response body failed; kept as not retained (the handler ran)");
+    }
     hand_over(
         slot,
         head,
         IdempotencyBody::buffered(frames, None, Some(error)),
     );
-    Err(HandlerError::transient(Failure::BodyFailed(status)))
+    if released {
+        return Err(HandlerError::transient(Failure::BodyFailed(status)));
+    }
+    Ok(StoredResponse::not_retained(status, None))
 }
 
 /// The answer to a retry whose first response was not kept; `outcome` names
@@ -510,8 +528,9 @@ fn body_failed<B, E>(
 fn not_retained(outcome: Option<(StatusCode, String)>) -> Problem {
     let detail = match &outcome {
         Some((_, outcome)) => format!(
-            "a request with this key was processed ({outcome}), but its response was too large \
-             to keep and cannot be replayed; send a new request with a new key"
+            "a request with this key was processed ({outcome}), but its response was not kept \
+             (too large, too slow or broken while read) and cannot be replayed; send a new \
+             request with a new key"
         ),
         None => "a request with this key was processed, but its response was not kept and \
                  cannot be replayed; send a new request with a new key"

@@ -290,3 +290,97 @@ async fn an_answer_that_never_ends_keeps_the_key_before_the_lease_ends() {
     assert!(message.contains("grpc-status unknown"), "{message}");
     assert_eq!(h.runs(), 1);
 }
+
+/// The manager's clock, following the test's (paused) Tokio time.
+#[derive(Debug)]
+struct TokioClock {
+    start: tokio::time::Instant,
+    at_start: idempotency_core::Timestamp,
+}
+
+impl idempotency_core::Clock for TokioClock {
+    fn now(&self) -> idempotency_core::Timestamp {
+        self.at_start + self.start.elapsed()
+    }
+}
+
+/// An answer over the cap whose status comes two minutes later (four leases of
+/// 30 s), with lease extension on: each extension confirmed moves the read's
+/// deadline, so the layer reads on to the status. A retry meanwhile is told
+/// the call is in progress (without extension it would be refused as not
+/// retained, its status unknown), and after the end it gets the status that
+/// was recorded. The method runs once.
+#[tokio::test(start_paused = true)]
+async fn an_extended_lease_moves_the_read_to_the_status() {
+    let clock = Arc::new(TokioClock {
+        start: tokio::time::Instant::now(),
+        at_start: idempotency_core::Timestamp::from_system_time(std::time::SystemTime::now()),
+    });
+    let config = Config {
+        processing_timeout: std::time::Duration::from_secs(30),
+        lease_extension_interval: Some(std::time::Duration::from_secs(5)),
+        ..Config::default()
+    };
+    let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), config)
+        .unwrap()
+        .with_clock(clock);
+    let layer = IdempotencyLayer::grpc(manager)
+        .unary(METHOD)
+        .max_cached_body(CAP);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let service = layer.layer(tower::service_fn(move |_request: Request<_>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let first: Frames = vec![Ok(http_body::Frame::data(Bytes::from(vec![b'm'; 3 * CAP])))];
+            let status = stream::once(async {
+                // Paused Tokio time: no real time passes.
+                tokio::time::sleep(std::time::Duration::from_secs(120)).await;
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from(code::OK));
+                Ok::<_, Infallible>(http_body::Frame::trailers(trailers))
+            });
+            let body = StreamBody::new(stream::iter(first).chain(status));
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .header("content-type", "application/grpc")
+                    .body(body)
+                    .unwrap(),
+            )
+        }
+    }));
+    let request = || {
+        Request::post(METHOD)
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", "k")
+            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
+            .unwrap()
+    };
+    let first = tokio::spawn(service.clone().oneshot(request()));
+    // Two leases later, while the answer is still read. Paused time, as above.
+    tokio::time::sleep(std::time::Duration::from_secs(60)).await;
+    let retry = service.clone().oneshot(request()).await.unwrap();
+    assert_eq!(retry.headers()["idempotency-problem"], "in-progress");
+    assert_eq!(
+        retry.headers()["grpc-status"],
+        code::ABORTED.to_string().as_str()
+    );
+
+    let first = first.await.unwrap().unwrap();
+    let collected = first.into_body().collect().await.unwrap();
+    assert_eq!(collected.trailers().unwrap()["grpc-status"], "0");
+    assert_eq!(
+        collected.to_bytes().len(),
+        3 * CAP,
+        "the client gets it all"
+    );
+
+    let after = service.oneshot(request()).await.unwrap();
+    assert_eq!(
+        after.headers()["idempotency-problem"],
+        "response-not-retained"
+    );
+    let message = after.headers()["grpc-message"].to_str().unwrap();
+    assert!(message.contains("grpc-status 0"), "{message}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "never a second run");
+}

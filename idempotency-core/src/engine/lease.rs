@@ -255,6 +255,39 @@ impl ExecutionContext {
         self.0.until()
     }
 
+    /// The lease's end as last confirmed by the store, on Tokio's monotonic
+    /// clock (the one its timers use, so paused-time tests drive it): a
+    /// deadline for work that must end while the lease holds, unmoved by a
+    /// wall clock that steps. Each extension confirmed moves it later; it is
+    /// in the past for an unprotected run (fail-open), which holds no lease.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use std::time::Duration;
+    /// use idempotency_core::{Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository};
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let outcome = manager
+    ///     .execute_with_context("export-7", &(), |ctx: ExecutionContext| async move {
+    ///         // Stop a second before the lease ends, so the outcome is
+    ///         // recorded while it still holds.
+    ///         let stop = ctx.lease_deadline() - Duration::from_secs(1);
+    ///         let work = async { "exported".to_owned() };
+    ///         tokio::time::timeout_at(stop, work)
+    ///             .await
+    ///             .map_err(|_| HandlerError::transient("out of lease".to_owned()))
+    ///     })
+    ///     .await?;
+    /// assert_eq!(outcome.into_value().as_deref(), Some("exported"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn lease_deadline(&self) -> Instant {
+        self.0.deadline()
+    }
+
     /// Whether the lease can no longer be confirmed (or the execution ended).
     pub fn is_lease_lost(&self) -> bool {
         self.0.is_lost()

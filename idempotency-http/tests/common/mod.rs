@@ -251,6 +251,7 @@ impl TestApp {
             .route("/trailers", routing::post(trailers))
             .route("/panic-once", routing::post(panic_once))
             .route("/broken-once", routing::post(broken_once))
+            .route("/stream-echo", routing::post(stream_echo))
             .route("/webhooks", routing::post(webhooks))
             .route("/search", routing::post(search))
             .layer(layer)
@@ -417,6 +418,13 @@ async fn broken_once(State(s): State<Arc<Shared>>) -> Response {
         vec![Ok(Bytes::from(format!("whole {n}")))]
     };
     Response::new(Body::from_stream(futures::stream::iter(items)))
+}
+
+/// Answers `200` at once and streams the request body back as it arrives (a
+/// proxy, an upload handler): a request body that fails fails the response's.
+async fn stream_echo(State(s): State<Arc<Shared>>, request: Request<Body>) -> Response {
+    s.bump("echo");
+    Response::new(Body::from_stream(request.into_body().into_data_stream()))
 }
 
 async fn webhooks(State(s): State<Arc<Shared>>) -> Response {
@@ -1034,10 +1042,11 @@ pub async fn cut_upload_is_not_stored(repo: SharedRepository) {
     assert_eq!(app.runs("status"), 1);
 }
 
-/// A response body that fails while the layer reads it releases the key (like
-/// a 5xx): the client sees the failure after the bytes that came, and its retry
-/// runs the handler again.
-pub async fn failing_response_body_releases_the_key(repo: SharedRepository) {
+/// A response body that fails while the layer reads it, after a head that
+/// says the handler ran: the client sees the failure after the bytes that
+/// came, and the key is kept as not retained, so its retry is refused with
+/// the original status instead of running the handler a second time.
+pub async fn failing_response_body_is_kept_not_retained(repo: SharedRepository) {
     let app = TestApp::new(repo);
     let response = app
         .router
@@ -1054,13 +1063,55 @@ pub async fn failing_response_body_releases_the_key(repo: SharedRepository) {
     assert!(error.to_string().contains("cursor broke"), "{error}");
 
     let retry = app.send(post("/broken-once", Some("b"), "")).await;
-    assert_eq!(retry.status, StatusCode::OK);
-    assert!(!retry.replayed());
-    assert_eq!(retry.text(), "whole 2");
-    assert_eq!(app.runs("broken"), 2);
+    let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    assert_eq!(problem["original_status"], 200);
+    assert_eq!(app.runs("broken"), 1, "the handler is not run again");
     let again = app.send(post("/broken-once", Some("b"), "")).await;
+    again.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    assert_eq!(app.runs("broken"), 1);
+}
+
+/// A response body that fails because the request body it streams from was
+/// cut short (an upload the handler proxies): the request never arrived
+/// whole, so the key is released and the client's full retry runs.
+pub async fn response_failing_with_a_cut_upload_is_released(repo: SharedRepository) {
+    let options = Options {
+        fingerprint: RequestFingerprint::MethodPath,
+        ..Options::default()
+    };
+    let app = TestApp::with(repo, options);
+    let cut = futures::stream::iter([
+        Ok(Bytes::from_static(b"first half")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "client went away",
+        )),
+    ]);
+    let response = app
+        .router
+        .clone()
+        .oneshot(request(
+            Method::POST,
+            "/stream-echo",
+            Some("up"),
+            Body::from_stream(cut),
+        ))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let collected = response.into_body().collect().await;
+    assert!(collected.is_err(), "the client sees the echo fail");
+    assert_eq!(app.runs("echo"), 1);
+
+    let retry = app.send(post("/stream-echo", Some("up"), "whole")).await;
+    assert_eq!(retry.status, StatusCode::OK);
+    assert!(!retry.replayed(), "the full retry ran");
+    assert_eq!(retry.text(), "whole");
+    assert_eq!(app.runs("echo"), 2);
+    let again = app.send(post("/stream-echo", Some("up"), "whole")).await;
     assert!(again.replayed());
-    assert_eq!(again.text(), "whole 2");
+    assert_eq!(again.text(), "whole");
+    assert_eq!(app.runs("echo"), 2);
 }
 
 /// With the manager's wait policy, a duplicate that finds the key in flight
@@ -1298,7 +1349,8 @@ macro_rules! http_scenarios {
             get_passes_through_untouched,
             dropped_request_still_completes_and_replays,
             panicking_handler_releases_the_key,
-            failing_response_body_releases_the_key,
+            failing_response_body_is_kept_not_retained,
+            response_failing_with_a_cut_upload_is_released,
             cut_upload_is_not_stored,
             wait_policy_replays_after_the_first_finishes,
             request_body_over_the_cap_is_413,
