@@ -71,6 +71,11 @@
 //! | `purge_expired` | 0 | DynamoDB TTL deletes expired items |
 //! | `reserve_many`, `complete_many` (an `execute_batch` group) | 1 per key | each key's `reserve` or `complete`, sent concurrently: `BatchWriteItem` cannot carry a condition, and `TransactWriteItems` would make one refused key fail the whole group (and costs two write units per item). A group of *n* costs *n* requests and their capacity — *n* write units for fresh keys, the failed `PutItem` of a duplicate consumes a write unit too — and takes as long as its slowest request |
 //!
+//! A server that returns no item with a failed condition (an emulator without
+//! `ReturnValuesOnConditionCheckFailure`) costs one strongly consistent
+//! `GetItem` more where the table counts on that item (a duplicate `reserve`,
+//! an `extend` that must raise the expiry); the answers are the same.
+//!
 //! Through [`IdempotencyManager`](idempotency_core::IdempotencyManager): a first
 //! delivery is **2 requests** (reserve + complete), a duplicate **1**. A test
 //! counts them with [`RequestCounter`], an SDK interceptor you can install too.

@@ -468,8 +468,10 @@ impl DynamoDbRepository {
 
     /// One conditional `UpdateItem` of `extend` setting the lease and/or the
     /// expiry (`lacks`: what the record lacks, as the condition requires).
-    /// `None` when applied; else the record the refusal returned (`LeaseLost`
-    /// when none: the item is gone).
+    /// `None` when applied; else the record the refusal returned, or, from a
+    /// store that returns none on a failed condition (an emulator without
+    /// `ReturnValuesOnConditionCheckFailure`), the record read (`LeaseLost`
+    /// when there is none: the item is gone).
     async fn extend_once(
         &self,
         key: &RecordKey,
@@ -499,7 +501,10 @@ impl DynamoDbRepository {
         match self.update_if(pk, e, update, condition).await? {
             None => Ok(None),
             Some(Some(item)) => Ok(Some(self.parse(key, &item)?)),
-            Some(None) => Err(Error::LeaseLost { key: key.clone() }),
+            Some(None) => match self.read(key).await? {
+                Some(record) => Ok(Some(record)),
+                None => Err(Error::LeaseLost { key: key.clone() }),
+            },
         }
     }
 }

@@ -892,3 +892,52 @@ async fn an_extension_applied_with_its_reply_lost_succeeds() {
         Err(Error::LeaseLost { .. })
     ));
 }
+
+/// From a store that returns no item with a refused condition, an `extend`
+/// that must also raise the expiry (its first request refused) reads the
+/// record instead of calling a lease it holds lost; a record that is not ours
+/// is still refused.
+#[tokio::test]
+async fn an_extension_refused_without_the_item_reads_it() {
+    let repo = common::repository().await;
+    let strip = common::StripRefusedItem::default();
+    let client = aws_sdk_dynamodb::Client::from_conf(
+        repo.client()
+            .config()
+            .to_builder()
+            .interceptor(strip.clone())
+            .build(),
+    );
+    let repo = DynamoDbRepository::from_client(client, repo.table_name());
+    let ns = namespace();
+    let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    let k = key(&ns, "no-item");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&k, owner, now)).await.unwrap();
+
+    // An expiry beyond the stored one: the first request (the lease alone) is
+    // refused, and the refusal carries no item.
+    let later = now + Duration::from_secs(10);
+    let (lease, expiry) = (later + LEASE, later + 2 * TTL);
+    repo.extend(&k, owner, lease, expiry, later).await.unwrap();
+    assert!(strip.stripped.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    let stored = repo.get(&k, later).await.unwrap().unwrap();
+    assert_eq!(
+        (stored.owner, stored.lease_until, stored.expires_at),
+        (owner, lease, expiry)
+    );
+
+    let other = key(&ns, "other");
+    repo.reserve(request(&other, OwnerToken::random(), now))
+        .await
+        .unwrap();
+    assert!(matches!(
+        repo.extend(&other, owner, lease, expiry, later).await,
+        Err(Error::LeaseLost { .. })
+    ));
+    let gone = key(&ns, "gone");
+    assert!(matches!(
+        repo.extend(&gone, owner, lease, expiry, later).await,
+        Err(Error::LeaseLost { .. })
+    ));
+}

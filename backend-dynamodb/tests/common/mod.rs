@@ -47,3 +47,40 @@ pub(crate) async fn repository() -> DynamoDbRepository {
         .await
         .unwrap_or_else(|e| panic!("connecting to the test DynamoDB server: {e}"))
 }
+
+/// Strips the stored item from every refusal of a condition, as a store that
+/// does not support `ReturnValuesOnConditionCheckFailure` answers (older
+/// emulators).
+#[derive(Debug, Default, Clone)]
+pub(crate) struct StripRefusedItem {
+    pub(crate) stripped: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl aws_sdk_dynamodb::config::Intercept for StripRefusedItem {
+    fn name(&self) -> &'static str {
+        "StripRefusedItem"
+    }
+
+    fn modify_before_deserialization(
+        &self,
+        context: &mut aws_sdk_dynamodb::config::interceptors::BeforeDeserializationInterceptorContextMut<'_>,
+        _runtime_components: &aws_sdk_dynamodb::config::RuntimeComponents,
+        _cfg: &mut aws_sdk_dynamodb::config::ConfigBag,
+    ) -> Result<(), aws_sdk_dynamodb::error::BoxError> {
+        let response = context.response_mut();
+        let refused = response
+            .headers()
+            .get("x-amzn-errortype")
+            .is_some_and(|t| t.starts_with("ConditionalCheckFailedException"));
+        if refused {
+            self.stripped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            response.headers_mut().remove("x-amz-crc32");
+            response.headers_mut().remove("content-length");
+            *response.body_mut() = aws_smithy_types::body::SdkBody::from(
+                r#"{"__type":"com.amazonaws.dynamodb.v20120810#ConditionalCheckFailedException","message":"The conditional request failed"}"#,
+            );
+        }
+        Ok(())
+    }
+}
