@@ -14,6 +14,7 @@
 
 mod view;
 
+use std::future::Future;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -39,6 +40,12 @@ struct Cli {
     /// Output for people (aligned tables) or scripts (JSON).
     #[arg(long, value_enum, default_value_t = Format::Table, global = true)]
     format: Format,
+
+    /// How long one call to the store may take, connecting included (each
+    /// batch of `purge` is one call): a store that stops answering fails the
+    /// command after this, instead of hanging it.
+    #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
+    timeout: Duration,
 
     #[command(subcommand)]
     command: Command,
@@ -164,6 +171,25 @@ impl From<Error> for Failure {
     }
 }
 
+/// `call`, one call to the store, within the `--timeout`. A call cut off
+/// may still have been applied: said so, as a retryable failure.
+async fn within<T>(
+    limit: Duration,
+    call: impl Future<Output = Result<T, Error>>,
+) -> Result<T, Failure> {
+    match tokio::time::timeout(limit, call).await {
+        Ok(answer) => Ok(answer?),
+        Err(_) => Err(Failure(
+            format!(
+                "the store did not answer within {} (--timeout); a change it was asked for may \
+                 or may not have been applied (retryable)",
+                humantime::format_duration(limit)
+            ),
+            1,
+        )),
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     if let Command::Completions { shell } = cli.command {
@@ -227,33 +253,44 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             2,
         )
     })?;
-    let store = idempotency::connect(&without_migration(&url)).await?;
+    let limit = cli.timeout;
+    let store = within(limit, idempotency::connect(&without_migration(&url))).await?;
     let json = cli.format == Format::Json;
     match cli.command {
-        Command::Get(key) => get(&store, &key, json).await,
+        Command::Get(key) => get(&store, &key, limit, json).await,
         Command::List {
             namespace,
             status,
             stuck,
-            limit,
+            limit: most,
         } => {
             let filter = ListFilter {
                 namespace_prefix: namespace,
                 status: status.map(Status::from),
                 stuck,
-                limit,
+                limit: most,
             };
-            list(admin(&store, "list")?, &filter, json).await
+            list(admin(&store, "list")?, &filter, limit, json).await
         }
         Command::Evict {
             key,
             only_if_stuck,
             force,
-        } => evict(&store, &key, only_if_stuck, force, json).await,
-        Command::Purge { limit, batch } => purge(&store, limit, batch, json).await,
-        Command::Migrate { dry_run } => migrate(admin(&store, "migrate")?, dry_run, json).await,
-        Command::Stats => stats(admin(&store, "stats")?, json).await,
-        Command::Doctor { clock_skew } => doctor(admin(&store, "doctor")?, clock_skew, json).await,
+        } => {
+            let evicting = Evicting {
+                only_if_stuck,
+                force,
+            };
+            evict(&store, &key, evicting, limit, json).await
+        }
+        Command::Purge { limit: most, batch } => purge(&store, most, batch, limit, json).await,
+        Command::Migrate { dry_run } => {
+            migrate(admin(&store, "migrate")?, dry_run, limit, json).await
+        }
+        Command::Stats => stats(admin(&store, "stats")?, limit, json).await,
+        Command::Doctor { clock_skew } => {
+            doctor(admin(&store, "doctor")?, clock_skew, limit, json).await
+        }
         Command::Completions { .. } => Ok(String::new()),
     }
 }
@@ -282,10 +319,15 @@ fn record_key(store: &SharedRepository, args: &KeyArgs) -> Result<RecordKey, Fai
     Ok(key)
 }
 
-async fn get(store: &SharedRepository, args: &KeyArgs, json: bool) -> Result<String, Failure> {
+async fn get(
+    store: &SharedRepository,
+    args: &KeyArgs,
+    limit: Duration,
+    json: bool,
+) -> Result<String, Failure> {
     let key = record_key(store, args)?;
     let now = SystemClock.now();
-    let record = store.get(&key, now).await?;
+    let record = within(limit, store.get(&key, now)).await?;
     Ok(match (record, json) {
         (Some(r), true) => {
             let mut value = view::record_json(key.namespace(), key.id(), &r, now);
@@ -300,9 +342,14 @@ async fn get(store: &SharedRepository, args: &KeyArgs, json: bool) -> Result<Str
     })
 }
 
-async fn list(admin: &dyn Admin, filter: &ListFilter, json: bool) -> Result<String, Failure> {
+async fn list(
+    admin: &dyn Admin,
+    filter: &ListFilter,
+    limit: Duration,
+    json: bool,
+) -> Result<String, Failure> {
     let now = SystemClock.now();
-    let listing = admin.list(filter, now).await?;
+    let listing = within(limit, admin.list(filter, now)).await?;
     if json {
         let records: Vec<_> = listing
             .records
@@ -322,16 +369,26 @@ async fn list(admin: &dyn Admin, filter: &ListFilter, json: bool) -> Result<Stri
     Ok(out)
 }
 
+/// What `evict` may remove.
+#[derive(Debug, Clone, Copy)]
+struct Evicting {
+    only_if_stuck: bool,
+    force: bool,
+}
+
 async fn evict(
     store: &SharedRepository,
     args: &KeyArgs,
-    only_if_stuck: bool,
-    force: bool,
+    Evicting {
+        only_if_stuck,
+        force,
+    }: Evicting,
+    limit: Duration,
     json: bool,
 ) -> Result<String, Failure> {
     let key = record_key(store, args)?;
     let now = SystemClock.now();
-    let Some(record) = store.get(&key, now).await? else {
+    let Some(record) = within(limit, store.get(&key, now)).await? else {
         return Ok(if json {
             json!({"removed": false, "reason": "no live record"}).to_string()
         } else {
@@ -360,7 +417,7 @@ async fn evict(
             1,
         ));
     }
-    let removed = remove(store, &key, &record, now).await?;
+    let removed = remove(store, &key, &record, now, limit).await?;
     Ok(if json {
         json!({"removed": removed, "was": view::record_json(key.namespace(), key.id(), &record, now)})
             .to_string()
@@ -385,31 +442,39 @@ async fn remove(
     key: &RecordKey,
     record: &idempotency::Record,
     now: idempotency::Timestamp,
+    limit: Duration,
 ) -> Result<bool, Failure> {
     if record.status != Status::Processing {
-        return Ok(store.delete(key).await?);
+        return within(limit, store.delete(key)).await;
     }
-    match store.release(key, record.owner, now).await {
-        Ok(()) => Ok(true),
-        Err(Error::LeaseLost { .. }) => Err(Failure(
+    let released = within(limit, async {
+        match store.release(key, record.owner, now).await {
+            Err(Error::LeaseLost { .. }) => Ok(false),
+            answer => answer.map(|()| true),
+        }
+    })
+    .await?;
+    match released {
+        true => Ok(true),
+        false => Err(Failure(
             format!(
                 "{key} changed since it was read (taken over, finished or removed): left in \
                  place; read it again"
             ),
             1,
         )),
-        Err(e) => Err(e.into()),
     }
 }
 
 async fn purge(
     store: &SharedRepository,
-    limit: Option<usize>,
+    most: Option<usize>,
     batch: usize,
+    limit: Duration,
     json: bool,
 ) -> Result<String, Failure> {
     let batch = batch.max(1);
-    let limit = limit.unwrap_or(usize::MAX);
+    let most = most.unwrap_or(usize::MAX);
     let now = SystemClock.now();
     let bar = if json {
         indicatif::ProgressBar::hidden()
@@ -418,11 +483,11 @@ async fn purge(
     };
     let mut total = 0;
     loop {
-        let want = batch.min(limit - total);
+        let want = batch.min(most - total);
         if want == 0 {
             break;
         }
-        let n = store.purge_expired(now, want).await?;
+        let n = within(limit, store.purge_expired(now, want)).await?;
         total += n;
         bar.set_position(total as u64);
         if n < want {
@@ -440,8 +505,13 @@ async fn purge(
     })
 }
 
-async fn migrate(admin: &dyn Admin, dry_run: bool, json: bool) -> Result<String, Failure> {
-    let steps = admin.migrate(dry_run).await?;
+async fn migrate(
+    admin: &dyn Admin,
+    dry_run: bool,
+    limit: Duration,
+    json: bool,
+) -> Result<String, Failure> {
+    let steps = within(limit, admin.migrate(dry_run)).await?;
     Ok(if json {
         json!({"dry_run": dry_run, "steps": steps}).to_string()
     } else if steps.is_empty() {
@@ -452,8 +522,8 @@ async fn migrate(admin: &dyn Admin, dry_run: bool, json: bool) -> Result<String,
     })
 }
 
-async fn stats(admin: &dyn Admin, json: bool) -> Result<String, Failure> {
-    let stats = admin.stats(SystemClock.now()).await?;
+async fn stats(admin: &dyn Admin, limit: Duration, json: bool) -> Result<String, Failure> {
+    let stats = within(limit, admin.stats(SystemClock.now())).await?;
     Ok(if json {
         serde_json::to_string(&stats).unwrap_or_default()
     } else {
@@ -461,8 +531,13 @@ async fn stats(admin: &dyn Admin, json: bool) -> Result<String, Failure> {
     })
 }
 
-async fn doctor(admin: &dyn Admin, clock_skew: Duration, json: bool) -> Result<String, Failure> {
-    let checks = admin.doctor(&DoctorOptions { clock_skew }).await?;
+async fn doctor(
+    admin: &dyn Admin,
+    clock_skew: Duration,
+    limit: Duration,
+    json: bool,
+) -> Result<String, Failure> {
+    let checks = within(limit, admin.doctor(&DoctorOptions { clock_skew })).await?;
     let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
     let out = if json {
         json!({"ok": failed == 0, "checks": checks}).to_string()

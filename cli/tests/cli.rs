@@ -334,6 +334,37 @@ fn usage_errors_and_missing_stores_are_reported() {
     );
 }
 
+/// A server that accepts connections and never answers (a store behind a
+/// dead link): the tool fails after its `--timeout`, saying so, instead of
+/// hanging.
+#[test]
+fn a_store_that_never_answers_fails_after_the_timeout() {
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = silent.local_addr().unwrap().port();
+    // Holds what it accepts open, unanswered; a bounded number of them (the
+    // tool connects a few times at most), then the thread ends with the test.
+    std::thread::spawn(move || {
+        let held: Vec<_> = silent.incoming().take(16).collect();
+        std::thread::park();
+        drop(held);
+    });
+    for url in [
+        format!("redis://127.0.0.1:{port}"),
+        format!("postgres://user@127.0.0.1:{port}/db"),
+    ] {
+        for args in [&["get", "ns", "id"][..], &["purge"][..]] {
+            let mut all = vec!["--timeout", "300ms"];
+            all.extend_from_slice(args);
+            let (code, _, err) = tool(&url, &all);
+            assert_eq!(code, 1, "{url} {args:?}: {err}");
+            assert!(
+                err.contains("did not answer within 300ms") && err.contains("retryable"),
+                "{url} {args:?}: {err}"
+            );
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_cluster_slots_are_checked_and_listing_says_where_to_run() {
     let cluster = containers::redis_cluster().await.expect("a Redis Cluster");
