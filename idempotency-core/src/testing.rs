@@ -125,6 +125,9 @@ pub enum Fault {
     /// the second answer — e.g. `LeaseLost` for a `complete` that the first
     /// send applied.
     Resend,
+    /// The repository panics instead of answering, applying nothing (a bug in
+    /// a custom backend): the manager must not lose the other work in flight.
+    Panic,
 }
 
 #[derive(Debug)]
@@ -257,6 +260,7 @@ impl<R> FaultyRepository<R> {
                 let _first = call().await;
                 call().await
             }
+            Fault::Panic => panic!("injected panic in {}", operation.as_str()),
         }
     }
 }

@@ -403,3 +403,102 @@ async fn a_reservation_confirmed_after_its_lease_ended_does_not_run() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 0);
 }
+
+/// Under fail-open, a key repeated in one poll whose first occurrence ran
+/// unprotected (the store down) is not run again by the later ones, whether
+/// the store is still down or back (where a reserve would find no record and
+/// acquire it): they are answered `Duplicate`, or `PayloadMismatch` for
+/// another payload, without a store call.
+#[tokio::test(start_paused = true)]
+async fn a_key_run_unprotected_is_not_run_again_in_its_batch() {
+    use idempotency_core::OutagePolicy;
+    for store_back in [false, true] {
+        let repo = store();
+        let config = Config {
+            on_store_outage: OutagePolicy::FailOpen,
+            ..Config::default()
+        };
+        let m = manager(&repo, config, &TokioClock::starting_now());
+        // The first wave's batch call and its re-sends fail; with
+        // `store_back`, the store answers again from the second wave on.
+        let (many, single) = if store_back { (1, 3) } else { (100, 100) };
+        repo.inject(Operation::ReserveMany, Fault::Unavailable, many);
+        repo.inject(Operation::Reserve, Fault::Unavailable, single);
+        let runs = AtomicUsize::new(0);
+        let items = [("m-1", 1u32), ("m-1", 1), ("m-1", 2)];
+        let answers = m
+            .execute_batch(&items, 8, |i, _ctx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let v = items[i].1;
+                async move { Ok::<_, HandlerError<String>>(v * 2) }
+            })
+            .await;
+        assert!(
+            matches!(&answers[0], Ok(Outcome::Unprotected(2))),
+            "{store_back}: {:?}",
+            answers[0]
+        );
+        assert!(
+            matches!(&answers[1], Ok(Outcome::Duplicate)),
+            "{store_back}: {:?}",
+            answers[1]
+        );
+        assert!(
+            matches!(
+                &answers[2],
+                Err(ExecuteError::Idempotency(Error::PayloadMismatch { .. }))
+            ),
+            "{store_back}: {:?}",
+            answers[2]
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{store_back}: one run");
+        assert_eq!(
+            repo.calls(Operation::ReserveMany),
+            1,
+            "later waves ask nobody"
+        );
+    }
+}
+
+/// A repository that panics while one item's reservation is retried alone (a
+/// custom backend's bug) does not unwind through the rest of its group: the
+/// other items run and record their outcomes, then the panic continues.
+#[tokio::test(start_paused = true)]
+async fn a_repository_panic_in_one_items_reservation_spares_the_group() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    // The group's call fails, each item re-sends alone, and the first re-send
+    // panics.
+    repo.inject(Operation::ReserveMany, Fault::Unavailable, 1);
+    repo.inject(Operation::Reserve, Fault::Panic, 1);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let batch = {
+        let (m, runs) = (m.clone(), runs.clone());
+        tokio::spawn(async move {
+            let items = [("a", 1u32), ("b", 2), ("c", 3)];
+            m.execute_batch(&items, 8, |i, _ctx| {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let v = items[i].1;
+                async move {
+                    // Paused Tokio time: no real time passes.
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    Ok::<_, HandlerError<String>>(v * 2)
+                }
+            })
+            .await
+        })
+    };
+    assert!(batch.await.unwrap_err().is_panic(), "the panic continues");
+    assert_eq!(runs.load(Ordering::SeqCst), 2, "the other two ran");
+    let again = double(&m, &[("a", 1), ("b", 2), ("c", 3)], 8).await;
+    let seen: Vec<_> = again.iter().map(outcome).collect();
+    assert_eq!(
+        seen,
+        [
+            Some(("executed", 2)),
+            Some(("cached", 4)),
+            Some(("cached", 6))
+        ],
+        "the others were recorded, the panicked one left free"
+    );
+}

@@ -13,6 +13,7 @@ use tracing::Instrument;
 
 use super::{ExecuteError, HandlerError, IdempotencyManager, Outcome};
 use crate::codec::Codec;
+use crate::decision::{fingerprints_conflict, DuplicateDecision};
 use crate::engine::completions::Completions;
 use crate::engine::guard::ExecutionGuard;
 use crate::engine::lease::{ExecutionContext, Lease};
@@ -45,7 +46,11 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// - A key that appears more than once in the batch runs once: later
     ///   occurrences are answered after the first one finished, as a
     ///   redelivery would be (`Cached`, `Duplicate`, `PayloadMismatch`, … or,
-    ///   if the first one released the key after a failure, a new run).
+    ///   if the first one released the key after a failure, a new run). When
+    ///   the first one ran with an outcome the store does not hold
+    ///   (`Unprotected` under fail-open, or `Unrecorded`), the later ones are
+    ///   answered `Duplicate` (`PayloadMismatch` for another payload) without
+    ///   asking the store, which would let them run again.
     /// - `handler` gets the item's index in `items` and its
     ///   [`ExecutionContext`].
     /// - A handler panic is handled as in `execute` (its record released by
@@ -108,9 +113,15 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             }
         }
         let run = async {
+            let mut unheld = Unheld::default();
             for wave in in_waves(waves) {
+                let wave = unheld.answer_later(self, wave, &mut answers);
                 for group in wave.chunks(concurrency.max(1)) {
+                    let keys: HashMap<usize, &Item> = group.iter().map(|i| (i.0, i)).collect();
                     for (index, answer) in self.run_group(group.to_vec(), &handler).await {
+                        if let Some(item) = keys.get(&index) {
+                            unheld.note(item, &answer);
+                        }
                         answers[index] = Some(answer);
                     }
                 }
@@ -176,18 +187,23 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             .zip(participants)
             .map(
                 |((((index, (lease, fingerprint)), guard), answer), mut participant)| async move {
-                    let reserved = match answer {
-                        BatchReserved::Done(reserved) => reserved,
-                        BatchReserved::Again(earlier) => {
-                            engine.reserve_after(&lease, fingerprint, earlier).await
-                        }
+                    // A panic (the handler's, or a repository's while the
+                    // reservation is retried) stays with its item until every
+                    // other item has finished: unwinding through the others
+                    // would drop running handlers and leave their keys held
+                    // for nothing.
+                    let answer = async {
+                        let reserved = match answer {
+                            BatchReserved::Done(reserved) => reserved,
+                            BatchReserved::Again(earlier) => {
+                                engine.reserve_after(&lease, fingerprint, earlier).await
+                            }
+                        };
+                        let run = |ctx| handler(index, ctx);
+                        let batch = Some(&mut participant);
+                        self.after_reserve(guard, reserved, fingerprint, run, batch)
+                            .await
                     };
-                    let run = |ctx| handler(index, ctx);
-                    // A panic stays with its item until every other item has
-                    // finished: unwinding through the others would drop
-                    // running handlers and leave their keys held for nothing.
-                    let batch = Some(&mut participant);
-                    let answer = self.after_reserve(guard, reserved, fingerprint, run, batch);
                     (index, AssertUnwindSafe(answer).catch_unwind().await)
                 },
             );
@@ -204,6 +220,57 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             std::panic::resume_unwind(panic);
         }
         answers
+    }
+}
+
+/// The keys of this batch whose handler ran with an outcome the store does
+/// not hold (run unprotected under fail-open, or a completion that was never
+/// recorded), with the fingerprint of that run: a later occurrence of one in
+/// the batch is answered here, since the store would let it run again.
+#[derive(Default)]
+struct Unheld(HashMap<RecordKey, Option<Fingerprint>>);
+
+impl Unheld {
+    fn note<T, E>(
+        &mut self,
+        (_, key, fingerprint): &Item,
+        answer: &Result<Outcome<T>, ExecuteError<E>>,
+    ) {
+        if let Ok(Outcome::Unprotected(_) | Outcome::Unrecorded { .. }) = answer {
+            self.0.insert(key.clone(), *fingerprint);
+        }
+    }
+
+    /// Answers the items of `wave` whose key ran unheld earlier in the batch
+    /// (`Duplicate`, or `PayloadMismatch` for another payload); the rest go on.
+    fn answer_later<C, T, E>(
+        &self,
+        manager: &IdempotencyManager<C>,
+        wave: Vec<Item>,
+        answers: &mut [Option<Result<Outcome<T>, ExecuteError<E>>>],
+    ) -> Vec<Item>
+    where
+        C: Codec + Clone,
+        T: DeserializeOwned,
+    {
+        if self.0.is_empty() {
+            return wave;
+        }
+        let mut rest = Vec::with_capacity(wave.len());
+        for item in wave {
+            let Some(ran) = self.0.get(&item.1) else {
+                rest.push(item);
+                continue;
+            };
+            let decision = if fingerprints_conflict(ran.as_ref(), item.2.as_ref()) {
+                DuplicateDecision::PayloadMismatch
+            } else {
+                DuplicateDecision::Duplicate
+            };
+            manager.engine.metrics.count(Counter::DuplicatesBlocked);
+            answers[item.0] = Some(manager.answer_duplicate(&item.1, decision));
+        }
+        rest
     }
 }
 
