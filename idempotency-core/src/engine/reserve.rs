@@ -314,11 +314,11 @@ impl Engine {
             Err(e) => {
                 // Maybe the batch's error rather than this key's (a statement
                 // refused as a whole): the single path gives the key's own.
+                // Counted as possibly applied (a reply that failed to decode
+                // after the write): the lease from the batch's send, and what
+                // it may have created released should the key end in error.
                 tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
-                return BatchReserved::Again(Earlier {
-                    unsettled: None,
-                    in_progress: None,
-                });
+                return BatchReserved::unsettled(sent);
             }
         };
         self.remember_record(&lease.key, &record, sent.sent_at);
