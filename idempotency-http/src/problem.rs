@@ -176,7 +176,9 @@ impl Problem {
 
 /// Whole seconds for `Retry-After`, rounded up, at least 1.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
-    let secs = after.as_secs() + u64::from(after.subsec_nanos() > 0);
+    let secs = after
+        .as_secs()
+        .saturating_add(u64::from(after.subsec_nanos() > 0));
     secs.max(1)
 }
 
@@ -217,6 +219,7 @@ mod tests {
     #[test]
     fn retry_after_rounds_up_and_is_positive() {
         assert_eq!(retry_after_secs(Duration::ZERO), 1);
+        assert_eq!(retry_after_secs(Duration::MAX), u64::MAX, "saturates");
         assert_eq!(retry_after_secs(Duration::from_millis(1)), 1);
         assert_eq!(retry_after_secs(Duration::from_secs(3)), 3);
         assert_eq!(retry_after_secs(Duration::from_millis(3001)), 4);
