@@ -272,7 +272,10 @@ where
                 return Ok(settings.problem(Problem::new(ProblemKind::BodyTooLarge, detail)));
             }
             Collected::Failed { error, .. } => {
-                let detail = format!("reading the request body failed: {error}");
+                // The transport's own words stay in the log: they may name
+                // internals (addresses, limits) a client has no use for.
+                tracing::debug!(route = %route, error = %error, "reading the request body failed");
+                let detail = "reading the request body failed before its end; send it again";
                 return Ok(settings.problem(Problem::new(ProblemKind::UnreadableBody, detail)));
             }
         }

@@ -995,6 +995,40 @@ pub async fn panicking_handler_releases_the_key(repo: SharedRepository) {
     }
 }
 
+/// An upload cut short while the fingerprint reads it: `400 unreadable-body`
+/// without running the handler or holding the key, and without the
+/// transport's own words; the client's full retry runs.
+pub async fn cut_upload_read_for_the_fingerprint_is_400(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let cut = futures::stream::iter([
+        Ok(Bytes::from_static(b"{\"amount\":")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "peer 10.1.2.3 went away",
+        )),
+    ]);
+    let first = app
+        .send(request(
+            Method::POST,
+            "/orders",
+            Some("cut-read"),
+            Body::from_stream(cut),
+        ))
+        .await;
+    let problem = first.assert_problem(StatusCode::BAD_REQUEST, "unreadable-body");
+    assert!(
+        !problem["detail"].as_str().unwrap().contains("10.1.2.3"),
+        "{problem}"
+    );
+    assert_eq!(app.runs("orders"), 0);
+    let retry = app
+        .send(post("/orders", Some("cut-read"), "{\"amount\":1}"))
+        .await;
+    assert_eq!(retry.status, StatusCode::CREATED);
+    assert!(!retry.replayed());
+    assert_eq!(app.runs("orders"), 1);
+}
+
 /// An upload cut short, with a fingerprint that does not read the body (as
 /// for large uploads): the inner service answers the failed body with a `400`
 /// (axum: "failed to buffer the request body"), which answers the broken
@@ -1352,6 +1386,7 @@ macro_rules! http_scenarios {
             failing_response_body_is_kept_not_retained,
             response_failing_with_a_cut_upload_is_released,
             cut_upload_is_not_stored,
+            cut_upload_read_for_the_fingerprint_is_400,
             wait_policy_replays_after_the_first_finishes,
             request_body_over_the_cap_is_413,
             trailers_are_replayed,
