@@ -70,7 +70,11 @@ pub(crate) fn map_sqlx(
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
             match code.as_str() {
                 c if c.starts_with("08") || c.starts_with("53") => unavailable(operation, err),
-                "57P01" | "57P02" | "57P03" | "40001" | "40P01" => unavailable(operation, err),
+                // Class 57P: the server ended the session (shutdown, crash,
+                // not yet accepting, database dropped, `idle_session_timeout`);
+                // 25P03: `idle_in_transaction_session_timeout` did.
+                c if c.starts_with("57P") => unavailable(operation, err),
+                "25P03" | "40001" | "40P01" => unavailable(operation, err),
                 // A read-only transaction: a standby (or a primary demoted in a
                 // failover) that the URL still points at.
                 "25006" => unavailable(operation, err),
@@ -102,11 +106,23 @@ pub(crate) fn map_sqlx(
                          reserve function) does not exist or is outdated; run PgRepository::migrate() ({err})"
                     ),
                 },
+                // Any other error that ends the session (severity FATAL or
+                // PANIC): the statement did not commit, or its answer was
+                // lost with the session; either way a retry decides.
+                _ if ends_session(db.as_ref()) => unavailable(operation, err),
                 _ => Error::backend(BACKEND, err),
             }
         }
         other => Error::backend(BACKEND, other),
     }
+}
+
+/// Whether the server ended the session with this error (severity `FATAL`
+/// or `PANIC`).
+fn ends_session(db: &dyn sqlx::error::DatabaseError) -> bool {
+    use sqlx::postgres::{PgDatabaseError, PgSeverity};
+    db.try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|e| matches!(e.severity(), PgSeverity::Fatal | PgSeverity::Panic))
 }
 
 /// A TLS failure that no retry fixes (`idempotency_core::tls`): sqlx's own

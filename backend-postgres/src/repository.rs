@@ -31,6 +31,9 @@ pub const ENV_URL_VARS: [&str; 2] = ["IDEMPOTENCY_POSTGRES_URL", "DATABASE_URL"]
 
 const DEFAULT_MAX_CONNECTIONS: u32 = 10;
 const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a pooled connection may have been idle before it is pinged on
+/// its way out of the pool (see `pool_options`).
+const PING_IDLE_OVER: Duration = Duration::from_secs(1);
 /// The default bound on each of this crate's operations, as Redis's response
 /// timeout and the manager's `store_timeout`.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
@@ -922,16 +925,28 @@ impl PgRepositoryBuilder {
             .map_err(|e| Error::config(format!("invalid PostgreSQL URL: {e}")))
     }
 
-    /// Pools created here skip sqlx's ping before handing out a connection, so
-    /// an operation is one round trip (sqlx still checks each connection when it
-    /// returns to the pool, off the operation's path). After a server restart,
-    /// each idle connection that died fails one operation with
-    /// [`Error::Unavailable`] and is replaced.
+    /// Pools created here skip sqlx's ping before handing out a connection
+    /// that was in use within the last [`PING_IDLE_OVER`], so an operation
+    /// under load is one round trip (sqlx still checks each connection when
+    /// it returns to the pool, off the operation's path). A connection idle
+    /// for longer is pinged first, and replaced if the server or a middlebox
+    /// ended it meanwhile (`idle_session_timeout`, a NAT's idle timer), so an
+    /// operation after a quiet spell does not fail on it. After a server
+    /// restart, a connection used within that second that died fails one
+    /// operation with [`Error::Unavailable`] and is replaced.
     fn pool_options(&self) -> PgPoolOptions {
         PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.acquire_timeout)
             .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > PING_IDLE_OVER {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
     }
 }
 

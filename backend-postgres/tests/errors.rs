@@ -233,3 +233,79 @@ async fn builders_refuse_zero_timeouts() {
         }
     }
 }
+
+/// A server that ends idle sessions (`idle_session_timeout`, PostgreSQL 14+)
+/// closes connections the repository holds or pools with `FATAL 57P05`.
+/// - With a timeout under a second, a connection used within that second can
+///   be ended: the operation that reads the `57P05` gets a retryable outage
+///   (the statement never ran), never a definite `Backend` error, which would
+///   end a completion as unrecorded; and the pool recovers within a few
+///   operations.
+/// - With a longer one, a connection idle that long is pinged before it is
+///   handed out and replaced: no operation fails at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_the_server_ended_while_idle_is_retryable() {
+    let url = common::server_url().await;
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    for (timeout, ends_quietly) in [("300ms", false), ("1500ms", true)] {
+        let db = common::unique("idem_idle");
+        sqlx::query(&format!("CREATE DATABASE {db}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        sqlx::query(&format!(
+            "ALTER DATABASE {db} SET idle_session_timeout = '{timeout}'"
+        ))
+        .execute(&admin)
+        .await
+        .unwrap();
+        let mut db_url = url::Url::parse(&url).unwrap();
+        db_url.set_path(&format!("/{db}"));
+        let repo = PgRepository::builder()
+            .max_connections(2)
+            .connect(db_url.as_str())
+            .await
+            .unwrap();
+        repo.migrate().await.unwrap();
+        reserve_once(&repo, "warm").await.unwrap();
+        sessions_ended(&admin, &db).await;
+        let mut failed = 0;
+        loop {
+            match reserve_once(&repo, &format!("after-{failed}")).await {
+                Ok(()) => break,
+                Err(e) => assert!(e.is_retryable(), "{timeout}: {e:?}"),
+            }
+            failed += 1;
+            assert!(failed <= 3, "{timeout}: the pool does not recover");
+        }
+        if ends_quietly {
+            assert_eq!(failed, 0, "{timeout}: an idle connection is pinged first");
+        }
+        repo.pool().close().await;
+        let _ = sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
+            .execute(&admin)
+            .await;
+    }
+}
+
+/// Waits until the server ended every session of `db` (polled, bounded).
+async fn sessions_ended(admin: &sqlx::PgPool, db: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (left,): (i64,) =
+            sqlx::query_as("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+                .bind(db)
+                .fetch_one(admin)
+                .await
+                .unwrap();
+        if left == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "sessions of {db} still open");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
