@@ -31,6 +31,10 @@ pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
 /// `store_timeout`).
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long a pooled connection may have been idle before it is pinged on
+/// its way out of the pool.
+const PING_IDLE_OVER: Duration = Duration::from_secs(1);
+
 /// The idempotency store in a MySQL (5.7, 8.x) or MariaDB (10.5+) table.
 ///
 /// ```no_run
@@ -103,10 +107,22 @@ impl MySqlRepository {
         let pool = MySqlPoolOptions::new()
             .max_connections(options.max_connections.unwrap_or(DEFAULT_MAX_CONNECTIONS))
             .acquire_timeout(pool_wait)
-            // One round trip per statement: no ping before each use. After
-            // a server restart each dead idle connection fails one operation
-            // with Error::Unavailable and is replaced.
+            // One round trip per statement: no ping before each use of a
+            // connection used within the last second. One idle for longer
+            // is pinged first and replaced if the server (`wait_timeout`) or
+            // a middlebox ended it meanwhile, so an operation after a quiet
+            // spell does not fail on it. After a server restart, a connection
+            // used within that second fails one operation with
+            // Error::Unavailable and is replaced.
             .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > PING_IDLE_OVER {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             // A statement the operation timeout abandoned behind a row lock
             // keeps its connection until the server gives up the wait: make
             // that soon after the timeout, not InnoDB's default 50 s.

@@ -196,6 +196,57 @@ async fn a_packet_size_lowered_since_connect_is_too_large_not_an_outage() {
     assert!(repo.capabilities().max_result_bytes.unwrap() < LOWERED);
 }
 
+/// A server that ends idle sessions (`wait_timeout`, here 2 s) closes the
+/// pool's connections while the application is quiet: a connection idle
+/// that long is pinged before it is handed out and replaced, so the first
+/// operation after the quiet spell succeeds instead of failing on it. A
+/// dedicated server: the setting is the whole server's.
+#[tokio::test]
+async fn connections_the_server_ended_while_idle_are_replaced() {
+    use idempotency_conformance::containers::MariaDbServer;
+
+    let server = MariaDbServer::dedicated()
+        .await
+        .unwrap_or_else(|e| panic!("a dedicated MariaDB server: {e}"));
+    let mut admin = <sqlx::MySqlConnection as sqlx::Connection>::connect(server.url())
+        .await
+        .unwrap();
+    sqlx::query("SET GLOBAL wait_timeout = 2")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    let table = namespace("idle");
+    let url = format!("{}?table={table}&max_connections=2", server.url());
+    let repo = MySqlRepository::connect(&url).await.unwrap();
+    let t = SystemClock.now();
+    let ns = namespace("idle");
+    let first = RecordKey::new(ns.as_str(), "first", 1024).unwrap();
+    repo.reserve(req(&first, t, Duration::from_secs(30)))
+        .await
+        .unwrap();
+    // Until the server ended every session but this one (polled, bounded).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let left: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE ID <> CONNECTION_ID() AND USER = 'root'",
+        )
+        .fetch_one(&mut admin)
+        .await
+        .unwrap();
+        if left == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "sessions still open");
+        // Keep this session alive meanwhile; a real wait on the server's timer.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let after = RecordKey::new(ns.as_str(), "after", 1024).unwrap();
+    repo.reserve(req(&after, t, Duration::from_secs(30)))
+        .await
+        .unwrap_or_else(|e| panic!("the first operation after a quiet spell: {e:?}"));
+}
+
 #[tokio::test]
 async fn migrations_are_idempotent_concurrent_and_versioned() {
     let table = common::unique_table("idem_migrate");

@@ -72,6 +72,9 @@ pub(crate) enum Kind {
 }
 
 impl Kind {
+    /// How many kinds there are (the slots of per-kind tables).
+    const COUNT: usize = Kind::MariaDb as usize + 1;
+
     pub(crate) fn name(self) -> &'static str {
         match self {
             Kind::Redis => "redis",
@@ -150,8 +153,8 @@ impl Kind {
     /// The official image, or the baked one when only that is present (asked
     /// once per process).
     fn local_default(self) -> &'static str {
-        static CHOSEN: [std::sync::OnceLock<&'static str>; 3] =
-            [const { std::sync::OnceLock::new() }; 3];
+        static CHOSEN: [std::sync::OnceLock<&'static str>; Kind::COUNT] =
+            [const { std::sync::OnceLock::new() }; Kind::COUNT];
         CHOSEN[self as usize].get_or_init(|| {
             if !image_present(self.default_image()) && image_present(self.baked_image()) {
                 self.baked_image()
