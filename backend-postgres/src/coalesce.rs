@@ -45,6 +45,12 @@ use tokio::sync::oneshot;
 /// The most calls one coalesced statement carries.
 pub(crate) const MOST: usize = 128;
 
+/// The most bytes of results one coalesced completion carries (a call over it
+/// goes alone): the statement's bind message stays far below PostgreSQL's
+/// 1 GiB message limit whatever results the manager allows (up to 16 MiB
+/// each), and no statement holds gigabytes of copies.
+pub(crate) const MOST_BYTES: usize = 32 * 1024 * 1024;
+
 /// The default of [`coalesce_above`](crate::PgRepositoryBuilder::coalesce_above).
 pub const DEFAULT_COALESCE_ABOVE: usize = 4;
 
@@ -292,14 +298,19 @@ impl Coalescer {
         let mut state = self.lock();
         state.forget_given_up();
         if !state.completes.is_empty() {
-            return Some(Batch::Complete(take_distinct(&mut state.completes, |c| {
-                &c.key
-            })));
+            let size = |c: &CompleteCall| c.result.as_ref().map_or(0, Vec::len);
+            return Some(Batch::Complete(take_distinct(
+                &mut state.completes,
+                |c| &c.key,
+                size,
+            )));
         }
         if !state.reserves.is_empty() {
-            return Some(Batch::Reserve(take_distinct(&mut state.reserves, |c| {
-                &c.key
-            })));
+            return Some(Batch::Reserve(take_distinct(
+                &mut state.reserves,
+                |c| &c.key,
+                |_| 0,
+            )));
         }
         None
     }
@@ -320,25 +331,34 @@ impl State {
     }
 }
 
-/// Takes up to [`MOST`] calls from the front of `queue`, each key once; a
-/// later call for a key taken stays, in order, for the next statement.
+/// Takes up to [`MOST`] calls (and [`MOST_BYTES`] of their `size`; the
+/// first call whatever its size) from the front of `queue`, each key once; a
+/// later call for a key taken, or one over the byte budget, stays, in order,
+/// for the next statement.
 fn take_distinct<C, A>(
     queue: &mut VecDeque<Waiting<C, A>>,
     key: impl Fn(&C) -> &RecordKey,
+    size: impl Fn(&C) -> usize,
 ) -> Vec<Waiting<C, A>> {
     let hasher = std::collections::hash_map::RandomState::new();
     let mut keys = HashSet::with_capacity(queue.len().min(MOST));
     let mut batch = Vec::with_capacity(queue.len().min(MOST));
     let mut later = VecDeque::new();
+    let mut bytes = 0usize;
     while let Some(waiting) = queue.pop_front() {
         if batch.len() == MOST {
             later.push_back(waiting);
             later.extend(queue.drain(..));
             break;
         }
+        let its = size(&waiting.call);
+        let fits = batch.is_empty() || bytes.saturating_add(its) <= MOST_BYTES;
         // Two keys of one hash are both deferred but the first: never a key
-        // twice, at worst a key later than it could have gone.
-        if keys.insert(hasher.hash_one(key(&waiting.call))) {
+        // twice, at worst a key later than it could have gone. A call over
+        // the budget keeps its key's later calls behind it.
+        let first_of_its_key = keys.insert(hasher.hash_one(key(&waiting.call)));
+        if first_of_its_key && fits {
+            bytes = bytes.saturating_add(its);
             batch.push(waiting);
         } else {
             later.push_back(waiting);
@@ -435,6 +455,42 @@ mod tests {
         assert_eq!(ids(c.next_batch()), ["a"]);
         assert!(c.next_batch().is_none());
         drop((waiting, done));
+    }
+
+    #[test]
+    fn a_completion_statement_carries_at_most_most_bytes_of_results() {
+        let c = Coalescer::new(1, false);
+        let blocker = reserve(&c, "blocker");
+        assert_eq!(ids(c.next_batch()), ["blocker"]);
+        let third = MOST_BYTES / 3 + 1;
+        let complete = |id: &str, len: usize| {
+            let result = vec![0u8; len];
+            c.enter_complete(|| {
+                CompleteCall::new(
+                    &key(id),
+                    OwnerToken::random(),
+                    Some(&result),
+                    Timestamp::from_millis(9),
+                    Timestamp::from_millis(1),
+                )
+            })
+        };
+        // Two thirds fit, a third does not: it and its key's later call wait
+        // for the next statement, in order; a call over the budget goes alone.
+        let waiting = [
+            complete("a", third),
+            complete("b", third),
+            complete("c", third),
+            complete("small", 10),
+            complete("c", 10),
+            complete("huge", MOST_BYTES * 2),
+        ];
+        assert_eq!(ids(c.next_batch()), ["a", "b", "small"]);
+        assert_eq!(ids(c.next_batch()), ["c"]);
+        assert_eq!(ids(c.next_batch()), ["c"]);
+        assert_eq!(ids(c.next_batch()), ["huge"]);
+        assert!(c.next_batch().is_none());
+        drop((blocker, waiting));
     }
 
     #[test]

@@ -520,28 +520,61 @@ async fn settle<C: Alone>(
         .into_iter()
         .filter(|w| !w.gone())
         .map(|waiting| async {
-            let answer = waiting.call.alone(repo).await;
+            let wanted = || !waiting.gone();
+            let answer = waiting.call.alone(repo, &wanted).await;
             waiting.answer(answer);
         });
     futures::future::join_all(each).await;
 }
 
+/// Whether the caller of a coalesced call still waits for its answer.
+type Wanted<'a> = &'a (dyn Fn() -> bool + Sync);
+
 /// A coalesced call sent on a statement of its own.
-trait Alone {
-    type Answer;
-    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<Self::Answer, Error>>;
+trait Alone: Sync {
+    type Answer: Send;
+    fn alone<'a>(
+        &'a self,
+        repo: &'a PgRepository,
+        wanted: Wanted<'a>,
+    ) -> BoxFuture<'a, Result<Self::Answer, Error>>;
 }
 
 impl Alone for ReserveCall {
     type Answer = Reservation;
-    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<Reservation, Error>> {
-        Box::pin(async move { repo.reserve_alone(&self.request()).await })
+    /// Not sent when its caller gave up while it waited for a connection:
+    /// as on the single path, a reservation nobody will run is not made (a
+    /// caller's cleanup may already have found nothing to release).
+    fn alone<'a>(
+        &'a self,
+        repo: &'a PgRepository,
+        wanted: Wanted<'a>,
+    ) -> BoxFuture<'a, Result<Reservation, Error>> {
+        Box::pin(async move {
+            let request = self.request();
+            repo.run("reserve", async |c| {
+                if !wanted() {
+                    return Err(Error::Timeout {
+                        backend: crate::error::BACKEND,
+                        operation: "reserve",
+                    });
+                }
+                repo.reserve_planned(c, &request).await
+            })
+            .await
+        })
     }
 }
 
 impl Alone for CompleteCall {
     type Answer = ();
-    fn alone<'a>(&'a self, repo: &'a PgRepository) -> BoxFuture<'a, Result<(), Error>> {
+    /// Sent whether or not its caller still waits: a completion is owner
+    /// checked, and one its caller gave up on may still record the outcome.
+    fn alone<'a>(
+        &'a self,
+        repo: &'a PgRepository,
+        _wanted: Wanted<'a>,
+    ) -> BoxFuture<'a, Result<(), Error>> {
         let (key, owner, result) = (self.key(), self.owner(), self.result());
         Box::pin(repo.complete_alone(key, owner, result, self.expires_at(), self.now))
     }
