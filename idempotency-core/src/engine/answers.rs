@@ -79,6 +79,11 @@ impl AnswerCacheStats {
     }
 }
 
+/// The longest time to live given to the cache's entries (100 years): a
+/// longer `max_staleness` bounds nothing more, since entries are served only
+/// until their record expires.
+const MOST_STALENESS: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 impl Answers {
     pub(crate) fn new(config: AnswerCacheConfig, clock_skew: Duration) -> Self {
         let cache = moka::sync::Cache::builder()
@@ -89,8 +94,10 @@ impl Answers {
                 u32::try_from(bytes).unwrap_or(u32::MAX)
             })
             // Frees memory on moka's own clock; whether an entry may be
-            // served is judged on the manager's clock (`serve_until`).
-            .time_to_live(config.max_staleness)
+            // served is judged on the manager's clock (`serve_until`). (moka
+            // refuses a time to live over 1000 years with a panic; no record
+            // lives a tenth of that.)
+            .time_to_live(config.max_staleness.min(MOST_STALENESS))
             .build();
         Answers {
             cache,
@@ -235,6 +242,23 @@ mod tests {
         let stats = answers.stats();
         assert!(stats.bytes <= config.max_bytes, "{stats:?}");
         assert!(stats.entries > 0 && stats.entries < 2_000, "{stats:?}");
+    }
+
+    #[test]
+    fn an_unbounded_staleness_builds_and_serves_until_expiry() {
+        let config = AnswerCacheConfig {
+            max_staleness: Duration::MAX,
+            ..AnswerCacheConfig::default()
+        };
+        let answers = Answers::new(config, Duration::ZERO);
+        let now = Timestamp::from_millis(1_000_000);
+        answers.insert(&key(1), None, None, now + Duration::from_secs(60), now);
+        assert!(answers
+            .lookup(&key(1), None, now + Duration::from_secs(59))
+            .is_some());
+        assert!(answers
+            .lookup(&key(1), None, now + Duration::from_secs(60))
+            .is_none());
     }
 
     #[test]
