@@ -54,12 +54,22 @@ pub(crate) const MOST_BYTES: usize = 32 * 1024 * 1024;
 /// The default of [`coalesce_above`](crate::PgRepositoryBuilder::coalesce_above).
 pub const DEFAULT_COALESCE_ABOVE: usize = 4;
 
+/// How long a sending task waits for calls it sent on statements of their
+/// own (a lone call, or calls sent again after their shared statement was
+/// refused) before it leaves them to finish on tasks of their own and sends
+/// the next waiting calls: a statement waiting on a row lock (a key another
+/// transaction holds) must not hold a slot, and every call queued behind it,
+/// for the whole operation timeout.
+pub(crate) const DETACH_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The slots and the queues of one repository (shared by its clones).
 pub(crate) struct Coalescer {
     /// How many statements may be in flight before calls wait; 0: off.
     limit: usize,
     /// Tests: every call, also alone, goes through the statements over arrays.
     over_arrays: bool,
+    /// See [`DETACH_AFTER`] (tests lengthen it to hold a slot on purpose).
+    detach_after: std::time::Duration,
     state: Mutex<State>,
 }
 
@@ -212,8 +222,20 @@ impl Coalescer {
         Coalescer {
             limit,
             over_arrays,
+            detach_after: DETACH_AFTER,
             state: Mutex::new(State::default()),
         }
+    }
+
+    /// With calls sent alone detached after `after` (see [`DETACH_AFTER`]).
+    pub(crate) fn detaching_after(mut self, after: std::time::Duration) -> Self {
+        self.detach_after = after;
+        self
+    }
+
+    /// See [`DETACH_AFTER`].
+    pub(crate) fn detach_after(&self) -> std::time::Duration {
+        self.detach_after
     }
 
     pub(crate) fn limit(&self) -> usize {

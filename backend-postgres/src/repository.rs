@@ -515,24 +515,35 @@ async fn settle<C: Alone>(
     // A caller that gave up meanwhile is not sent again. All at once, each
     // on a connection of its own (their number bounded by the repository's
     // turns, `held_connections`): one at a time, a key still locked would
-    // hold the others behind it.
-    let each = again
+    // hold the others behind it. Each on a task of its own, which the sender
+    // waits for only so long (`DETACH_AFTER`): a statement waiting on a row
+    // lock finishes there, and the sender goes on with the next waiting
+    // calls instead of holding its slot, and them, until it ends.
+    let each: Vec<_> = again
         .into_iter()
         .filter(|w| !w.gone())
-        .map(|waiting| async {
-            let wanted = || !waiting.gone();
-            let answer = waiting.call.alone(repo, &wanted).await;
-            waiting.answer(answer);
-        });
-    futures::future::join_all(each).await;
+        .map(|waiting| {
+            let repo = repo.clone();
+            tokio::spawn(async move {
+                let wanted = || !waiting.gone();
+                let answer = waiting.call.alone(&repo, &wanted).await;
+                waiting.answer(answer);
+            })
+        })
+        .collect();
+    if each.is_empty() {
+        return;
+    }
+    let all = futures::future::join_all(each);
+    let _detached = tokio::time::timeout(repo.coalescer.detach_after(), all).await;
 }
 
 /// Whether the caller of a coalesced call still waits for its answer.
 type Wanted<'a> = &'a (dyn Fn() -> bool + Sync);
 
 /// A coalesced call sent on a statement of its own.
-trait Alone: Sync {
-    type Answer: Send;
+trait Alone: Sync + Send + 'static {
+    type Answer: Send + 'static;
     fn alone<'a>(
         &'a self,
         repo: &'a PgRepository,
@@ -623,6 +634,7 @@ pub struct PgRepositoryBuilder {
     reserve_plan: ReservePlan,
     coalesce_above: usize,
     single_calls_over_arrays: bool,
+    detach_after: Duration,
 }
 
 impl Default for PgRepositoryBuilder {
@@ -638,6 +650,7 @@ impl Default for PgRepositoryBuilder {
             reserve_plan: ReservePlan::default(),
             coalesce_above: DEFAULT_COALESCE_ABOVE,
             single_calls_over_arrays: false,
+            detach_after: crate::coalesce::DETACH_AFTER,
         }
     }
 }
@@ -758,7 +771,10 @@ impl PgRepositoryBuilder {
     /// error of the shared statement is each of its calls' (an outage or a
     /// timeout is "maybe applied", as for a single statement, and retried with
     /// the same owner token). A call waits at most for one statement to end
-    /// before its own is sent, within the operation timeout.
+    /// before its own is sent, within the operation timeout. A statement of
+    /// one call that waits on a row lock (a key another transaction holds)
+    /// gives up its slot after 100 ms and ends on a task of its own, so the
+    /// calls behind it do not wait for that lock.
     ///
     /// Under a load above the limit, a statement's round trip, wake-ups and
     /// commit are shared by the calls it carries, which is most of what a
@@ -797,6 +813,16 @@ impl PgRepositoryBuilder {
     #[doc(hidden)]
     pub fn single_calls_over_arrays(mut self) -> Self {
         self.single_calls_over_arrays = true;
+        self
+    }
+
+    /// For this crate's tests: how long a coalescing slot waits for calls it
+    /// sent on statements of their own before leaving them to tasks of their
+    /// own (100 ms otherwise), so that a test can hold the slot with a call
+    /// blocked on a row lock.
+    #[doc(hidden)]
+    pub fn coalesced_calls_detach_after(mut self, after: Duration) -> Self {
+        self.detach_after = after;
         self
     }
 
@@ -843,10 +869,10 @@ impl PgRepositoryBuilder {
             transaction_timeout: self.transaction_timeout(),
             schema_current: Arc::new(AtomicBool::new(false)),
             planner: Arc::new(Planner::new(self.reserve_plan)),
-            coalescer: Arc::new(Coalescer::new(
-                self.coalesce_above,
-                self.single_calls_over_arrays,
-            )),
+            coalescer: Arc::new(
+                Coalescer::new(self.coalesce_above, self.single_calls_over_arrays)
+                    .detaching_after(self.detach_after),
+            ),
         }
     }
 

@@ -50,6 +50,9 @@ impl Setup {
         let repo = PgRepository::builder()
             .table(TABLE)
             .coalesce_above(1)
+            // The slot stays with a blocked call for as long as the test
+            // holds it (otherwise the sender goes on after 100 ms).
+            .coalesced_calls_detach_after(Duration::from_secs(60))
             .reserve_plan(plan)
             .max_connections(4)
             .operation_timeout(Duration::from_secs(10))
@@ -500,4 +503,38 @@ async fn a_leaked_caller_future_holds_no_slot() {
     }
     let answer = s.repo.reserve(request(&next, OwnerToken::random())).await;
     assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+}
+
+/// A call blocked on a row lock that another transaction holds (here a key
+/// reserved in an uncommitted transaction) does not hold its slot, nor the
+/// calls queued behind it, for the operation timeout: the sender leaves it to
+/// a task of its own and sends the next waiting calls; the blocked call still
+/// gets its answer once the lock goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_blocked_on_a_row_lock_does_not_hold_its_slot() {
+    let s = Setup::new(ReservePlan::Function).await;
+    let repo = PgRepository::builder()
+        .table(TABLE)
+        .coalesce_above(1)
+        .operation_timeout(Duration::from_secs(30))
+        .connect(&s.url)
+        .await
+        .unwrap();
+    let locker = s.hold("locked").await;
+    let locked = s.key("locked");
+    let mut blocked = repo.reserve(request(&locked, OwnerToken::random()));
+    enter(&mut blocked).await;
+    let free: Vec<RecordKey> = (0..5).map(|i| s.key(&format!("free{i}"))).collect();
+    let others = free
+        .iter()
+        .map(|key| repo.reserve(request(key, OwnerToken::random())));
+    for answer in futures::future::join_all(others).await {
+        assert_eq!(answer.unwrap(), Reservation::Acquired { attempt: 1 });
+    }
+    assert!(
+        matches!(futures::poll!(&mut blocked), Poll::Pending),
+        "the blocked call still waits for the lock"
+    );
+    commit(locker).await;
+    assert!(matches!(blocked.await.unwrap(), Reservation::Existing(_)));
 }
