@@ -60,6 +60,9 @@ impl RedisRepository {
         // hash tag first.
         let encoded = glob_escape(&escape_namespace(prefix.unwrap_or("")));
         let mut cursor: u64 = 0;
+        // `SCAN` may return a key more than once (the keyspace rehashed
+        // between calls): each is visited once.
+        let mut seen: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
         loop {
             let mut scan = cmd("SCAN");
             scan.arg(cursor)
@@ -74,6 +77,7 @@ impl RedisRepository {
                 .into_iter()
                 .filter_map(|k| record_key(&k).map(|r| (k, r)))
                 .filter(|(_, r)| prefix.is_none_or(|p| r.namespace().starts_with(p)))
+                .filter(|(k, _)| seen.insert(k.clone()))
                 .collect();
             if !keys.is_empty() {
                 let mut get = cmd("MGET");

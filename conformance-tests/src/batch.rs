@@ -4,14 +4,17 @@
 //! answered by `complete`'s own rules, in order, one refused write leaving
 //! the others applied.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use idempotency_core::decision::{reserve_transition, ReserveTransition};
+use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
     Completion, Error, OwnerToken, Record, RecordKey, Reservation, ReserveRequest,
-    SharedRepository, Status,
+    SharedRepository, Status, Timestamp,
 };
+
+use tokio::sync::Barrier;
 
 use crate::support::{ensure, ensure_eq, failure, fp, Ctx, LEASE, TTL};
 use crate::CheckResult;
@@ -22,6 +25,9 @@ struct Case {
     owner: OwnerToken,
     fingerprint: Option<idempotency_core::Fingerprint>,
     retry_failed: bool,
+    /// The request's own instant, when not the batch's.
+    now: Option<Timestamp>,
+    clock_skew: Duration,
 }
 
 impl Case {
@@ -31,23 +37,65 @@ impl Case {
             owner: OwnerToken::random(),
             fingerprint: None,
             retry_failed: false,
+            now: None,
+            clock_skew: Duration::ZERO,
         }
     }
 }
 
+/// Reserves `key` for a new owner at `now` with this lease and expiry.
+async fn reserve_at(
+    cx: &Ctx,
+    key: &RecordKey,
+    now: Timestamp,
+    lease_until: Timestamp,
+    expires_at: Timestamp,
+) -> CheckResult {
+    let req = ReserveRequest {
+        now,
+        lease_until,
+        expires_at,
+        ..cx.req(key, OwnerToken::random())
+    };
+    match cx.repo.reserve(req).await? {
+        Reservation::Acquired { attempt: 1 } => Ok(()),
+        other => Err(failure(format!("reserving {key} gave {other:?}"))),
+    }
+}
+
 /// Keys in every state `reserve` distinguishes — absent, live, our own
-/// re-sent reservation, completed, failed (retry on and off), lease run out,
-/// record expired, another payload's — interleaved with many fresh and
-/// completed keys, reserved in one `reserve_many`: each answer is the one
-/// `reserve`'s rules give for that key's record (checked with the core's
-/// `reserve_transition`), in request order, and each acquired record is the
-/// request's.
+/// re-sent reservation, completed, failed (retry on and off; retryable and
+/// not), lease run out (for the same payload and for another), record
+/// expired, another payload's — and on every boundary of the rule (a
+/// lease ending exactly at the request's instant or 1 ms after it, with and
+/// without a skew allowance; an expiry exactly at it or 1 ms after it; a
+/// request whose own instant is later than the batch's first), interleaved
+/// with many fresh and completed keys (more than a hundred in all), reserved
+/// in one `reserve_many`, each request with its own lease and expiry: each
+/// answer is the one `reserve`'s rules give for that key's record at that
+/// request's instant (checked with the core's `reserve_transition`), in
+/// request order, and each acquired record is exactly the one `reserve`
+/// would store for the request. An empty batch has no answers.
 pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
+    let none = cx.repo.reserve_many(Vec::new()).await;
+    ensure!(none.is_empty(), "an empty batch has no answers: {none:?}");
     let mut cases = Vec::new();
     // States that need time to pass first.
     let stale = cx.key("stale");
-    cx.acquire(&stale).await?;
+    cx.repo
+        .reserve(ReserveRequest {
+            fingerprint: fp(6),
+            ..cx.req(&stale, OwnerToken::random())
+        })
+        .await?;
+    let stale_other_fp = cx.key("stale-other-fp");
+    cx.repo
+        .reserve(ReserveRequest {
+            fingerprint: fp(7),
+            ..cx.req(&stale_other_fp, OwnerToken::random())
+        })
+        .await?;
     let gone = cx.key("gone");
     let gone_owner = cx.acquire(&gone).await?;
     cx.repo
@@ -55,9 +103,20 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         .await?;
     cx.advance(LEASE + Duration::from_secs(1));
     cases.push(Case::new(stale));
+    // Open to takeover, but not by another payload.
+    cases.push(Case {
+        fingerprint: fp(8),
+        ..Case::new(stale_other_fp)
+    });
     cases.push(Case::new(gone));
-    // The rest at the current time.
-    cases.push(Case::new(cx.key("fresh")));
+    // The rest at the current time, `t`.
+    let t = cx.now();
+    let ms = Duration::from_millis(1);
+    let secs = Duration::from_secs;
+    cases.push(Case {
+        fingerprint: fp(5),
+        ..Case::new(cx.key("fresh"))
+    });
     let busy = cx.key("busy");
     cx.acquire(&busy).await?;
     cases.push(Case::new(busy));
@@ -74,6 +133,23 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         retry_failed: true,
         ..Case::new(cx.failed("retry", Some(b"no")).await?.0)
     });
+    // A failure that is not retryable is not taken over, retry or not.
+    let permanent = cx.key("permanent");
+    let owner = cx.acquire(&permanent).await?;
+    cx.repo
+        .fail(
+            &permanent,
+            owner,
+            Some(b"no"),
+            false,
+            cx.now() + TTL,
+            cx.now(),
+        )
+        .await?;
+    cases.push(Case {
+        retry_failed: true,
+        ..Case::new(permanent)
+    });
     let other_fp = cx.key("other-fp");
     let owner = OwnerToken::random();
     cx.repo
@@ -89,7 +165,36 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         fingerprint: fp(2),
         ..Case::new(other_fp)
     });
-    for i in 0..60 {
+    // The boundaries, records written in the past of `t`.
+    let before = t - secs(10);
+    for (id, lease_until, expires_at, skew) in [
+        // A lease ending exactly at t is taken over; 1 ms later it is not.
+        ("lease-edge", t, t + TTL, 0),
+        ("lease-live", t + ms, t + TTL, 0),
+        // With a 5 s allowance: a lease that ended 1 s ago is still held,
+        // one that ended 5 s ago is not.
+        ("skew-live", t - secs(1), t + TTL, 5),
+        ("skew-edge", t - secs(5), t + TTL, 5),
+        // A record expiring exactly at t is gone; 1 ms later it is there
+        // (its lease ended: taken over).
+        ("expiry-edge", t - secs(1), t, 0),
+        ("expiry-live", t - secs(1), t + ms, 0),
+    ] {
+        let key = cx.key(id);
+        reserve_at(&cx, &key, before, lease_until, expires_at).await?;
+        cases.push(Case {
+            clock_skew: secs(skew),
+            ..Case::new(key)
+        });
+    }
+    // A request whose own instant is the end of the lease it finds.
+    let late = cx.key("late");
+    cx.acquire(&late).await?;
+    cases.push(Case {
+        now: Some(t + LEASE),
+        ..Case::new(late)
+    });
+    for i in 0..120 {
         let case = if i % 2 == 0 {
             Case::new(cx.key(&format!("bulk-fresh-{i}")))
         } else {
@@ -103,12 +208,24 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         // Spread the special states through the batch.
         cases.insert((i * 7) % (cases.len() + 1), case);
     }
+    // The batch's first request is at the batch's instant.
+    cases.insert(0, Case::new(cx.key("first")));
     let requests: Vec<ReserveRequest<'_>> = cases
         .iter()
-        .map(|c| ReserveRequest {
-            fingerprint: c.fingerprint,
-            retry_failed: c.retry_failed,
-            ..cx.req(&c.key, c.owner)
+        .enumerate()
+        .map(|(i, c)| {
+            let now = c.now.unwrap_or(t);
+            // Each request its own lease and expiry.
+            let own = Duration::from_millis(u64::try_from(i).unwrap_or(0));
+            ReserveRequest {
+                fingerprint: c.fingerprint,
+                retry_failed: c.retry_failed,
+                now,
+                lease_until: now + LEASE + own,
+                expires_at: now + TTL + own,
+                clock_skew: c.clock_skew,
+                ..cx.req(&c.key, c.owner)
+            }
         })
         .collect();
     let mut expected = Vec::with_capacity(cases.len());
@@ -167,12 +284,11 @@ async fn check_answer(
         }
     };
     let r = cx.record(key).await?;
-    ensure!(
-        r.status == Status::Processing && r.owner == req.owner && r.attempt == attempt,
-        "{key}: the acquired record is the request's: {r:?}"
-    );
-    ensure_eq!(r.lease_until, req.lease_until, "{key}: the request's lease");
-    ensure_eq!(r.expires_at, req.expires_at, "{key}: the request's expiry");
+    // What `reserve` stores: the request's owner, lease, expiry and
+    // fingerprint (else the stored one, on a takeover), `created_at` kept by
+    // a takeover, nothing of a result, an error or a retryable failure.
+    let want = reserved_record(before.as_ref(), req, attempt);
+    ensure_eq!(r, want, "{key}: the acquired record is the request's");
     Ok(())
 }
 
@@ -221,6 +337,128 @@ pub async fn check_reserve_many_races_single_reserves(repo: SharedRepository) ->
     Ok(())
 }
 
+/// Keys per round of [`check_complete_many_races_takeovers`].
+const RACE_KEYS: usize = 8;
+
+/// A `complete_many` by owners whose leases just ended races single
+/// takeovers of the same keys — joined in one task (the batch polled first,
+/// then the takeovers first: they interleave at every await point) and
+/// spawned on separate threads: for each key, either the completion came
+/// first (applied, and the taker sees the completed record) or it is refused
+/// and the taker holds the key. A batch that reads every record, then writes
+/// in a second step, fails this.
+pub async fn check_complete_many_races_takeovers(repo: SharedRepository) -> CheckResult {
+    let cx = Arc::new(Ctx::new(repo));
+    for round in 0..6 {
+        let keys: Vec<RecordKey> = (0..RACE_KEYS)
+            .map(|i| cx.key(&format!("complete-many-race-{round}-{i}")))
+            .collect();
+        let mut olds = Vec::with_capacity(keys.len());
+        for key in &keys {
+            olds.push(cx.acquire(key).await?);
+        }
+        cx.advance(LEASE);
+        let takers: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+        let (completed, taken) = match round % 3 {
+            0 => {
+                let (c, t) = futures::join!(
+                    complete_all(&cx, &keys, &olds),
+                    take_all(&cx, &keys, &takers)
+                );
+                (c, t)
+            }
+            1 => {
+                let (t, c) = futures::join!(
+                    take_all(&cx, &keys, &takers),
+                    complete_all(&cx, &keys, &olds)
+                );
+                (c, t)
+            }
+            _ => {
+                let start = Arc::new(Barrier::new(2));
+                let batch = {
+                    let (cx, keys, olds, start) =
+                        (cx.clone(), keys.clone(), olds.clone(), start.clone());
+                    tokio::spawn(async move {
+                        start.wait().await;
+                        complete_all(&cx, &keys, &olds).await
+                    })
+                };
+                let singles = {
+                    let (cx, keys, takers) = (cx.clone(), keys.clone(), takers.clone());
+                    tokio::spawn(async move {
+                        start.wait().await;
+                        take_all(&cx, &keys, &takers).await
+                    })
+                };
+                let c = batch.await.map_err(|e| failure(e.to_string()))?;
+                let t = singles.await.map_err(|e| failure(e.to_string()))?;
+                (c, t)
+            }
+        };
+        ensure_eq!(completed.len(), keys.len(), "one answer per write");
+        for (i, (done, took)) in completed.into_iter().zip(taken).enumerate() {
+            let key = &keys[i];
+            let r = cx.record(key).await?;
+            match (done, took?) {
+                (Ok(()), Reservation::Existing(seen)) => {
+                    ensure!(
+                        seen.status == Status::Completed && seen.owner == olds[i],
+                        "round {round}, {key}: completed first, the taker sees it: {seen:?}"
+                    );
+                    ensure_eq!(r, seen, "round {round}, {key}: the completed record");
+                }
+                (Err(Error::LeaseLost { .. }), Reservation::Acquired { attempt: 2 }) => {
+                    ensure!(
+                        r.status == Status::Processing && r.owner == takers[i] && r.attempt == 2,
+                        "round {round}, {key}: refused, the taker's record intact: {r:?}"
+                    );
+                }
+                other => {
+                    return Err(failure(format!(
+                        "round {round}, {key}: inconsistent outcome {other:?}, record {r:?}"
+                    )))
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The old owners' completions of `keys`, in one `complete_many`.
+async fn complete_all(
+    cx: &Ctx,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+) -> Vec<Result<(), Error>> {
+    let (now, later) = (cx.now(), cx.now() + TTL);
+    let batch = keys
+        .iter()
+        .zip(owners)
+        .map(|(key, owner)| Completion {
+            key,
+            owner: *owner,
+            result: Some(b"old"),
+            expires_at: later,
+        })
+        .collect();
+    cx.repo.complete_many(batch, now).await
+}
+
+/// Takeovers of `keys`, one `reserve` each, concurrently.
+async fn take_all(
+    cx: &Ctx,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+) -> Vec<Result<Reservation, Error>> {
+    join_all(
+        keys.iter()
+            .zip(owners)
+            .map(|(key, owner)| cx.repo.reserve(cx.req(key, *owner))),
+    )
+    .await
+}
+
 /// A write of a `complete_many` with what `complete` must answer for it.
 struct Write {
     key: RecordKey,
@@ -241,15 +479,22 @@ impl Write {
 }
 
 /// Writes for records in every state `complete` distinguishes — our live
-/// record (with a result, an empty one, none), our record whose lease ran out
-/// untaken, one taken over by another owner, another owner's, an absent key,
-/// an expired record, a completed and a failed one, a result over the
-/// declared limit — interleaved with many fresh records of their own results,
-/// in one `complete_many`: each answer is `complete`'s for that write, in
-/// order (`Ok` exactly for the owner's processing record), an applied write
-/// stores its own result and expiry, a refused one changes nothing.
+/// record (with a result, an empty one, none, a binary one; with a
+/// fingerprint), our record whose lease ran out untaken, one taken over by
+/// another owner, another owner's, an absent key, an expired record, one
+/// expiring exactly at the batch's instant, a completed and a failed one, a
+/// result over the declared limit — interleaved with many fresh records of
+/// their own results (more than a hundred writes in all), each write with its
+/// own expiry, in one `complete_many` a second after the records were
+/// written: each answer is `complete`'s for that write, in order (`Ok`
+/// exactly for the owner's live processing record), an applied write turns
+/// the record into exactly what `complete` would (its own result and expiry,
+/// `updated_at` the batch's instant, every other field kept), a refused one
+/// changes nothing at all. An empty batch has no answers.
 pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
+    let none = cx.repo.complete_many(Vec::new(), cx.now()).await;
+    ensure!(none.is_empty(), "an empty batch has no answers: {none:?}");
     let mut writes = Vec::new();
     // States that need time to pass first.
     let late = cx.key("late");
@@ -276,7 +521,11 @@ pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> Che
     cx.advance(LEASE * 3);
     cx.acquire_over(&taken).await?;
     // The rest at the current time.
-    for (id, result) in [("mine", &b"mine"[..]), ("mine-empty", &b""[..])] {
+    for (id, result) in [
+        ("mine", &b"mine"[..]),
+        ("mine-empty", &b""[..]),
+        ("mine-binary", &b"\xff\x00\xfe\x80\xc3\x28"[..]),
+    ] {
         let key = cx.key(id);
         writes.push(Write::new(
             key.clone(),
@@ -286,6 +535,27 @@ pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> Che
     }
     let bare = cx.key("mine-none");
     writes.push(Write::new(bare.clone(), cx.acquire(&bare).await?, None));
+    let printed = cx.key("mine-fingerprint");
+    let printed_owner = OwnerToken::random();
+    cx.repo
+        .reserve(ReserveRequest {
+            fingerprint: fp(4),
+            ..cx.req(&printed, printed_owner)
+        })
+        .await?;
+    writes.push(Write::new(printed, printed_owner, Some(b"printed")));
+    // Live until the batch's instant, exactly.
+    let edge = cx.key("expiry-edge");
+    let edge_owner = OwnerToken::random();
+    let batch_at = cx.now() + Duration::from_secs(1);
+    cx.repo
+        .reserve(ReserveRequest {
+            lease_until: batch_at,
+            expires_at: batch_at,
+            ..cx.req(&edge, edge_owner)
+        })
+        .await?;
+    writes.push(Write::new(edge, edge_owner, Some(b"too late")));
     let other = cx.key("other");
     cx.acquire(&other).await?;
     writes.push(Write::new(other, OwnerToken::random(), Some(b"not mine")));
@@ -305,7 +575,7 @@ pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> Che
             )
         });
     }
-    for i in 0..60 {
+    for i in 0..120 {
         let key = cx.key(&format!("bulk-{i}"));
         let result = format!("result-{i}");
         let write = Write::new(
@@ -316,25 +586,28 @@ pub async fn check_complete_many_follows_complete(repo: SharedRepository) -> Che
         // Spread the special states through the batch.
         writes.insert((i * 7) % (writes.len() + 1), write);
     }
-    let expires_at = cx.now() + TTL;
+    // A second later (what a write stamps shows), each write its own expiry.
+    cx.clock.set(batch_at);
     let now = cx.now();
+    let expiry = |i: usize| now + TTL + Duration::from_millis(u64::try_from(i).unwrap_or(0));
     let mut before = Vec::with_capacity(writes.len());
     for w in &writes {
         before.push(cx.repo.get(&w.key, now).await?);
     }
     let batch = writes
         .iter()
-        .map(|w| Completion {
+        .enumerate()
+        .map(|(i, w)| Completion {
             key: &w.key,
             owner: w.owner,
             result: w.result.as_deref(),
-            expires_at,
+            expires_at: expiry(i),
         })
         .collect();
     let answers = cx.repo.complete_many(batch, now).await;
     ensure_eq!(answers.len(), writes.len(), "one answer per write");
-    for ((w, answer), before) in writes.iter().zip(answers).zip(before) {
-        check_write(&cx, w, answer, before, expires_at).await?;
+    for (i, ((w, answer), before)) in writes.iter().zip(answers).zip(before).enumerate() {
+        check_write(&cx, w, answer, before, expiry(i)).await?;
     }
     Ok(())
 }
@@ -345,7 +618,7 @@ async fn check_write(
     w: &Write,
     answer: Result<(), Error>,
     before: Option<Record>,
-    expires_at: idempotency_core::Timestamp,
+    expires_at: Timestamp,
 ) -> CheckResult {
     let key = &w.key;
     let processing = before
@@ -356,13 +629,18 @@ async fn check_write(
     match answer {
         Ok(()) if owned && !w.too_large => {
             let r = after.ok_or_else(|| failure(format!("{key}: completed, then absent")))?;
-            let attempt = processing.map(|was| was.attempt);
-            ensure!(
-                r.status == Status::Completed && r.owner == w.owner && Some(r.attempt) == attempt,
-                "{key}: the owner's record, completed: {r:?}"
+            let want = processing.map(|was| Record {
+                status: Status::Completed,
+                result: w.result.clone(),
+                expires_at,
+                updated_at: cx.now(),
+                ..was.clone()
+            });
+            ensure_eq!(
+                Some(r),
+                want,
+                "{key}: the owner's record, completed with the write's own result and expiry"
             );
-            ensure_eq!(r.result, w.result, "{key}: the write's own result");
-            ensure_eq!(r.expires_at, expires_at, "{key}: the write's expiry");
         }
         Err(Error::TooLarge { .. }) if w.too_large => {
             ensure_eq!(after, before, "{key}: a refused result writes nothing");

@@ -223,16 +223,23 @@ pub async fn check_reserve_honours_clock_skew(repo: SharedRepository) -> CheckRe
 }
 
 /// A record past `expires_at` is absent: reserve creates a fresh one (attempt 1),
-/// whatever the old status.
+/// whatever the old status, also for the owner that held it.
 pub async fn check_reserve_after_expiry_creates_fresh(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let (done, _) = cx.completed("done", Some(b"old")).await?;
     let (failed, _) = cx.failed("failed", Some(b"old")).await?;
     let busy = cx.key("busy");
     cx.acquire(&busy).await?;
+    // Its holder comes back after the expiry, re-sending its reserve.
+    let own = cx.key("own");
+    let holder = cx.acquire(&own).await?;
     cx.advance(TTL);
-    for key in [&done, &failed, &busy] {
-        let owner = OwnerToken::random();
+    for key in [&done, &failed, &busy, &own] {
+        let owner = if key == &own {
+            holder
+        } else {
+            OwnerToken::random()
+        };
         ensure_eq!(
             cx.reserve(key, owner).await?,
             Reservation::Acquired { attempt: 1 },
@@ -244,15 +251,22 @@ pub async fn check_reserve_after_expiry_creates_fresh(repo: SharedRepository) ->
             (owner, 1, Status::Processing)
         );
         ensure!(
-            r.result.is_none() && r.error.is_none(),
+            r.result.is_none() && r.error.is_none() && !r.retryable,
             "no trace of the expired record: {r:?}"
         );
+        ensure_eq!(
+            (r.lease_until, r.expires_at),
+            (cx.now() + LEASE, cx.now() + TTL),
+            "the request's lease and expiry"
+        );
         ensure_eq!(r.created_at, cx.now(), "a fresh record, not a takeover");
+        ensure_eq!(r.updated_at, cx.now(), "a fresh record, written now");
     }
     Ok(())
 }
 
-/// The expiry boundary: live at `expires_at - 1 ms`, gone at `expires_at`.
+/// The expiry boundary: live at `expires_at - 1 ms`, gone at `expires_at`
+/// (whatever the clock-skew allowance, which is for leases).
 pub async fn check_expiry_boundary(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let (key, _) = cx.completed("edge", Some(b"r")).await?;
@@ -271,9 +285,15 @@ pub async fn check_expiry_boundary(repo: SharedRepository) -> CheckResult {
         cx.repo.get(&key, cx.now()).await?.is_none(),
         "absent at expires_at"
     );
+    // The clock-skew allowance delays takeovers of leases, not expiry.
+    let req = ReserveRequest {
+        clock_skew: Duration::from_secs(5),
+        ..cx.req(&key, OwnerToken::random())
+    };
     ensure_eq!(
-        cx.reserve(&key, OwnerToken::random()).await?,
-        Reservation::Acquired { attempt: 1 }
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 1 },
+        "at expires_at, with a clock-skew allowance"
     );
     Ok(())
 }
@@ -569,6 +589,12 @@ pub async fn check_binary_results_round_trip(repo: SharedRepository) -> CheckRes
         Some(&all[..]),
         "error bytes"
     );
+    let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
+    ensure_eq!(
+        r.error.as_deref(),
+        Some(&all[..]),
+        "error bytes via reserve"
+    );
     Ok(())
 }
 
@@ -581,7 +607,12 @@ pub async fn check_large_result_up_to_limit(repo: SharedRepository) -> CheckResu
     let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
     ensure!(
         r.result.as_deref() == Some(&big[..]),
-        "a {size}-byte result did not round-trip"
+        "a {size}-byte result did not round-trip through reserve"
+    );
+    let r = cx.record(&key).await?;
+    ensure!(
+        r.result.as_deref() == Some(&big[..]),
+        "a {size}-byte result did not round-trip through get"
     );
     Ok(())
 }
@@ -617,11 +648,12 @@ pub async fn check_result_over_limit_is_refused(repo: SharedRepository) -> Check
     Ok(())
 }
 
-/// The owner fails: `Failed` with the error and expiry.
+/// The owner fails: `Failed` with the error, expiry and `updated_at`.
 pub async fn check_fail_by_owner(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("fail");
     let owner = cx.acquire(&key).await?;
+    cx.advance(Duration::from_secs(2));
     let expires = cx.now() + Duration::from_secs(90);
     cx.repo
         .fail(&key, owner, Some(b"card declined"), true, expires, cx.now())
@@ -631,6 +663,8 @@ pub async fn check_fail_by_owner(repo: SharedRepository) -> CheckResult {
     ensure_eq!(r.error.as_deref(), Some(&b"card declined"[..]));
     ensure_eq!(r.result, None);
     ensure_eq!(r.expires_at, expires);
+    ensure_eq!(r.updated_at, cx.now());
+    ensure_eq!((r.owner, r.attempt), (owner, 1));
     Ok(())
 }
 
@@ -678,16 +712,27 @@ pub async fn check_fail_wrong_owner_or_state(repo: SharedRepository) -> CheckRes
 
 // ---------------------------------------------------------------- release / extend
 
-/// The owner releases: the record is gone and the next reserve starts at
-/// attempt 1.
+/// The owner releases: the record is deleted — gone also for a caller whose
+/// clock is behind (not merely expired at the releaser's instant), so
+/// `delete` finds nothing — and the next reserve starts at attempt 1.
 pub async fn check_release_by_owner(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("release");
     let owner = cx.acquire(&key).await?;
+    cx.advance(Duration::from_secs(2));
     cx.repo.release(&key, owner, cx.now()).await?;
     ensure!(
         cx.repo.get(&key, cx.now()).await?.is_none(),
         "released record still visible"
+    );
+    let behind = cx.now() - Duration::from_secs(1);
+    ensure!(
+        cx.repo.get(&key, behind).await?.is_none(),
+        "the released record is still visible to a caller whose clock is 1 s behind"
+    );
+    ensure!(
+        !cx.repo.delete(&key).await?,
+        "delete found the released record still stored"
     );
     cx.acquire(&key).await?;
     Ok(())
@@ -736,7 +781,8 @@ pub async fn check_release_expired(repo: SharedRepository) -> CheckResult {
     )
 }
 
-/// The owner extends the lease: a takeover at the old lease end is refused.
+/// The owner extends the lease (stamping `updated_at`): a takeover at the old
+/// lease end is refused.
 pub async fn check_extend_by_owner(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("extend");
@@ -747,6 +793,7 @@ pub async fn check_extend_by_owner(repo: SharedRepository) -> CheckResult {
     let r = cx.record(&key).await?;
     ensure_eq!(r.lease_until, until);
     ensure_eq!(r.status, Status::Processing);
+    ensure_eq!(r.updated_at, cx.now(), "an extension sets updated_at");
     cx.advance(LEASE / 2);
     existing(
         cx.reserve(&key, OwnerToken::random()).await?,
@@ -832,7 +879,9 @@ pub async fn check_get_absent_and_expired(repo: SharedRepository) -> CheckResult
     Ok(())
 }
 
-/// `delete` removes a record whatever its status and says whether one existed.
+/// `delete` removes a record whatever its status and says whether one was
+/// stored — also an expired one that no purge removed yet (in a store
+/// without native expiry).
 pub async fn check_delete(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let busy = cx.key("del-busy");
@@ -855,11 +904,33 @@ pub async fn check_delete(repo: SharedRepository) -> CheckResult {
         !cx.repo.delete(&cx.key("del-absent")).await?,
         "delete of an absent key"
     );
+    if !cx.caps.native_expiry {
+        // Expired an hour ago by its writer's clock, and by the server's,
+        // but stored until a purge: `delete` acts on what is stored.
+        let stored = cx.key("del-expired");
+        let long_ago = cx.now() - Duration::from_secs(7200);
+        let req = ReserveRequest {
+            now: long_ago,
+            lease_until: long_ago + LEASE,
+            expires_at: long_ago + TTL,
+            ..cx.req(&stored, OwnerToken::random())
+        };
+        cx.repo.reserve(req).await?;
+        ensure!(
+            cx.repo.delete(&stored).await?,
+            "delete of an expired record still stored (no native expiry) returned false"
+        );
+        ensure!(
+            !cx.repo.delete(&stored).await?,
+            "second delete of the expired record returned true"
+        );
+    }
     Ok(())
 }
 
-/// `purge_expired` removes expired records (only those, at most `limit` a
-/// call); backends with native expiry may leave that to the server.
+/// `purge_expired` removes expired records — those with `expires_at <= now`,
+/// only those, at most `limit` a call (none for a limit of 0); backends with
+/// native expiry may leave that to the server.
 pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     // Work two hours in the past so that this purge can only reach records that
@@ -887,6 +958,15 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
     let keep = cx.key("purge-keep");
     cx.acquire(&keep).await?;
     let purge_at = start + short + Duration::from_secs(1);
+    // Expired at the purge, exactly.
+    let exact = cx.key("purge-exact");
+    let req = ReserveRequest {
+        expires_at: purge_at,
+        lease_until: purge_at,
+        ..cx.req(&exact, OwnerToken::random())
+    };
+    cx.repo.reserve(req).await?;
+    expired.push(exact);
     // Live at the purge: a record expiring one millisecond after it, whose
     // lease (a Processing record's) ended before it.
     let edge = cx.key("purge-edge");
@@ -897,6 +977,16 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
     };
     cx.repo.reserve(req).await?;
     cx.clock.set(purge_at);
+    let nothing = cx.repo.purge_expired(purge_at, 0).await?;
+    ensure_eq!(nothing, 0, "purge_expired(limit = 0) removes nothing");
+    if !cx.caps.native_expiry {
+        for key in &expired {
+            ensure!(
+                cx.repo.get(key, start).await?.is_some(),
+                "{key} is gone after purge_expired(limit = 0)"
+            );
+        }
+    }
     let first = cx.repo.purge_expired(purge_at, 2).await?;
     ensure!(first <= 2, "purge_expired(limit = 2) removed {first}");
     let mut total = first;
@@ -1063,13 +1153,30 @@ pub async fn check_long_ids(repo: SharedRepository) -> CheckResult {
     Ok(())
 }
 
-/// Namespaces isolate: the same id in two namespaces is two records.
+/// Namespaces isolate: the same id in two namespaces is two records; `get`
+/// and `delete` of one never reach the other's.
 pub async fn check_namespaces_isolate(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let a = cx.key_in(&format!("{}-a", cx.ns), "same");
     let b = cx.key_in(&format!("{}-b", cx.ns), "same");
-    cx.acquire(&a).await?;
+    let c = cx.key_in(&format!("{}-c", cx.ns), "same");
+    let owner = cx.acquire(&a).await?;
+    cx.repo
+        .complete(&a, owner, Some(b"a's"), cx.now() + TTL, cx.now())
+        .await?;
+    for absent in [&b, &c] {
+        let got = cx.repo.get(absent, cx.now()).await?;
+        ensure!(
+            got.is_none(),
+            "get of {absent} returned {a}'s record: {got:?}"
+        );
+    }
     cx.acquire(&b).await?;
+    ensure!(!cx.repo.delete(&c).await?, "delete of {c} found a record");
+    ensure!(
+        cx.repo.get(&a, cx.now()).await?.is_some() && cx.repo.get(&b, cx.now()).await?.is_some(),
+        "deleting the absent {c} removed another namespace's record"
+    );
     ensure!(cx.repo.delete(&a).await?, "delete a");
     ensure!(
         cx.repo.get(&b, cx.now()).await?.is_some(),

@@ -1,21 +1,26 @@
 //! Edge cases real stores get wrong: keys that only a byte-exact comparison
 //! tells apart, the owner token (not the clock) deciding every fenced
-//! operation, `fail` at its edges, and expired records re-created by racing
-//! reservers.
+//! operation, and all of the token (not a prefix, not a number), refused
+//! writes that leave no trace, an attempt counter wider than a byte, `fail`
+//! at its edges, and expired records re-created by racing reservers.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::join_all;
-use idempotency_core::{OwnerToken, Reservation, ReserveRequest, SharedRepository, Status};
+use idempotency_core::{
+    OwnerToken, RecordKey, Reservation, ReserveRequest, SharedRepository, Status,
+    MAX_NAMESPACE_BYTES,
+};
 
-use crate::support::{ensure, ensure_eq, failure, fp, lease_lost, Ctx, LEASE, TTL};
+use crate::support::{ensure, ensure_eq, existing, failure, fp, lease_lost, Ctx, LEASE, TTL};
 use crate::CheckResult;
 
 /// Ids that differ only in case, in leading or trailing spaces, in Unicode
 /// normalization form, or in the last byte of a long shared prefix (up to the
 /// declared `max_id_bytes`) are distinct keys — what SQL collations, `CHAR(n)`
-/// columns and truncating stores get wrong.
+/// columns and truncating stores get wrong — and so are namespaces that
+/// differ only so (up to the 512 bytes a namespace may have).
 pub async fn check_keys_are_byte_exact(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let max = cx.caps.max_id_bytes;
@@ -45,6 +50,27 @@ pub async fn check_keys_are_byte_exact(repo: SharedRepository) -> CheckResult {
         let key = cx.key(id);
         ensure!(!key.is_digested(), "{id:?} fits max_id_bytes ({max})");
         keys.push(key);
+    }
+    // The same holds for namespaces (a collation or a `CHAR(n)` column on
+    // the namespace, not only on the id).
+    for suffix in [
+        "-scope",
+        "-Scope",
+        "-SCOPE",
+        "-scope ",
+        "-scope  ",
+        " -scope",
+        "-caf\u{e9}",
+        "-cafe\u{301}",
+    ] {
+        keys.push(cx.key_in(&format!("{}{suffix}", cx.ns), "k"));
+    }
+    // Namespaces as long as allowed, apart only in their last byte, and one
+    // byte shorter (what a narrower namespace column truncates).
+    let long = format!("{}-{}", cx.ns, "n".repeat(MAX_NAMESPACE_BYTES));
+    let long = &long[..MAX_NAMESPACE_BYTES - 1];
+    for namespace in [format!("{long}a"), format!("{long}b"), long.to_owned()] {
+        keys.push(cx.key_in(&namespace, "k"));
     }
     cx.assert_distinct(&keys).await
 }
@@ -191,5 +217,111 @@ pub async fn check_concurrent_recreate_of_expired(repo: SharedRepository) -> Che
             "round {round}: nothing of the expired record is kept: {r:?}"
         );
     }
+    Ok(())
+}
+
+/// Tokens that differ from `owner` in one bit: the lowest, the highest, and
+/// either side of the middle.
+fn neighbours(owner: OwnerToken) -> [OwnerToken; 4] {
+    [0, 63, 64, 127].map(|bit| OwnerToken::from_u128(owner.as_u128() ^ (1u128 << bit)))
+}
+
+/// A token that differs from the holder's in a single bit is a stranger's:
+/// its `complete`, `fail`, `extend` and `release` are refused, its `reserve`
+/// sees the record, and none of them changes the record — not even its
+/// `updated_at`, a second later. The same for the late writes of the owners
+/// of a completed and of a failed record. What a store comparing tokens as
+/// numbers (a Lua double), by a prefix or through a narrow column, or
+/// stamping `updated_at` before it checks the owner, gets wrong.
+pub async fn check_refused_writes_touch_nothing(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo);
+    let held = cx.key("held");
+    let holder = cx.acquire(&held).await?;
+    let (done, done_owner) = cx.completed("done", Some(b"r")).await?;
+    let (failed, failed_owner) = cx.failed("failed", Some(b"e")).await?;
+    cx.advance(Duration::from_secs(1));
+    let mut writers: Vec<(&RecordKey, OwnerToken, String)> = neighbours(holder)
+        .into_iter()
+        .chain([OwnerToken::random()])
+        .map(|o| {
+            (
+                &held,
+                o,
+                format!("the stranger {o} (the holder is {holder})"),
+            )
+        })
+        .collect();
+    writers.push((&done, done_owner, "the owner of a completed record".into()));
+    writers.push((&failed, failed_owner, "the owner of a failed record".into()));
+    for (key, who, what) in writers {
+        let before = cx.record(key).await?;
+        let (now, later) = (cx.now(), cx.now() + TTL);
+        for op in ["complete", "fail", "extend", "release"] {
+            let refused = match op {
+                "complete" => cx.repo.complete(key, who, Some(b"x"), later, now).await,
+                "fail" => cx.repo.fail(key, who, Some(b"x"), true, later, now).await,
+                "extend" => cx.repo.extend(key, who, later, later, now).await,
+                _ => cx.repo.release(key, who, now).await,
+            };
+            lease_lost(refused, &format!("{op} by {what}"))?;
+            ensure_eq!(
+                cx.record(key).await?,
+                before,
+                "a refused {op} by {what} leaves the record as it was"
+            );
+        }
+        let seen = existing(cx.reserve(key, who).await?, &format!("reserve by {what}"))?;
+        ensure_eq!(seen, before, "reserve by {what} sees the record");
+        ensure_eq!(cx.record(key).await?, before, "and changes nothing");
+    }
+    cx.repo
+        .complete(&held, holder, Some(b"mine"), cx.now() + TTL, cx.now())
+        .await?;
+    ensure_eq!(
+        cx.status(&held).await?,
+        Some(Status::Completed),
+        "the holder"
+    );
+    Ok(())
+}
+
+/// Takeovers every store must count through: past one byte (255, and 127).
+const MANY_TAKEOVERS: u32 = 257;
+/// Past two bytes (65,535, and 32,767): counted up to while the store answers
+/// fast enough (an in-memory store gets there in well under a second).
+const MORE_TAKEOVERS: u32 = 65_537;
+/// How long the check keeps counting past [`MANY_TAKEOVERS`].
+const TAKEOVER_BUDGET: Duration = Duration::from_secs(2);
+
+/// The attempt (the fencing token handlers see) counts every takeover, past
+/// what one byte holds — and past what two bytes hold, as far as the store
+/// answers within a couple of seconds: a store that keeps it in a `TINYINT`
+/// or a `SMALLINT` wraps it (or fails) and hands out an attempt number that
+/// was used before.
+pub async fn check_attempt_counts_past_a_byte(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo);
+    let key = cx.key("many-takeovers");
+    let lease = Duration::from_millis(1);
+    let started = std::time::Instant::now();
+    let mut last = 0;
+    for attempt in 1..=MORE_TAKEOVERS {
+        if attempt > MANY_TAKEOVERS && started.elapsed() > TAKEOVER_BUDGET {
+            break;
+        }
+        let req = ReserveRequest {
+            lease_until: cx.now() + lease,
+            ..cx.req(&key, OwnerToken::random())
+        };
+        let answer = cx.repo.reserve(req).await?;
+        if answer != (Reservation::Acquired { attempt }) {
+            return Err(failure(format!(
+                "reservation {attempt} of one key, each after the last one's lease, answered \
+                 {answer:?}, expected Acquired {{ attempt: {attempt} }}"
+            )));
+        }
+        cx.advance(lease);
+        last = attempt;
+    }
+    ensure_eq!(cx.record(&key).await?.attempt, last);
     Ok(())
 }

@@ -47,8 +47,21 @@ pub async fn check_reserve_resent_by_holder(repo: SharedRepository) -> CheckResu
     );
     ensure_eq!(cx.record(&key).await?, before, "a re-send writes nothing");
 
-    // After a takeover the old owner's re-send is somebody else's record.
+    // Once the lease ended, nobody having taken over, the holder's re-send
+    // is still a re-send: no takeover of its own record, no new lease.
     cx.advance(LEASE);
+    let late = ReserveRequest {
+        fingerprint: fp(1),
+        ..cx.req(&key, owner)
+    };
+    ensure_eq!(
+        cx.repo.reserve(late).await?,
+        Reservation::Acquired { attempt: 1 },
+        "the holder's re-send after its lease ended"
+    );
+    ensure_eq!(cx.record(&key).await?, before, "and writes nothing");
+
+    // After a takeover the old owner's re-send is somebody else's record.
     let new = OwnerToken::random();
     ensure_eq!(
         cx.reserve(&key, new).await?,
@@ -56,6 +69,11 @@ pub async fn check_reserve_resent_by_holder(repo: SharedRepository) -> CheckResu
     );
     let r = existing(cx.reserve(&key, owner).await?, "re-send after a takeover")?;
     ensure_eq!((r.owner, r.attempt), (new, 2));
+    ensure_eq!(
+        cx.reserve(&key, new).await?,
+        Reservation::Acquired { attempt: 2 },
+        "the new holder's re-send answers its own attempt"
+    );
 
     // A finished record is never re-acquired by the owner that finished it.
     let (done, finisher) = cx.completed("resent-done", Some(b"r")).await?;
@@ -67,7 +85,8 @@ pub async fn check_reserve_resent_by_holder(repo: SharedRepository) -> CheckResu
 /// `extend` moves expiry with the lease, in the same step: the record outlives
 /// its first expiry, and neither the lease nor the expiry is ever moved
 /// earlier (an older extension applied after a newer one, as a statement
-/// abandoned by its caller's timeout can be, must not undo it).
+/// abandoned by its caller's timeout can be, must not undo it); each is
+/// raised on its own (a later expiry with an earlier lease moves the expiry).
 pub async fn check_extend_moves_expiry(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("extend-expiry");
@@ -87,6 +106,10 @@ pub async fn check_extend_moves_expiry(repo: SharedRepository) -> CheckResult {
     cx.repo.extend(&key, owner, lease, expiry, cx.now()).await?;
     let r = cx.record(&key).await?;
     ensure_eq!((r.lease_until, r.expires_at), (lease, expiry));
+    // The same extension again at the same instant (a re-sent request whose
+    // first reply was lost) changes nothing, and still answers ok.
+    cx.repo.extend(&key, owner, lease, expiry, cx.now()).await?;
+    ensure_eq!(cx.record(&key).await?, r, "a re-sent extension");
 
     // Past the first expiry the record is alive and still held.
     cx.advance(LEASE / 2 + Duration::from_secs(6));
@@ -117,6 +140,18 @@ pub async fn check_extend_moves_expiry(repo: SharedRepository) -> CheckResult {
         .await?;
     let r = cx.record(&key).await?;
     ensure_eq!((r.lease_until, r.expires_at), (later_lease, expiry));
+    // And a later expiry alone, with a lease that is not later: the expiry
+    // moves, the lease does not.
+    let later_expiry = expiry + Duration::from_secs(10);
+    cx.repo
+        .extend(&key, owner, lease, later_expiry, cx.now())
+        .await?;
+    let r = cx.record(&key).await?;
+    ensure_eq!(
+        (r.lease_until, r.expires_at),
+        (later_lease, later_expiry),
+        "each of the two is raised on its own"
+    );
     cx.repo
         .complete(&key, owner, Some(b"done"), cx.now() + TTL, cx.now())
         .await?;

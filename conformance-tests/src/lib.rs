@@ -44,11 +44,14 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 57 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 131 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
-//! and expiry boundaries, collations and truncated keys, takeovers that forget a
-//! field, extension that does not move expiry, …), the checks that catch each,
-//! and the catch rate over 20 runs: every flaw, every run. Race checks run some
+//! and expiry boundaries, collations and truncated keys or namespaces,
+//! takeovers that forget a field, extension that does not move expiry, batch
+//! paths that drift from the single operations, an attempt counter in a
+//! narrow column, operator listings and counts that misfilter, corrupt
+//! records or outages misreported, …), the checks that catch each, and the
+//! catch rate over 20 runs: every flaw, every run. Race checks run some
 //! rounds joined in one task — the racers interleave at every await point, so a
 //! read-then-write gap as small as one scheduler yield is hit deterministically
 //! — and some on separate threads behind a barrier.
@@ -81,6 +84,7 @@ mod edges;
 pub mod error_table;
 mod failure_paths;
 mod model;
+mod operator;
 mod report;
 mod store_faults;
 mod support;
@@ -90,6 +94,7 @@ pub use checks::*;
 pub use edges::*;
 pub use failure_paths::*;
 pub use model::check_model_based_sequences;
+pub use operator::check_admin_lists_and_counts;
 pub use report::{CheckOutcome, Report};
 pub use store_faults::{
     check_corrupt_record_is_reported_with_its_key, check_unreachable_store_is_a_retryable_error,
@@ -235,6 +240,7 @@ define_suite! { $
     check_reserve_same_fingerprint_is_duplicate,
     check_takeover_increments_attempt,
     check_takeover_sets_new_lease_and_expiry,
+    check_attempt_counts_past_a_byte,
     check_complete_by_owner,
     check_complete_wrong_owner,
     check_complete_after_lease_expiry_without_takeover,
@@ -248,6 +254,7 @@ define_suite! { $
     check_fail_wrong_owner_or_state,
     check_fail_edges,
     check_fenced_by_token_not_clock,
+    check_refused_writes_touch_nothing,
     check_release_by_owner,
     check_release_refused,
     check_release_expired,
@@ -257,12 +264,14 @@ define_suite! { $
     check_reserve_resent_by_holder,
     check_reserve_many_follows_reserve,
     check_reserve_many_races_single_reserves,
+    check_complete_many_races_takeovers,
     check_complete_many_follows_complete,
     check_fail_remembers_retryable,
     check_takeover_paths_write_every_field,
     check_get_absent_and_expired,
     check_delete,
     check_purge_expired,
+    check_admin_lists_and_counts,
     check_adversarial_keys_are_distinct,
     check_keys_are_byte_exact,
     check_long_ids,

@@ -16,11 +16,12 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::future::BoxFuture;
 use idempotency_core::{
-    Config, Error, ExecuteError, HandlerError, OwnerToken, RecordKey, Reservation, SharedRepository,
+    Completion, Config, Error, ExecuteError, HandlerError, OwnerToken, RecordKey, Reservation,
+    SharedRepository,
 };
 
 use crate::report::{CheckOutcome, Report};
-use crate::support::{ensure, failure, Ctx};
+use crate::support::{ensure, failure, Ctx, TTL};
 use crate::CheckResult;
 
 /// The longest one call may take while the store is unreachable before the
@@ -119,8 +120,11 @@ fn names_key(e: &Error, key: &RecordKey) -> bool {
 
 /// An undecodable record: `get` and `reserve` answer `Corrupt` naming the key
 /// (a reserve that overwrote it could run a handler whose outcome the record
-/// held); the manager refuses without running the handler, with a
-/// non-retryable error; `delete` clears it and the key works again.
+/// held); no other write overwrites it either — `reserve_many` (its answer
+/// for the key an error), `complete`, `fail`, `extend`, `release` and
+/// `complete_many` of another owner are refused; the manager refuses without
+/// running the handler, with a non-retryable error; `delete` clears it and
+/// the key works again.
 pub async fn check_corrupt_record_is_reported_with_its_key(
     repo: SharedRepository,
     faults: SharedFaults,
@@ -147,6 +151,7 @@ pub async fn check_corrupt_record_is_reported_with_its_key(
         matches!(&reserved, Err(e) if names_key(e, &key)),
         "reserve over a corrupt record gave {reserved:?}, expected Corrupt naming {key}"
     );
+    writes_leave_it_corrupt(&cx, &key).await?;
 
     let runs = AtomicUsize::new(0);
     let out = m
@@ -180,9 +185,141 @@ pub async fn check_corrupt_record_is_reported_with_its_key(
     Ok(())
 }
 
+/// The writes besides `reserve` over the corrupt record at `key`: none
+/// succeeds, and the record is still there, still undecodable.
+async fn writes_leave_it_corrupt(cx: &Ctx, key: &RecordKey) -> CheckResult {
+    let fresh = cx.key("fresh-beside-corrupt");
+    let batch = vec![
+        cx.req(key, OwnerToken::random()),
+        cx.req(&fresh, OwnerToken::random()),
+    ];
+    let answers = bounded("reserve_many", cx.repo.reserve_many(batch)).await?;
+    ensure!(
+        answers.len() == 2 && answers[0].is_err(),
+        "reserve_many over a corrupt record answered {answers:?}, expected an error for {key}"
+    );
+    if let Some(Ok(other)) = answers.get(1) {
+        ensure!(
+            matches!(other, Reservation::Acquired { attempt: 1 }),
+            "reserve_many of the fresh {fresh} beside a corrupt record: {other:?}"
+        );
+    }
+    still_corrupt(cx, key, "reserve_many").await?;
+    let (owner, now, later) = (OwnerToken::random(), cx.now(), cx.now() + TTL);
+    for op in ["complete", "fail", "extend", "release", "complete_many"] {
+        let done = match op {
+            "complete" => bounded(op, cx.repo.complete(key, owner, Some(b"x"), later, now)).await?,
+            "fail" => bounded(op, cx.repo.fail(key, owner, Some(b"x"), true, later, now)).await?,
+            "extend" => bounded(op, cx.repo.extend(key, owner, later, later, now)).await?,
+            "release" => bounded(op, cx.repo.release(key, owner, now)).await?,
+            _ => {
+                let write = Completion {
+                    key,
+                    owner,
+                    result: Some(b"x"),
+                    expires_at: later,
+                };
+                let answers = bounded(op, cx.repo.complete_many(vec![write], now)).await?;
+                ensure!(answers.len() == 1, "{op}: {answers:?}");
+                answers.into_iter().next().unwrap_or(Ok(()))
+            }
+        };
+        ensure!(
+            done.is_err(),
+            "{op} by a stranger over a corrupt record succeeded"
+        );
+        still_corrupt(cx, key, op).await?;
+    }
+    Ok(())
+}
+
+/// `get` of `key` still answers `Corrupt` naming it (nothing overwrote it).
+async fn still_corrupt(cx: &Ctx, key: &RecordKey, after: &str) -> CheckResult {
+    let got = bounded("get", cx.repo.get(key, cx.now())).await?;
+    ensure!(
+        matches!(&got, Err(e) if names_key(e, key)),
+        "after {after}, get of the corrupt record gave {got:?}: it was overwritten"
+    );
+    Ok(())
+}
+
+/// A retryable `Unavailable` or `Timeout`.
+fn outage(outcome: &Result<(), Error>) -> bool {
+    matches!(outcome, Err(e @ (Error::Unavailable { .. } | Error::Timeout { .. })) if e.is_retryable())
+}
+
+/// What one operation of [`the_rest_in_an_outage`] answered (each answer
+/// of a batch), or the hang it was.
+type Answered = Vec<(&'static str, Result<Result<(), Error>, crate::CheckFailure>)>;
+
+async fn one(op: &'static str, f: BoxFuture<'_, Result<(), Error>>) -> Answered {
+    vec![(op, bounded(op, f).await)]
+}
+
+async fn each(op: &'static str, f: BoxFuture<'_, Vec<Result<(), Error>>>) -> Answered {
+    match bounded(op, f).await {
+        Ok(answers) => answers.into_iter().map(|a| (op, Ok(a))).collect(),
+        Err(hang) => vec![(op, Err(hang))],
+    }
+}
+
+/// The other operations in an outage, concurrently, on keys of their own
+/// (an operation the outage left ambiguous may have been applied): each
+/// answer is a retryable `Unavailable` or `Timeout`, every answer of a batch
+/// too — never a `LeaseLost` or an `Ok` standing for an error.
+async fn the_rest_in_an_outage(cx: &Ctx) -> CheckResult {
+    let keys: Vec<RecordKey> = (0..7).map(|i| cx.key(&format!("outage-{i}"))).collect();
+    let (owner, now, later) = (OwnerToken::random(), cx.now(), cx.now() + TTL);
+    let writes = keys[5..]
+        .iter()
+        .map(|key| Completion {
+            key,
+            owner,
+            result: None,
+            expires_at: later,
+        })
+        .collect();
+    let reserves = keys[3..5]
+        .iter()
+        .map(|key| cx.req(key, OwnerToken::random()))
+        .collect();
+    let repo = &cx.repo;
+    let all: Vec<BoxFuture<'_, Answered>> = vec![
+        Box::pin(one(
+            "complete",
+            repo.complete(&keys[0], owner, None, later, now),
+        )),
+        Box::pin(one(
+            "fail",
+            repo.fail(&keys[1], owner, None, true, later, now),
+        )),
+        Box::pin(one("release", repo.release(&keys[2], owner, now))),
+        Box::pin(one(
+            "delete",
+            Box::pin(async { repo.delete(&keys[2]).await.map(drop) }),
+        )),
+        Box::pin(each(
+            "reserve_many",
+            Box::pin(async {
+                let answers = repo.reserve_many(reserves).await;
+                answers.into_iter().map(|a| a.map(drop)).collect()
+            }),
+        )),
+        Box::pin(each("complete_many", repo.complete_many(writes, now))),
+    ];
+    for (op, outcome) in futures::future::join_all(all).await.into_iter().flatten() {
+        let outcome = outcome?;
+        ensure!(
+            outage(&outcome),
+            "{op} with the store unreachable gave {outcome:?}, expected a retryable Unavailable or Timeout"
+        );
+    }
+    Ok(())
+}
+
 /// An unreachable store: every operation answers a retryable `Unavailable` or
 /// `Timeout` (ambiguous: it may have been applied) within the backend's
-/// timeout; the manager returns that error without running the handler; once
+/// timeout — each answer of a batch too; the manager returns that error without running the handler; once
 /// the store answers again, the same repository works without being rebuilt,
 /// and the reserve left ambiguous during the outage is settled by its owner
 /// re-sending it (`Acquired`, same attempt: reserve is idempotent per token).
@@ -241,6 +378,7 @@ pub async fn check_unreachable_store_is_a_retryable_error(
             }
         }
     }
+    the_rest_in_an_outage(&cx).await?;
     let runs = AtomicUsize::new(0);
     let out = bounded(
         "execute",

@@ -3,21 +3,36 @@
 //! correct store. Every flaw must fail at least one check in every run, while
 //! the flawless store passes everything (so the failures come from the flaw).
 //!
+//! The fixture also offers the operator operations (`admin()`) and acts as
+//! its own `StoreFaults` (an undecodable value under a key, a store that
+//! stops answering), so the errors clause's fault checks run against every
+//! flaw too.
+//!
 //! `catalogue_table` (ignored; run it with
 //! `cargo test -p idempotency-conformance --test broken -- --ignored --nocapture catalogue_table`)
-//! runs the whole suite against each flaw, then the catching checks 20 more
-//! times, and prints the table published in `conformance-tests/CATALOGUE.md`.
+//! runs the whole suite and the fault checks against each flaw, then the
+//! catching checks 20 more times, and prints the table published in
+//! `conformance-tests/CATALOGUE.md`.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use idempotency_conformance::{run_all, run_check, Report};
-use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
+use idempotency_conformance::{
+    fault_check_named, run_all, run_check, run_fault_checks, CheckFailure, CheckResult, Report,
+    SharedFaults, StoreFaults,
+};
+use idempotency_core::admin::{
+    Admin, Check as AdminCheck, DoctorOptions, ListFilter, Listed, Listing, Stats,
+};
+use idempotency_core::decision::{
+    fingerprints_conflict, reserve_transition, reserved_record, ReserveTransition,
+};
 use idempotency_core::{
-    Capabilities, Completion, Error, OwnerToken, Record, RecordKey, Repository, Reservation,
-    ReserveRequest, SharedRepository, Status, Timestamp,
+    Capabilities, Completion, Error, Fingerprint, OwnerToken, Record, RecordKey, Repository,
+    Reservation, ReserveRequest, SharedRepository, Status, Timestamp,
 };
 use parking_lot::Mutex;
 
@@ -155,20 +170,216 @@ flaws! {
     CompleteManyIgnoresOwner,
     /// One oversized result fails every write of a `complete_many`.
     CompleteManyFailsTogether,
+    /// `reserve_many` judges every request at the first request's instant (one `now` for the whole batch).
+    ReserveManyFirstNow,
+    /// `reserve_many` judges leases without the clock-skew allowance (the batch script never got it).
+    ReserveManyIgnoresSkew,
+    /// `reserve_many` takes a lease over only strictly after `lease_until + skew`.
+    ReserveManyLeaseBoundary,
+    /// `reserve_many` sees a record as live at its exact `expires_at`.
+    ReserveManyExpiryOffByOne,
+    /// `reserve_many` writes the first request's lease and expiry into every record it acquires.
+    ReserveManyFirstLease,
+    /// `reserve_many` creates records without the request's fingerprint (a column missing from the batch insert).
+    ReserveManyCreatesWithoutFingerprint,
+    /// `reserve_many`'s takeovers set `created_at` to now (the batch upsert writes every column).
+    ReserveManyTakeoverResetsCreatedAt,
+    /// `reserve_many` sends chunks of 100 and re-sends the first chunk for every later one (an offset never advanced).
+    ReserveManyChunkOffset,
+    /// `reserve_many` and `complete_many` read the batch's first element: an empty batch panics.
+    EmptyBatchPanics,
+    /// `complete_many` gives every record the first write's expiry (one `expires_at` parameter for the batch).
+    CompleteManySharedExpiry,
+    /// `complete_many` stores results through a lossy UTF-8 conversion (the batch path sends strings).
+    CompleteManyLossyResults,
+    /// `complete_many` accepts a record at its exact `expires_at`.
+    CompleteManyExpiryOffByOne,
+    /// `complete_many`'s batch `UPDATE` clears the fingerprint.
+    CompleteManyClearsFingerprint,
+    /// `complete_many` sends chunks of 100 and re-sends the first chunk for every later one.
+    CompleteManyChunkOffset,
+    /// `fail` leaves `updated_at` as it was.
+    FailKeepsUpdatedAt,
+    /// `extend` leaves `updated_at` as it was.
+    ExtendKeepsUpdatedAt,
+    /// A refused `complete`, `fail`, `release` or `extend` still stamps `updated_at` (the stamp is written before the owner check).
+    RefusedWriteStampsUpdatedAt,
+    /// `extend` raises the expiry only together with a later lease.
+    ExtendExpiryOnlyWithLease,
+    /// `release` marks the record expired at `now` instead of deleting it (a consumer whose clock is behind still sees it held).
+    ReleaseExpiresInstead,
+    /// `purge_expired` spares records expiring exactly at `now` (`expires_at < now`).
+    PurgeSparesExactExpiry,
+    /// `purge_expired` treats a limit of 0 as no limit.
+    PurgeZeroLimitUnbounded,
+    /// `purge_expired` selects expired keys, awaits, then deletes those keys without checking their expiry again.
+    PurgeDeletesByKey,
+    /// Owner tokens are compared as Lua numbers (doubles): tokens equal in their top 53 bits match.
+    OwnerComparedAsDouble,
+    /// `reserve` answers `Existing` with a copy read before its conditional write, not the record the write saw.
+    StaleExistingCopy,
+    /// `reserve` sees a record as live until `expires_at + skew` (the skew allowance applied to expiry too).
+    ExpiryJudgedWithSkew,
+    /// A holder's re-sent `reserve` after its lease ended takes its own record over (attempt + 1, new lease).
+    ResendAfterLeaseTakesOver,
+    /// Re-creating an expired failed record keeps its `retryable` flag.
+    RecreateKeepsRetryable,
+    /// `get` of an absent key returns a live record with the same id in another namespace (a query that forgot the namespace).
+    GetFallsBackAcrossNamespaces,
+    /// The attempt is stored in one byte (a `TINYINT UNSIGNED` column): it wraps after 255.
+    AttemptInOneByte,
+    /// `complete` also stores the result as the error (one value column read back into both).
+    CompleteAlsoSetsError,
+    /// Fingerprints are compared with a bare `<>`: a missing one on either side blocks a takeover (NULL is not false).
+    FingerprintNullBlocksTakeover,
+    /// Timestamps are stored in whole seconds (milliseconds dropped).
+    TimestampsInSeconds,
+    /// Namespaces are compared case-insensitively (a SQL collation on the namespace column).
+    CaseInsensitiveNamespaces,
+    /// Namespaces are stored with trailing spaces trimmed (a `CHAR(n)` column).
+    TrimsNamespaces,
+    /// `admin().list` ignores the namespace prefix.
+    ListIgnoresPrefix,
+    /// `admin().list` lists expired records.
+    ListShowsExpired,
+    /// `admin().list`'s stuck filter lists every `Processing` record, its lease ended or not.
+    ListStuckIgnoresLease,
+    /// `admin().list` never says it was cut short by its limit.
+    ListNeverTruncated,
+    /// `admin().stats` counts expired records in their status.
+    StatsCountsExpired,
+    /// `admin().stats` counts every `Processing` record as stuck.
+    StatsEveryLeaseStuck,
+    /// A new record stores the lease as its expiry and the expiry as its lease.
+    NewRecordSwapsLeaseAndExpiry,
+    /// Taking over a failed record keeps its `retryable` flag.
+    TakeoverKeepsRetryable,
+    /// `fail` clears the fingerprint (the failure path writes every column).
+    FailClearsFingerprint,
+    /// `extend` is refused once the lease ran out, though nobody took over.
+    ExtendRefusedAfterLease,
+    /// `delete` removes the id in every namespace.
+    DeleteIgnoresNamespace,
+    /// `purge_expired` also removes `Processing` records whose lease ended.
+    PurgeEndedLeases,
+    /// A holder's re-sent `reserve` is answered attempt 1, whatever its attempt.
+    ResendAnswersAttemptOne,
+    /// `reserve` judges leases and expiry by the server's clock, not the caller's `now`.
+    JudgesByWallClock,
+    /// A result of exactly the declared limit is refused (`>=`).
+    RefusesResultAtLimit,
+    /// `complete_many` is all or nothing: one refused write refuses them all (a transaction rolled back).
+    CompleteManyAllOrNothing,
+    /// `extend` that changes nothing (a re-sent extension) answers `LeaseLost` (a count of changed rows).
+    ExtendNoOpIsLeaseLost,
+    /// `get` hides `Processing` records whose lease ended.
+    GetHidesEndedLeases,
+    /// `delete` answers `true` only for a record that is live by the server's clock.
+    DeleteOnlyLive,
+    /// The attempt is stored in two bytes (a `SMALLINT UNSIGNED` column): it wraps after 65535.
+    AttemptInTwoBytes,
+    /// `complete_many` reads every record, awaits, then writes them all (a batch read and an unconditional batch write).
+    CompleteManyCheckThenWrite,
+    /// `reserve_many` reads every record, awaits, then writes them all.
+    ReserveManyCheckThenWrite,
+    /// Namespaces are truncated to 255 bytes while 512 are allowed (a `VARBINARY(255)` column).
+    TruncatesNamespaces,
+    /// `reserve`'s `Existing` answer carries the error decoded as UTF-8 text (lossy).
+    ExistingErrorLossy,
+    /// Re-creating an expired record keeps its old `updated_at`.
+    RecreateKeepsUpdatedAt,
+    /// `admin().list` ignores the status filter.
+    ListIgnoresStatus,
+    /// `admin().list` returns one record more than its limit (the `LIMIT n + 1` probe row kept).
+    ListKeepsProbeRow,
+    /// Fingerprints are compared before the holder's re-send is recognised.
+    ResendChecksFingerprintFirst,
+    /// A holder's re-sent `reserve` of its own expired record answers `Acquired` and writes nothing.
+    ResendOfExpiredRecordWritesNothing,
+    /// `purge_expired` judges expiry by the server's clock, not the caller's `now`.
+    PurgeByWallClock,
+    /// The clock-skew allowance is applied the wrong way (`lease_until - skew <= now`).
+    SkewWrongDirection,
+    /// `reserve_many` takes over failed records under `retry_failed` whether or not they are retryable.
+    ReserveManyIgnoresRetryable,
+    /// `reserve_many` ignores fingerprint conflicts (the batch statement has no fingerprint condition).
+    ReserveManyIgnoresFingerprints,
+    /// `get` returns results truncated to 64 KiB (a read buffer of its own).
+    GetTruncatesResults,
+    /// `reserve` treats an undecodable record as absent and creates over it.
+    ReserveOverwritesCorrupt,
+    /// `reserve_many` treats an undecodable record as absent and creates over it (the batch path skips the decode check).
+    ReserveManyOverwritesCorrupt,
+    /// `get` answers none for an undecodable record.
+    CorruptIsAbsentToGet,
+    /// `complete`, `fail` and `release` answer `LeaseLost` when the store is unreachable (an error read as no row matched).
+    FencedOutageIsLeaseLost,
+    /// `complete_many` answers `LeaseLost` for every write when the store is unreachable.
+    CompleteManyHidesOutage,
 }
 
 #[derive(Debug)]
 struct Fixture {
     flaw: Flaw,
     map: Mutex<HashMap<String, Record>>,
+    /// Keys holding something that does not decode (`StoreFaults::corrupt`).
+    corrupt: Mutex<HashSet<String>>,
+    /// Whether the store stopped answering (`StoreFaults::unreach`).
+    down: AtomicBool,
+}
+
+/// Instants floored to whole seconds (a store keeping seconds).
+fn in_seconds(t: Timestamp) -> Timestamp {
+    Timestamp::from_millis(t.as_millis() / 1000 * 1000)
+}
+
+/// The server's clock.
+fn wall_clock() -> Timestamp {
+    Timestamp::from_system_time(std::time::SystemTime::now())
+}
+
+/// Another fingerprint than `f`.
+fn flipped(f: Fingerprint) -> Fingerprint {
+    let mut bytes = *f.as_bytes();
+    bytes[0] ^= 0xff;
+    Fingerprint::from_bytes(bytes)
+}
+
+/// The top 53 bits of a token: what survives a conversion to a double.
+fn as_double(owner: OwnerToken) -> u128 {
+    owner.as_u128() >> 75
 }
 
 impl Fixture {
     fn shared(flaw: Flaw) -> SharedRepository {
-        Arc::new(Fixture {
+        Self::with_faults(flaw).0
+    }
+
+    /// The fixture, and the faults acting on it.
+    fn with_faults(flaw: Flaw) -> (SharedRepository, SharedFaults) {
+        let fixture = Arc::new(Fixture {
             flaw,
             map: Mutex::new(HashMap::new()),
-        })
+            corrupt: Mutex::new(HashSet::new()),
+            down: AtomicBool::new(false),
+        });
+        (fixture.clone(), fixture)
+    }
+
+    /// `Unavailable` while the store is unreachable.
+    fn reachable(&self) -> Result<(), Error> {
+        if self.down.load(Ordering::SeqCst) {
+            return Err(Error::unavailable("fixture", "the store does not answer"));
+        }
+        Ok(())
+    }
+
+    /// `Corrupt` naming `key` when its value does not decode.
+    fn decodable(&self, key: &RecordKey) -> Result<(), Error> {
+        if self.corrupt.lock().contains(&self.k(key)) {
+            return Err(Error::corrupt(key, "fixture: not a record"));
+        }
+        Ok(())
     }
 
     fn is(&self, flaw: Flaw) -> bool {
@@ -186,11 +397,24 @@ impl Fixture {
             Flaw::TruncatesIds => id.chars().take(64).collect(),
             _ => id.to_owned(),
         };
+        let ns = match self.flaw {
+            Flaw::CaseInsensitiveNamespaces => key.namespace().to_lowercase(),
+            Flaw::TrimsNamespaces => key.namespace().trim_end().to_owned(),
+            Flaw::TruncatesNamespaces => {
+                let ns = key.namespace();
+                let mut end = ns.len().min(255);
+                while !ns.is_char_boundary(end) {
+                    end -= 1;
+                }
+                ns[..end].to_owned()
+            }
+            _ => key.namespace().to_owned(),
+        };
         match self.flaw {
             Flaw::CollidingKeys => format!("{}:{id}", key.namespace()),
             Flaw::IgnoresNamespace => id,
-            _ if id == key.id() => key.encode(),
-            _ => RecordKey::new(key.namespace(), &id, 1 << 20)
+            _ if id == key.id() && ns == key.namespace() => key.encode(),
+            _ => RecordKey::new(ns, &id, 1 << 20)
                 .map(|k| k.encode())
                 .unwrap_or_else(|_| key.encode()),
         }
@@ -204,11 +428,25 @@ impl Fixture {
         }
     }
 
-    /// The record as the decision sees it (flaws that misjudge time).
-    fn as_judged(&self, r: &Record, now: Timestamp) -> Record {
+    /// The record as `reserve` (or `reserve_many`: `batch`) judges it
+    /// (flaws that misjudge time or fingerprints).
+    fn as_judged(&self, r: &Record, req: &ReserveRequest<'_>, batch: bool) -> Record {
         let mut r = r.clone();
-        if !self.expired(&r, now) && r.is_expired(now) {
+        let live = match self.flaw {
+            Flaw::ReserveManyExpiryOffByOne if batch => req.now <= r.expires_at,
+            Flaw::JudgesByWallClock => wall_clock() < r.expires_at,
+            Flaw::ExpiryJudgedWithSkew => req.now < r.expires_at + req.clock_skew,
+            _ => !self.expired(&r, req.now),
+        };
+        if live && r.is_expired(req.now) {
             r.expires_at = Timestamp::MAX;
+        }
+        if batch && self.is(Flaw::ReserveManyIgnoresRetryable) && r.status == Status::Failed {
+            r.retryable = true;
+        }
+        if self.is(Flaw::FingerprintNullBlocksTakeover) && r.fingerprint.is_none() {
+            // No stored fingerprint against the request's: a conflict.
+            r.fingerprint = req.fingerprint.map(flipped);
         }
         r
     }
@@ -218,17 +456,33 @@ impl Fixture {
         &self,
         req: &ReserveRequest<'a>,
         existing: Option<&Record>,
+        batch: bool,
     ) -> ReserveRequest<'a> {
         let mut judged = req.clone();
         match self.flaw {
             Flaw::IgnoresClockSkew => judged.clock_skew = Duration::ZERO,
+            Flaw::ReserveManyIgnoresSkew if batch => judged.clock_skew = Duration::ZERO,
             Flaw::LeaseBoundaryOffByOne => judged.clock_skew += MS,
+            Flaw::ReserveManyLeaseBoundary if batch => judged.clock_skew += MS,
             Flaw::EarlyTakeover => judged.now = req.now + MS,
+            Flaw::JudgesByWallClock => judged.now = wall_clock(),
+            Flaw::SkewWrongDirection => {
+                judged.now = req.now + req.clock_skew;
+                judged.clock_skew = Duration::ZERO;
+            }
+            Flaw::ReserveManyIgnoresFingerprints if batch => judged.fingerprint = None,
             Flaw::RetriesFailedWithoutFlag => judged.retry_failed = true,
             Flaw::TakeoverDespiteFingerprintConflict
                 if existing.is_some_and(|r| r.fingerprint.is_some()) =>
             {
                 judged.fingerprint = None;
+            }
+            Flaw::FingerprintNullBlocksTakeover
+                if existing.is_some_and(|r| r.fingerprint.is_some())
+                    && req.fingerprint.is_none() =>
+            {
+                // The stored one against none: a conflict.
+                judged.fingerprint = existing.and_then(|r| r.fingerprint).map(flipped);
             }
             _ => {}
         }
@@ -241,8 +495,16 @@ impl Fixture {
         existing: Option<&Record>,
         req: &ReserveRequest<'_>,
         attempt: u32,
+        batch: bool,
     ) -> Record {
         let mut r = reserved_record(existing, req, attempt);
+        if batch && attempt == 1 && self.is(Flaw::ReserveManyCreatesWithoutFingerprint) {
+            r.fingerprint = None;
+        }
+        if attempt == 1 && self.is(Flaw::NewRecordSwapsLeaseAndExpiry) {
+            std::mem::swap(&mut r.lease_until, &mut r.expires_at);
+        }
+        self.in_store(&mut r);
         let Some(old) = existing else { return r };
         if attempt > 1 {
             match self.flaw {
@@ -250,41 +512,74 @@ impl Fixture {
                 Flaw::TakeoverKeepsOwner => r.owner = old.owner,
                 Flaw::TakeoverResetsAttempt => r.attempt = 1,
                 Flaw::TakeoverResetsCreatedAt => r.created_at = req.now,
+                Flaw::ReserveManyTakeoverResetsCreatedAt if batch => r.created_at = req.now,
                 Flaw::TakeoverKeepsError => r.error.clone_from(&old.error),
                 Flaw::TakeoverKeepsLease => r.lease_until = old.lease_until,
                 Flaw::TakeoverKeepsExpiry => r.expires_at = old.expires_at,
+                Flaw::AttemptInOneByte => r.attempt = attempt % 256,
+                Flaw::AttemptInTwoBytes => r.attempt = attempt % 65536,
+                Flaw::TakeoverKeepsRetryable => r.retryable = old.retryable,
                 _ => {}
             }
         } else {
             match self.flaw {
                 Flaw::RecreateKeepsAttempt => r.attempt = old.attempt + 1,
                 Flaw::RecreateKeepsCreatedAt => r.created_at = old.created_at,
+                Flaw::RecreateKeepsRetryable => r.retryable = old.retryable,
+                Flaw::RecreateKeepsUpdatedAt => r.updated_at = old.updated_at,
                 _ => {}
             }
         }
         r
     }
 
+    /// What the store keeps of a record it writes (per the flaws).
+    fn in_store(&self, r: &mut Record) {
+        if self.is(Flaw::TimestampsInSeconds) {
+            r.lease_until = in_seconds(r.lease_until);
+            r.expires_at = in_seconds(r.expires_at);
+            r.created_at = in_seconds(r.created_at);
+            r.updated_at = in_seconds(r.updated_at);
+        }
+    }
+
     fn answer_existing(&self, mut r: Record) -> Reservation {
         if self.is(Flaw::ExistingWithoutResult) {
             r.result = None;
+        }
+        if self.is(Flaw::ExistingErrorLossy) {
+            r.error = r
+                .error
+                .map(|e| String::from_utf8_lossy(&e).into_owned().into_bytes());
         }
         Reservation::Existing(r)
     }
 
     /// Whether `owner` may finish or extend the record (per the flaws).
     fn may_write(&self, r: &Record, owner: OwnerToken, now: Timestamp, op: &str) -> bool {
-        let owner_ok = r.owner == owner
+        let same_owner = if self.is(Flaw::OwnerComparedAsDouble) {
+            as_double(r.owner) == as_double(owner)
+        } else {
+            r.owner == owner
+        };
+        let owner_ok = same_owner
             || match op {
                 "release" => self.is(Flaw::ReleaseIgnoresOwner),
                 "extend" => self.is(Flaw::ExtendIgnoresOwner),
                 _ => self.is(Flaw::IgnoresOwner),
             };
+        let completing = op.starts_with("complete");
         let status_ok = r.status == Status::Processing
-            || (op == "complete" && self.is(Flaw::CompleteIgnoresStatus))
+            || (completing && self.is(Flaw::CompleteIgnoresStatus))
             || (op == "extend" && self.is(Flaw::ExtendIgnoresStatus));
-        let live = !self.expired(r, now) || self.is(Flaw::FencedIgnoresExpiry);
-        let clock_ok = !self.is(Flaw::FencedByClock) || r.lease_until > now;
+        let live = if op == "complete_many" && self.is(Flaw::CompleteManyExpiryOffByOne) {
+            now <= r.expires_at
+        } else {
+            !self.expired(r, now) || self.is(Flaw::FencedIgnoresExpiry)
+        };
+        let clock_ok = !(self.is(Flaw::FencedByClock)
+            || (op == "extend" && self.is(Flaw::ExtendRefusedAfterLease)))
+            || r.lease_until > now;
         owner_ok && status_ok && live && clock_ok
     }
 
@@ -296,8 +591,13 @@ impl Fixture {
         op: &str,
         f: impl FnOnce(&mut HashMap<String, Record>, String),
     ) -> Result<(), Error> {
-        let k = self.k(key);
         let lost = || Err(Error::LeaseLost { key: key.clone() });
+        if self.is(Flaw::FencedOutageIsLeaseLost) && op != "extend" && self.reachable().is_err() {
+            return lost();
+        }
+        self.reachable()?;
+        self.decodable(key)?;
+        let k = self.k(key);
         if !self.is(Flaw::CheckThenWrite) {
             // Check and write under one lock: atomic, as a store must be.
             let mut map = self.map.lock();
@@ -305,9 +605,17 @@ impl Fixture {
                 .get(&k)
                 .is_some_and(|r| self.may_write(r, owner, now, op))
             {
+                if self.is(Flaw::RefusedWriteStampsUpdatedAt) {
+                    if let Some(r) = map.get_mut(&k) {
+                        r.updated_at = now;
+                    }
+                }
                 return lost();
             }
-            f(&mut map, k);
+            f(&mut map, k.clone());
+            if let Some(r) = map.get_mut(&k) {
+                self.in_store(r);
+            }
             return Ok(());
         }
         let ok = self
@@ -326,7 +634,11 @@ impl Fixture {
 
     fn check_size(&self, value: Option<&[u8]>) -> Result<(), Error> {
         match value {
-            Some(v) if v.len() > MAX_RESULT && !self.is(Flaw::AcceptsOversizedResults) => {
+            Some(v)
+                if (v.len() > MAX_RESULT
+                    || (v.len() == MAX_RESULT && self.is(Flaw::RefusesResultAtLimit)))
+                    && !self.is(Flaw::AcceptsOversizedResults) =>
+            {
                 Err(Error::TooLarge {
                     what: "result",
                     size: v.len(),
@@ -335,6 +647,216 @@ impl Fixture {
             }
             _ => Ok(()),
         }
+    }
+
+    /// `reserve`, or one request of `reserve_many` (`batch`).
+    async fn reserve_as(&self, req: ReserveRequest<'_>, batch: bool) -> Result<Reservation, Error> {
+        self.reachable()?;
+        let k = self.k(req.key);
+        let overwrite = self.is(Flaw::ReserveOverwritesCorrupt)
+            || (batch && self.is(Flaw::ReserveManyOverwritesCorrupt));
+        if overwrite && self.corrupt.lock().remove(&k) {
+            self.map.lock().remove(&k);
+        }
+        self.decodable(req.key)?;
+        let read = self.map.lock().get(&k).cloned();
+        let gap =
+            self.is(Flaw::NonAtomicReserve) || (self.is(Flaw::NonAtomicTakeover) && read.is_some());
+        if gap {
+            // The gap a network round trip makes between read and write: long
+            // enough for every concurrent reserver to read the same state.
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        } else if self.is(Flaw::StaleExistingCopy) {
+            // A read, then the conditional write one round trip later.
+            tokio::task::yield_now().await;
+        }
+        let mut map = self.map.lock();
+        let existing = if gap {
+            read.clone()
+        } else {
+            map.get(&k).cloned()
+        };
+        let judged_record = existing.as_ref().map(|r| self.as_judged(r, &req, batch));
+        let judged = self.judged_request(&req, existing.as_ref(), batch);
+        let mut transition = reserve_transition(judged_record.as_ref(), &judged);
+        if let Some(r) = existing.as_ref().filter(|r| {
+            self.is(Flaw::ResendOfExpiredRecordWritesNothing)
+                && r.status == Status::Processing
+                && r.owner == req.owner
+        }) {
+            return Ok(Reservation::Acquired { attempt: r.attempt });
+        }
+        if let (ReserveTransition::AlreadyHeld { .. }, Some(r)) = (transition, &existing) {
+            if self.is(Flaw::ResendChecksFingerprintFirst)
+                && fingerprints_conflict(r.fingerprint.as_ref(), req.fingerprint.as_ref())
+            {
+                transition = ReserveTransition::Existing;
+            }
+        }
+        if let (ReserveTransition::AlreadyHeld { attempt }, Some(r)) = (transition, &existing) {
+            if self.is(Flaw::ResendAfterLeaseTakesOver) && r.lease_until <= req.lease_cutoff() {
+                transition = ReserveTransition::Takeover {
+                    attempt: attempt + 1,
+                };
+            }
+        }
+        match transition {
+            ReserveTransition::Create => {
+                let record = self.reserved(existing.as_ref(), &req, 1, batch);
+                let attempt = record.attempt;
+                map.insert(k, record);
+                Ok(Reservation::Acquired { attempt })
+            }
+            ReserveTransition::Takeover { attempt } => {
+                let record = self.reserved(existing.as_ref(), &req, attempt, batch);
+                let attempt = record.attempt;
+                map.insert(k, record);
+                Ok(Reservation::Acquired { attempt })
+            }
+            ReserveTransition::AlreadyHeld { attempt } => match self.flaw {
+                Flaw::ResendIsExisting => existing
+                    .map(|r| self.answer_existing(r))
+                    .ok_or_else(|| Error::corrupt(req.key, "fixture: no record")),
+                Flaw::ResendRewritesRecord => {
+                    map.insert(k, reserved_record(None, &req, attempt));
+                    Ok(Reservation::Acquired { attempt })
+                }
+                Flaw::ResendAnswersAttemptOne => Ok(Reservation::Acquired { attempt: 1 }),
+                _ => Ok(Reservation::Acquired { attempt }),
+            },
+            ReserveTransition::Existing => {
+                let shown = if self.is(Flaw::StaleExistingCopy) {
+                    read.or(existing)
+                } else {
+                    existing
+                };
+                shown
+                    .map(|r| self.answer_existing(r))
+                    .ok_or_else(|| Error::corrupt(req.key, "fixture: no record to return"))
+            }
+        }
+    }
+
+    /// `complete`, or one write of `complete_many` (`batch`).
+    async fn complete_as(
+        &self,
+        c: Completion<'_>,
+        now: Timestamp,
+        batch: bool,
+    ) -> Result<(), Error> {
+        self.check_size(c.result)?;
+        let mut result = c.result.map(<[u8]>::to_vec);
+        if self.is(Flaw::DropsEmptyResults) && result.as_ref().is_some_and(Vec::is_empty) {
+            result = None;
+        }
+        if self.is(Flaw::TruncatesResults) {
+            if let Some(r) = result.as_mut() {
+                r.truncate(64 * 1024);
+            }
+        }
+        if batch && self.is(Flaw::CompleteManyLossyResults) {
+            result = result.map(|r| String::from_utf8_lossy(&r).into_owned().into_bytes());
+        }
+        let keep_expiry = self.is(Flaw::CompleteKeepsExpiry);
+        let also_error = self.is(Flaw::CompleteAlsoSetsError);
+        let clear_fingerprint = batch && self.is(Flaw::CompleteManyClearsFingerprint);
+        let op = if batch { "complete_many" } else { "complete" };
+        self.owned(c.key, c.owner, now, op, |map, k| {
+            if let Some(r) = map.get_mut(&k) {
+                r.status = Status::Completed;
+                if also_error {
+                    r.error.clone_from(&result);
+                }
+                r.result = result;
+                if !keep_expiry {
+                    r.expires_at = c.expires_at;
+                }
+                if clear_fingerprint {
+                    r.fingerprint = None;
+                }
+                r.updated_at = now;
+            }
+        })
+        .await
+    }
+}
+
+impl Fixture {
+    /// `reserve_many` as one read of every key, a round trip, then one
+    /// write of every decision.
+    async fn reserve_many_in_two_steps(
+        &self,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        let read: Vec<Option<Record>> = {
+            let map = self.map.lock();
+            requests
+                .iter()
+                .map(|r| map.get(&self.k(r.key)).cloned())
+                .collect()
+        };
+        tokio::task::yield_now().await;
+        let mut map = self.map.lock();
+        requests
+            .iter()
+            .zip(read)
+            .map(
+                |(req, existing)| match reserve_transition(existing.as_ref(), req) {
+                    ReserveTransition::Create => {
+                        map.insert(self.k(req.key), reserved_record(None, req, 1));
+                        Ok(Reservation::Acquired { attempt: 1 })
+                    }
+                    ReserveTransition::Takeover { attempt } => {
+                        let record = reserved_record(existing.as_ref(), req, attempt);
+                        map.insert(self.k(req.key), record);
+                        Ok(Reservation::Acquired { attempt })
+                    }
+                    ReserveTransition::AlreadyHeld { attempt } => {
+                        Ok(Reservation::Acquired { attempt })
+                    }
+                    ReserveTransition::Existing => existing
+                        .map(Reservation::Existing)
+                        .ok_or_else(|| Error::corrupt(req.key, "fixture: no record")),
+                },
+            )
+            .collect()
+    }
+
+    /// `complete_many` as one read of every record, a round trip, then one
+    /// unconditional write of those it found the owner's.
+    async fn complete_many_in_two_steps(
+        &self,
+        completions: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        let owned: Vec<bool> = {
+            let map = self.map.lock();
+            completions
+                .iter()
+                .map(|c| {
+                    map.get(&self.k(c.key))
+                        .is_some_and(|r| self.may_write(r, c.owner, now, "complete"))
+                })
+                .collect()
+        };
+        tokio::task::yield_now().await;
+        let mut map = self.map.lock();
+        completions
+            .iter()
+            .zip(owned)
+            .map(|(c, owned)| {
+                self.check_size(c.result)?;
+                let record = map.get_mut(&self.k(c.key)).filter(|_| owned);
+                let Some(r) = record else {
+                    return Err(Error::LeaseLost { key: c.key.clone() });
+                };
+                r.status = Status::Completed;
+                r.result = c.result.map(<[u8]>::to_vec);
+                r.expires_at = c.expires_at;
+                r.updated_at = now;
+                Ok(())
+            })
+            .collect()
     }
 }
 
@@ -345,24 +867,63 @@ fn in_key_order<T>(keys: &[&RecordKey], answers: Vec<T>) -> Vec<T> {
     pairs.into_iter().map(|(_, answer)| answer).collect()
 }
 
+/// The chunk size of the chunking flaws.
+const CHUNK: usize = 100;
+
 #[async_trait]
 impl Repository for Fixture {
     fn capabilities(&self) -> Capabilities {
         Capabilities::new("fixture").with_max_result_bytes(Some(MAX_RESULT))
     }
 
+    fn admin(&self) -> Option<&dyn Admin> {
+        Some(self)
+    }
+
     async fn reserve_many(
         &self,
         requests: Vec<ReserveRequest<'_>>,
     ) -> Vec<Result<Reservation, Error>> {
+        if let Err(down) = self.reachable() {
+            let down = down.to_string();
+            return requests
+                .iter()
+                .map(|_| Err(Error::unavailable("fixture", down.clone())))
+                .collect();
+        }
+        let first = self.is(Flaw::EmptyBatchPanics).then(|| requests[0].now);
+        let (first_now, first_lease, first_expiry) = match requests.first() {
+            Some(r) => (r.now, r.lease_until, r.expires_at),
+            None => (
+                first.unwrap_or(Timestamp::EPOCH),
+                Timestamp::EPOCH,
+                Timestamp::EPOCH,
+            ),
+        };
         let keys: Vec<&RecordKey> = requests.iter().map(|r| r.key).collect();
+        if self.is(Flaw::ReserveManyCheckThenWrite) {
+            return self.reserve_many_in_two_steps(requests).await;
+        }
         let mut answers = Vec::with_capacity(requests.len());
-        for req in requests {
+        for (i, req) in requests.iter().enumerate() {
+            let mut req = if i >= CHUNK && self.is(Flaw::ReserveManyChunkOffset) {
+                requests[i % CHUNK].clone()
+            } else {
+                req.clone()
+            };
+            match self.flaw {
+                Flaw::ReserveManyFirstNow => req.now = first_now,
+                Flaw::ReserveManyFirstLease => {
+                    req.lease_until = first_lease;
+                    req.expires_at = first_expiry;
+                }
+                _ => {}
+            }
             let held = self.map.lock().contains_key(&self.k(req.key));
             answers.push(if held && self.is(Flaw::ReserveManyAssumesAcquired) {
                 Ok(Reservation::Acquired { attempt: 1 })
             } else {
-                self.reserve(req).await
+                self.reserve_as(req, true).await
             });
         }
         if self.is(Flaw::ReserveManyKeyOrder) {
@@ -376,6 +937,23 @@ impl Repository for Fixture {
         completions: Vec<Completion<'_>>,
         now: Timestamp,
     ) -> Vec<Result<(), Error>> {
+        if self.reachable().is_err() {
+            return completions
+                .iter()
+                .map(|c| {
+                    if self.is(Flaw::CompleteManyHidesOutage) {
+                        Err(Error::LeaseLost { key: c.key.clone() })
+                    } else {
+                        self.reachable()
+                    }
+                })
+                .collect();
+        }
+        let first_expiry = if self.is(Flaw::EmptyBatchPanics) {
+            Some(completions[0].expires_at)
+        } else {
+            completions.first().map(|c| c.expires_at)
+        };
         let oversized = completions
             .iter()
             .find_map(|c| c.result.filter(|r| r.len() > MAX_RESULT));
@@ -392,19 +970,43 @@ impl Repository for Fixture {
                 })
                 .collect();
         }
+        if self.is(Flaw::CompleteManyAllOrNothing) {
+            let all_ok = {
+                let map = self.map.lock();
+                completions.iter().all(|c| {
+                    self.check_size(c.result).is_ok()
+                        && map
+                            .get(&self.k(c.key))
+                            .is_some_and(|r| self.may_write(r, c.owner, now, "complete"))
+                })
+            };
+            if !all_ok {
+                return completions
+                    .iter()
+                    .map(|c| Err(Error::LeaseLost { key: c.key.clone() }))
+                    .collect();
+            }
+        }
+        if self.is(Flaw::CompleteManyCheckThenWrite) {
+            return self.complete_many_in_two_steps(completions, now).await;
+        }
         let keys: Vec<&RecordKey> = completions.iter().map(|c| c.key).collect();
         let mut answers = Vec::with_capacity(completions.len());
-        for c in &completions {
-            let mut owner = c.owner;
+        for (i, c) in completions.iter().enumerate() {
+            let mut c = if i >= CHUNK && self.is(Flaw::CompleteManyChunkOffset) {
+                completions[i % CHUNK]
+            } else {
+                *c
+            };
             if self.is(Flaw::CompleteManyIgnoresOwner) {
                 if let Some(r) = self.map.lock().get(&self.k(c.key)) {
-                    owner = r.owner;
+                    c.owner = r.owner;
                 }
             }
-            answers.push(
-                self.complete(c.key, owner, c.result, c.expires_at, now)
-                    .await,
-            );
+            if let (Some(expiry), true) = (first_expiry, self.is(Flaw::CompleteManySharedExpiry)) {
+                c.expires_at = expiry;
+            }
+            answers.push(self.complete_as(c, now, true).await);
         }
         if self.is(Flaw::CompleteManyKeyOrder) {
             return in_key_order(&keys, answers);
@@ -413,46 +1015,7 @@ impl Repository for Fixture {
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let k = self.k(req.key);
-        let read = self.map.lock().get(&k).cloned();
-        let gap =
-            self.is(Flaw::NonAtomicReserve) || (self.is(Flaw::NonAtomicTakeover) && read.is_some());
-        if gap {
-            // The gap a network round trip makes between read and write: long
-            // enough for every concurrent reserver to read the same state.
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        let mut map = self.map.lock();
-        let existing = if gap { read } else { map.get(&k).cloned() };
-        let judged_record = existing.as_ref().map(|r| self.as_judged(r, req.now));
-        let judged = self.judged_request(&req, existing.as_ref());
-        match reserve_transition(judged_record.as_ref(), &judged) {
-            ReserveTransition::Create => {
-                let record = self.reserved(existing.as_ref(), &req, 1);
-                let attempt = record.attempt;
-                map.insert(k, record);
-                Ok(Reservation::Acquired { attempt })
-            }
-            ReserveTransition::Takeover { attempt } => {
-                let record = self.reserved(existing.as_ref(), &req, attempt);
-                let attempt = record.attempt;
-                map.insert(k, record);
-                Ok(Reservation::Acquired { attempt })
-            }
-            ReserveTransition::AlreadyHeld { attempt } => match self.flaw {
-                Flaw::ResendIsExisting => existing
-                    .map(|r| self.answer_existing(r))
-                    .ok_or_else(|| Error::corrupt(req.key, "fixture: no record")),
-                Flaw::ResendRewritesRecord => {
-                    map.insert(k, reserved_record(None, &req, attempt));
-                    Ok(Reservation::Acquired { attempt })
-                }
-                _ => Ok(Reservation::Acquired { attempt }),
-            },
-            ReserveTransition::Existing => existing
-                .map(|r| self.answer_existing(r))
-                .ok_or_else(|| Error::corrupt(req.key, "fixture: no record to return")),
-        }
+        self.reserve_as(req, false).await
     }
 
     async fn complete(
@@ -463,28 +1026,13 @@ impl Repository for Fixture {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.check_size(result)?;
-        let mut result = result.map(<[u8]>::to_vec);
-        if self.is(Flaw::DropsEmptyResults) && result.as_ref().is_some_and(Vec::is_empty) {
-            result = None;
-        }
-        if self.is(Flaw::TruncatesResults) {
-            if let Some(r) = result.as_mut() {
-                r.truncate(64 * 1024);
-            }
-        }
-        let keep_expiry = self.is(Flaw::CompleteKeepsExpiry);
-        self.owned(key, owner, now, "complete", |map, k| {
-            if let Some(r) = map.get_mut(&k) {
-                r.status = Status::Completed;
-                r.result = result;
-                if !keep_expiry {
-                    r.expires_at = expires_at;
-                }
-                r.updated_at = now;
-            }
-        })
-        .await
+        let c = Completion {
+            key,
+            owner,
+            result,
+            expires_at,
+        };
+        self.complete_as(c, now, false).await
     }
 
     async fn fail(
@@ -507,15 +1055,22 @@ impl Repository for Fixture {
             _ => retryable,
         };
         let keep_expiry = self.is(Flaw::FailKeepsExpiry);
+        let stamp = !self.is(Flaw::FailKeepsUpdatedAt);
+        let clear_fingerprint = self.is(Flaw::FailClearsFingerprint);
         self.owned(key, owner, now, "fail", |map, k| {
             if let Some(r) = map.get_mut(&k) {
                 r.status = Status::Failed;
+                if clear_fingerprint {
+                    r.fingerprint = None;
+                }
                 r.error = error;
                 r.retryable = retryable;
                 if !keep_expiry {
                     r.expires_at = expires_at;
                 }
-                r.updated_at = now;
+                if stamp {
+                    r.updated_at = now;
+                }
             }
         })
         .await
@@ -531,8 +1086,16 @@ impl Repository for Fixture {
             self.map.lock().remove(&self.k(key));
             return Ok(());
         }
+        let expire = self.is(Flaw::ReleaseExpiresInstead);
         self.owned(key, owner, now, "release", |map, k| {
-            map.remove(&k);
+            if expire {
+                if let Some(r) = map.get_mut(&k) {
+                    r.expires_at = now;
+                    r.updated_at = now;
+                }
+            } else {
+                map.remove(&k);
+            }
         })
         .await
     }
@@ -546,8 +1109,19 @@ impl Repository for Fixture {
         now: Timestamp,
     ) -> Result<(), Error> {
         let flaw = self.flaw;
+        if flaw == Flaw::ExtendNoOpIsLeaseLost {
+            let unchanged = self.map.lock().get(&self.k(key)).is_some_and(|r| {
+                r.lease_until >= lease_until && r.expires_at >= expires_at && r.updated_at == now
+            });
+            if unchanged {
+                return Err(Error::LeaseLost { key: key.clone() });
+            }
+        }
         self.owned(key, owner, now, "extend", |map, k| {
             if let Some(r) = map.get_mut(&k) {
+                if flaw == Flaw::ExtendExpiryOnlyWithLease && lease_until <= r.lease_until {
+                    return;
+                }
                 r.lease_until = match flaw {
                     Flaw::ExtendKeepsLease => r.lease_until,
                     Flaw::ExtendLowersLease => lease_until,
@@ -558,72 +1132,255 @@ impl Repository for Fixture {
                     Flaw::ExtendLowersExpiry => expires_at,
                     _ => r.expires_at.max(expires_at),
                 };
-                r.updated_at = now;
+                if flaw != Flaw::ExtendKeepsUpdatedAt {
+                    r.updated_at = now;
+                }
             }
         })
         .await
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
-        Ok(self
-            .map
-            .lock()
-            .get(&self.k(key))
-            .filter(|r| self.is(Flaw::GetReturnsExpired) || !self.expired(r, now))
+        self.reachable()?;
+        if self.is(Flaw::CorruptIsAbsentToGet) && self.decodable(key).is_err() {
+            return Ok(None);
+        }
+        self.decodable(key)?;
+        let map = self.map.lock();
+        let live = |r: &&Record| {
+            (self.is(Flaw::GetReturnsExpired) || !self.expired(r, now))
+                && !(self.is(Flaw::GetHidesEndedLeases)
+                    && r.status == Status::Processing
+                    && r.lease_until <= now)
+        };
+        let mut found = map.get(&self.k(key)).filter(live).cloned();
+        if self.is(Flaw::GetTruncatesResults) {
+            if let Some(result) = found.as_mut().and_then(|r| r.result.as_mut()) {
+                result.truncate(64 * 1024);
+            }
+        }
+        if found.is_some() || !self.is(Flaw::GetFallsBackAcrossNamespaces) {
+            return Ok(found);
+        }
+        Ok(map
+            .iter()
+            .filter(|(k, _)| {
+                RecordKey::decode(k, usize::MAX).is_ok_and(|other| other.id() == key.id())
+            })
+            .map(|(_, r)| r)
+            .find(live)
             .cloned())
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
-        let existed = self.map.lock().remove(&self.k(key)).is_some();
-        Ok(existed && !self.is(Flaw::DeleteReportsNothing))
+        self.reachable()?;
+        if self.corrupt.lock().remove(&self.k(key)) {
+            return Ok(true);
+        }
+        let mut map = self.map.lock();
+        if self.is(Flaw::DeleteIgnoresNamespace) {
+            let same_id: Vec<String> = map
+                .keys()
+                .filter(|k| RecordKey::decode(k, usize::MAX).is_ok_and(|o| o.id() == key.id()))
+                .cloned()
+                .collect();
+            for k in &same_id {
+                map.remove(k);
+            }
+            return Ok(!same_id.is_empty());
+        }
+        let removed = map.remove(&self.k(key));
+        if self.is(Flaw::DeleteOnlyLive) {
+            return Ok(removed.is_some_and(|r| !r.is_expired(wall_clock())));
+        }
+        Ok(removed.is_some() && !self.is(Flaw::DeleteReportsNothing))
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {
-        let mut map = self.map.lock();
-        let cutoff = if self.is(Flaw::PurgeOffByOne) {
-            now + MS
-        } else {
-            now
+        self.reachable()?;
+        let cutoff = match self.flaw {
+            Flaw::PurgeOffByOne => now + MS,
+            Flaw::PurgeByWallClock => wall_clock(),
+            _ => now,
         };
-        let limit = if self.is(Flaw::PurgeIgnoresLimit) {
-            usize::MAX
-        } else {
-            limit
+        let limit = match self.flaw {
+            Flaw::PurgeIgnoresLimit => usize::MAX,
+            Flaw::PurgeZeroLimitUnbounded if limit == 0 => usize::MAX,
+            _ => limit,
         };
-        let dead: Vec<String> = map
+        let dead: Vec<String> = self
+            .map
+            .lock()
             .iter()
-            .filter(|(_, r)| self.expired(r, cutoff))
+            .filter(|(_, r)| match self.flaw {
+                Flaw::PurgeSparesExactExpiry => r.expires_at < cutoff,
+                Flaw::PurgeEndedLeases if r.lease_expired(cutoff) => true,
+                _ => self.expired(r, cutoff),
+            })
             .map(|(k, _)| k.clone())
             .take(limit)
             .collect();
+        if self.is(Flaw::PurgeDeletesByKey) {
+            // The keys selected, then deleted in a second statement.
+            tokio::task::yield_now().await;
+            let mut map = self.map.lock();
+            for k in &dead {
+                map.remove(k);
+            }
+            return Ok(dead.len());
+        }
+        let mut map = self.map.lock();
+        let mut removed = 0;
         for k in &dead {
-            map.remove(k);
+            // Expired as selected, and still expired when deleted.
+            let ended = |r: &Record| self.is(Flaw::PurgeEndedLeases) && r.lease_expired(cutoff);
+            if map
+                .get(k)
+                .is_some_and(|r| self.expired(r, cutoff) || ended(r))
+            {
+                map.remove(k);
+                removed += 1;
+            }
         }
         Ok(if self.is(Flaw::PurgeReportsNothing) {
             0
         } else {
-            dead.len()
+            removed
         })
     }
 }
 
-async fn report(flaw: Flaw) -> Report {
-    run_all(Fixture::shared(flaw)).await
+/// The errors clause's faults, acting on the fixture itself.
+#[async_trait]
+impl StoreFaults for Fixture {
+    async fn corrupt(&self, key: &RecordKey) -> Result<(), String> {
+        let k = self.k(key);
+        self.map.lock().remove(&k);
+        self.corrupt.lock().insert(k);
+        Ok(())
+    }
+
+    async fn unreach(&self) -> Result<(), String> {
+        self.down.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+
+    async fn reach(&self) -> Result<(), String> {
+        self.down.store(false, Ordering::SeqCst);
+        Ok(())
+    }
 }
 
-/// The checks `report` failed.
-fn caught_by(report: &Report) -> Vec<&'static str> {
-    report
-        .outcomes()
+/// The operator operations, over the same map (and flaws).
+#[async_trait]
+impl Admin for Fixture {
+    async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error> {
+        let mut listing = Listing::default();
+        let prefix = filter
+            .namespace_prefix
+            .as_deref()
+            .filter(|_| !self.is(Flaw::ListIgnoresPrefix));
+        for (k, r) in self.map.lock().iter() {
+            let Ok(key) = RecordKey::decode(k, usize::MAX) else {
+                continue;
+            };
+            let stuck = r.status == Status::Processing
+                && (r.lease_until <= now || self.is(Flaw::ListStuckIgnoresLease));
+            let admitted = (!r.is_expired(now) || self.is(Flaw::ListShowsExpired))
+                && prefix.is_none_or(|p| key.namespace().starts_with(p))
+                && (filter.status.is_none_or(|s| r.status == s)
+                    || self.is(Flaw::ListIgnoresStatus))
+                && (!filter.stuck || stuck);
+            if !admitted {
+                continue;
+            }
+            let limit = if self.is(Flaw::ListKeepsProbeRow) {
+                filter.limit + 1
+            } else {
+                filter.limit
+            };
+            if listing.records.len() >= limit {
+                listing.truncated = !self.is(Flaw::ListNeverTruncated);
+                break;
+            }
+            listing.records.push(Listed {
+                namespace: key.namespace().to_owned(),
+                id: key.id().to_owned(),
+                record: r.clone(),
+            });
+        }
+        Ok(listing)
+    }
+
+    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+        let mut stats = Stats::default();
+        for (k, r) in self.map.lock().iter() {
+            let Ok(key) = RecordKey::decode(k, usize::MAX) else {
+                continue;
+            };
+            match self.flaw {
+                Flaw::StatsCountsExpired => {
+                    let stuck = r.status == Status::Processing && r.lease_until <= now;
+                    stats.add(key.namespace(), r.status, stuck, 1);
+                }
+                Flaw::StatsEveryLeaseStuck if !r.is_expired(now) => {
+                    let stuck = r.status == Status::Processing;
+                    stats.add(key.namespace(), r.status, stuck, 1);
+                }
+                _ => stats.count(key.namespace(), r, now),
+            }
+        }
+        Ok(stats)
+    }
+
+    async fn migrate(&self, _dry_run: bool) -> Result<Vec<String>, Error> {
+        Ok(Vec::new())
+    }
+
+    async fn doctor(&self, _options: &DoctorOptions) -> Result<Vec<AdminCheck>, Error> {
+        Ok(Vec::new())
+    }
+}
+
+/// The whole suite and the errors clause against the fixture with `flaw`.
+async fn reports(flaw: Flaw) -> [Report; 2] {
+    let (repo, faults) = Fixture::with_faults(flaw);
+    let suite = run_all(repo.clone()).await;
+    [suite, run_fault_checks(repo, faults).await]
+}
+
+/// The checks `reports` failed.
+fn caught_by(reports: &[Report]) -> Vec<&'static str> {
+    reports
         .iter()
+        .flat_map(Report::outcomes)
         .filter(|o| o.result.is_err())
         .map(|o| o.name)
         .collect()
 }
 
+/// Runs the check (of the suite, or of the errors clause) named `name`.
+async fn rerun(name: &str, repo: SharedRepository, faults: SharedFaults) -> CheckResult {
+    if let Some(check) = idempotency_conformance::check_named(name) {
+        return run_check(check, repo).await;
+    }
+    let unknown = || CheckFailure {
+        message: format!("no check named {name}"),
+    };
+    let check = fault_check_named(name).ok_or_else(unknown)?;
+    let result = (check.run)(repo, faults.clone()).await;
+    let healed = faults
+        .reach()
+        .await
+        .map_err(|message| CheckFailure { message });
+    result.and(healed)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn flawless_fixture_passes() {
-    report(Flaw::None).await.assert_all_passed();
+    for report in reports(Flaw::None).await {
+        report.assert_all_passed();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -635,8 +1392,7 @@ async fn every_flaw_of_the_catalogue_is_caught() {
     );
     let mut missed = Vec::new();
     for (flaw, description) in CATALOGUE {
-        let report = report(*flaw).await;
-        if caught_by(&report).is_empty() {
+        if caught_by(&reports(*flaw).await).is_empty() {
             missed.push(format!("{flaw:?}: {description}"));
         }
     }
@@ -668,13 +1424,12 @@ async fn check_then_write_fencing_is_caught_every_run() {
 async fn catalogue_table() {
     println!("| # | flaw | caught by | caught in |\n|---|---|---|---|");
     for (i, (flaw, description)) in CATALOGUE.iter().enumerate() {
-        let checks = caught_by(&report(*flaw).await);
+        let checks = caught_by(&reports(*flaw).await);
         let mut caught = 0;
         for _ in 0..20 {
-            let repo = Fixture::shared(*flaw);
+            let (repo, faults) = Fixture::with_faults(*flaw);
             for name in &checks {
-                let check = idempotency_conformance::check_named(name).expect("a check");
-                if run_check(check, repo.clone()).await.is_err() {
+                if rerun(name, repo.clone(), faults.clone()).await.is_err() {
                     caught += 1;
                     break;
                 }
