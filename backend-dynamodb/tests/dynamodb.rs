@@ -855,16 +855,8 @@ impl aws_sdk_dynamodb::config::Intercept for LoseRaiseReply {
 /// the extension succeeded — not an error that would let the lease lapse.
 #[tokio::test]
 async fn an_extension_applied_with_its_reply_lost_succeeds() {
-    let repo = common::repository().await;
     let lossy = LoseRaiseReply::default();
-    let client = aws_sdk_dynamodb::Client::from_conf(
-        repo.client()
-            .config()
-            .to_builder()
-            .interceptor(lossy.clone())
-            .build(),
-    );
-    let repo = DynamoDbRepository::from_client(client, repo.table_name());
+    let repo = common::repository_through(lossy.clone()).await;
     let ns = namespace();
     let now = Timestamp::from_system_time(std::time::SystemTime::now());
     let k = key(&ns, "raised");
@@ -899,16 +891,8 @@ async fn an_extension_applied_with_its_reply_lost_succeeds() {
 /// is still refused.
 #[tokio::test]
 async fn an_extension_refused_without_the_item_reads_it() {
-    let repo = common::repository().await;
     let strip = common::StripRefusedItem::default();
-    let client = aws_sdk_dynamodb::Client::from_conf(
-        repo.client()
-            .config()
-            .to_builder()
-            .interceptor(strip.clone())
-            .build(),
-    );
-    let repo = DynamoDbRepository::from_client(client, repo.table_name());
+    let repo = common::repository_through(strip.clone()).await;
     let ns = namespace();
     let now = Timestamp::from_system_time(std::time::SystemTime::now());
     let k = key(&ns, "no-item");

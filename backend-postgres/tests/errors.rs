@@ -245,29 +245,17 @@ async fn builders_refuse_zero_timeouts() {
 ///   handed out and replaced: no operation fails at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_the_server_ended_while_idle_is_retryable() {
-    let url = common::server_url().await;
-    let admin = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&url)
-        .await
-        .unwrap();
     for (timeout, ends_quietly) in [("300ms", false), ("1500ms", true)] {
-        let db = common::unique("idem_idle");
-        sqlx::query(&format!("CREATE DATABASE {db}"))
-            .execute(&admin)
-            .await
-            .unwrap();
+        let (admin, db, db_url) = common::fresh_database("idem_idle").await;
         sqlx::query(&format!(
             "ALTER DATABASE {db} SET idle_session_timeout = '{timeout}'"
         ))
         .execute(&admin)
         .await
         .unwrap();
-        let mut db_url = url::Url::parse(&url).unwrap();
-        db_url.set_path(&format!("/{db}"));
         let repo = PgRepository::builder()
             .max_connections(2)
-            .connect(db_url.as_str())
+            .connect(&db_url)
             .await
             .unwrap();
         repo.migrate().await.unwrap();

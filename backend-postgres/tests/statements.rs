@@ -742,20 +742,7 @@ async fn commits(admin: &sqlx::PgPool, db: &str) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn server_counts_one_transaction_per_operation() {
-    let url = common::server_url().await;
-    let admin = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .connect(&url)
-        .await
-        .unwrap();
-    let db = common::unique("idem_stmt");
-    sqlx::query(&format!("CREATE DATABASE {db}"))
-        .execute(&admin)
-        .await
-        .unwrap();
-    let mut db_url = url::Url::parse(&url).unwrap();
-    db_url.set_path(&format!("/{db}"));
-    let db_url = db_url.to_string();
+    let (admin, db, db_url) = common::fresh_database("idem_stmt").await;
 
     {
         let setup = PgRepository::builder()

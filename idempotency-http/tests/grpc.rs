@@ -57,6 +57,23 @@ fn grpc_response(answer: Answer) -> Response<GrpcBody> {
         .expect("a valid response")
 }
 
+/// A unary call of `METHOD` under `key`.
+fn unary_request(key: &str) -> Request<Full<Bytes>> {
+    Request::post(METHOD)
+        .header("content-type", "application/grpc")
+        .header("idempotency-key", key)
+        .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
+        .unwrap()
+}
+
+/// A gRPC answer's head over `body` (its status to come in the trailers).
+fn grpc_head<B>(body: B) -> Response<B> {
+    Response::builder()
+        .header("content-type", "application/grpc")
+        .body(body)
+        .unwrap()
+}
+
 struct Harness {
     layer: IdempotencyLayer,
     runs: Arc<AtomicUsize>,
@@ -102,12 +119,7 @@ impl Harness {
                 runs.fetch_add(1, Ordering::SeqCst);
                 async move { Ok::<_, Infallible>(grpc_response(answer)) }
             }));
-        let request = Request::post(METHOD)
-            .header("content-type", "application/grpc")
-            .header("idempotency-key", key)
-            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
-            .unwrap();
-        let response = service.oneshot(request).await.unwrap();
+        let response = service.oneshot(unary_request(key)).await.unwrap();
         let (parts, body) = response.into_parts();
         let collected = body.collect().await.unwrap();
         let trailers = collected.trailers().cloned();
@@ -253,21 +265,10 @@ async fn an_answer_that_never_ends_keeps_the_key_before_the_lease_ends() {
                 let first: Vec<Result<http_body::Frame<Bytes>, Infallible>> =
                     vec![Ok(http_body::Frame::data(Bytes::from(vec![b'm'; 3 * CAP])))];
                 let body = StreamBody::new(stream::iter(first).chain(stream::pending()));
-                Ok::<_, Infallible>(
-                    Response::builder()
-                        .header("content-type", "application/grpc")
-                        .body(body)
-                        .unwrap(),
-                )
+                Ok::<_, Infallible>(grpc_head(body))
             }
         }));
-    let request = || {
-        Request::post(METHOD)
-            .header("content-type", "application/grpc")
-            .header("idempotency-key", "k")
-            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
-            .unwrap()
-    };
+    let request = || unary_request("k");
     let response = service.clone().oneshot(request()).await.unwrap();
     let mut body = response.into_body();
     let first = body.frame().await.unwrap().unwrap();
@@ -341,21 +342,10 @@ async fn an_extended_lease_moves_the_read_to_the_status() {
                 Ok::<_, Infallible>(http_body::Frame::trailers(trailers))
             });
             let body = StreamBody::new(stream::iter(first).chain(status));
-            Ok::<_, Infallible>(
-                Response::builder()
-                    .header("content-type", "application/grpc")
-                    .body(body)
-                    .unwrap(),
-            )
+            Ok::<_, Infallible>(grpc_head(body))
         }
     }));
-    let request = || {
-        Request::post(METHOD)
-            .header("content-type", "application/grpc")
-            .header("idempotency-key", "k")
-            .body(Full::new(Bytes::from_static(b"\0\0\0\0\x02hi")))
-            .unwrap()
-    };
+    let request = || unary_request("k");
     let first = tokio::spawn(service.clone().oneshot(request()));
     // Two leases later, while the answer is still read. Paused time, as above.
     tokio::time::sleep(std::time::Duration::from_secs(60)).await;

@@ -84,3 +84,19 @@ impl aws_sdk_dynamodb::config::Intercept for StripRefusedItem {
         Ok(())
     }
 }
+
+/// `repository()` through a client with `interceptor` (which sees, and may
+/// change, every request and reply).
+pub(crate) async fn repository_through(
+    interceptor: impl aws_sdk_dynamodb::config::Intercept + 'static,
+) -> DynamoDbRepository {
+    let repo = repository().await;
+    let client = aws_sdk_dynamodb::Client::from_conf(
+        repo.client()
+            .config()
+            .to_builder()
+            .interceptor(interceptor)
+            .build(),
+    );
+    DynamoDbRepository::from_client(client, repo.table_name())
+}

@@ -65,3 +65,22 @@ pub(crate) async fn drop_table(repo: &PgRepository, table: &str) {
     .execute(repo.pool())
     .await;
 }
+
+/// A connection to the server under test for the test's own statements, and
+/// a database created for the test on it: its name and URL.
+pub(crate) async fn fresh_database(prefix: &str) -> (sqlx::PgPool, String, String) {
+    let url = server_url().await;
+    let admin = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&url)
+        .await
+        .unwrap();
+    let db = unique(prefix);
+    sqlx::query(&format!("CREATE DATABASE {db}"))
+        .execute(&admin)
+        .await
+        .unwrap();
+    let mut db_url = url::Url::parse(&url).unwrap();
+    db_url.set_path(&format!("/{db}"));
+    (admin, db, db_url.to_string())
+}
