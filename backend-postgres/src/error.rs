@@ -106,23 +106,11 @@ pub(crate) fn map_sqlx(
                          reserve function) does not exist or is outdated; run PgRepository::migrate() ({err})"
                     ),
                 },
-                // Any other error that ends the session (severity FATAL or
-                // PANIC): the statement did not commit, or its answer was
-                // lost with the session; either way a retry decides.
-                _ if ends_session(db.as_ref()) => unavailable(operation, err),
                 _ => Error::backend(BACKEND, err),
             }
         }
         other => Error::backend(BACKEND, other),
     }
-}
-
-/// Whether the server ended the session with this error (severity `FATAL`
-/// or `PANIC`).
-fn ends_session(db: &dyn sqlx::error::DatabaseError) -> bool {
-    use sqlx::postgres::{PgDatabaseError, PgSeverity};
-    db.try_downcast_ref::<PgDatabaseError>()
-        .is_some_and(|e| matches!(e.severity(), PgSeverity::Fatal | PgSeverity::Panic))
 }
 
 /// A TLS failure that no retry fixes (`idempotency_core::tls`): sqlx's own

@@ -106,7 +106,12 @@ impl Held {
             .await
             .map_err(|_| sqlx::Error::PoolTimedOut)?
             .map_err(|_| sqlx::Error::PoolClosed)?;
-        let kept = lock(&self.shared.idle).pop_back();
+        // The last kept first; one unused for `IDLE` already (the sweeper
+        // not yet by) goes back to the pool instead, whose ping replaces it
+        // if the server ended it while idle (`idle_session_timeout`).
+        let kept = lock(&self.shared.idle)
+            .pop_back()
+            .filter(|idle| idle.since.elapsed() < IDLE);
         let (conn, taken) = match kept {
             Some(idle) => (idle.conn, idle.taken),
             None => (pool.acquire().await?, Instant::now()),

@@ -79,7 +79,7 @@
 //! | `max_id_bytes` | 1024 (longer ids are digested by the manager); namespaces ≤ 512 bytes (core limit) |
 //! | `max_result_bytes` | 16 MiB per result or stored error (`bytea`; larger → `TooLarge`, the manager completes without caching) |
 //! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) (default 5 s) is a client-side timer around each of this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer): a paused server fails a call after it, not after the outage; on your own connection (transactional mode) only when set explicitly, so a duplicate waits on a transaction's row lock (bound that with `lock_timeout`); the manager's `store_timeout` bounds every call too |
-//! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57Pxx (the server ended the session, `idle_session_timeout` included), 25P03, 40001, 40P01, and any other error of severity FATAL or PANIC → `Unavailable` (a pooled connection idle over a second is pinged before use, so one the server ended while idle is replaced, not failed); `57014`, `55P03`, the operation timeout → `Timeout` |
+//! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57Pxx (the server ended the session, `idle_session_timeout` included), 25P03 (`idle_in_transaction_session_timeout`), 40001, 40P01 → `Unavailable` (a pooled connection idle over a second is pinged before use, so one the server ended while idle is replaced, not failed); `57014`, `55P03`, the operation timeout → `Timeout` |
 //! | corrupt rows | wrong-length owner or fingerprint, unknown status, negative instants → `Corrupt` naming the key |
 //!
 //! Round trips — each operation is a single statement, a prepared statement

@@ -1058,7 +1058,28 @@ impl Repository for PgRepository {
                 .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
             return futures::future::join_all(each).await;
         }
-        self.complete_over_arrays(&completions, |_| now).await
+        // Statements of at most `MOST_BYTES` of results each (one over it
+        // alone), all at once: a batch of large results never builds a bind
+        // message near PostgreSQL's 1 GiB limit.
+        let mut chunks: Vec<&[idempotency_core::Completion<'_>]> = Vec::new();
+        let (mut start, mut bytes) = (0, 0usize);
+        for (i, c) in completions.iter().enumerate() {
+            let its = c.result.map_or(0, <[u8]>::len);
+            if i > start && bytes.saturating_add(its) > crate::coalesce::MOST_BYTES {
+                chunks.push(&completions[start..i]);
+                (start, bytes) = (i, 0);
+            }
+            bytes = bytes.saturating_add(its);
+        }
+        chunks.push(&completions[start..]);
+        let sent = chunks
+            .into_iter()
+            .map(|chunk| self.complete_over_arrays(chunk, |_| now));
+        futures::future::join_all(sent)
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     async fn complete(
