@@ -41,11 +41,13 @@ struct Cli {
     #[arg(long, value_enum, default_value_t = Format::Table, global = true)]
     format: Format,
 
-    /// How long one call to the store may take, connecting included (each
-    /// batch of `purge` is one call): a store that stops answering fails the
-    /// command after this, instead of hanging it.
-    #[arg(long, default_value = "30s", value_parser = parse_duration, global = true)]
-    timeout: Duration,
+    /// How long one call to the store may take: a store that stops answering
+    /// fails the command after this, instead of hanging it. Connecting and
+    /// the calls on one record or one batch (`get`, `evict`, each batch of
+    /// `purge`) are bounded by 30 s unless given; calls that walk the whole
+    /// store (`list`, `stats`, `migrate`, `doctor`) only when given.
+    #[arg(long, value_parser = parse_timeout, global = true)]
+    timeout: Option<Duration>,
 
     #[command(subcommand)]
     command: Command,
@@ -153,6 +155,13 @@ enum Command {
     },
 }
 
+fn parse_timeout(s: &str) -> Result<Duration, String> {
+    match parse_duration(s)? {
+        d if d.is_zero() => Err("a timeout must be positive".to_owned()),
+        d => Ok(d),
+    }
+}
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     idempotency::parse_duration(s).ok_or_else(|| format!("{s:?} is not a duration such as 400ms"))
 }
@@ -171,12 +180,19 @@ impl From<Error> for Failure {
     }
 }
 
-/// `call`, one call to the store, within the `--timeout`. A call cut off
-/// may still have been applied: said so, as a retryable failure.
+/// The bound of connecting and of calls on one record or one batch, unless
+/// `--timeout` says otherwise.
+const POINT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `call`, one call to the store, within `limit` (none: unbounded). A call
+/// cut off may still have been applied: said so, as a retryable failure.
 async fn within<T>(
-    limit: Duration,
+    limit: impl Into<Option<Duration>>,
     call: impl Future<Output = Result<T, Error>>,
 ) -> Result<T, Failure> {
+    let Some(limit) = limit.into() else {
+        return Ok(call.await?);
+    };
     match tokio::time::timeout(limit, call).await {
         Ok(answer) => Ok(answer?),
         Err(_) => Err(Failure(
@@ -253,7 +269,10 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             2,
         )
     })?;
-    let limit = cli.timeout;
+    // Calls on one record or batch, and connecting; calls over the whole
+    // store (bounded only when asked).
+    let limit = cli.timeout.unwrap_or(POINT_TIMEOUT);
+    let whole = cli.timeout;
     let store = within(limit, idempotency::connect(&without_migration(&url))).await?;
     let json = cli.format == Format::Json;
     match cli.command {
@@ -270,7 +289,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
                 stuck,
                 limit: most,
             };
-            list(admin(&store, "list")?, &filter, limit, json).await
+            list(admin(&store, "list")?, &filter, whole, json).await
         }
         Command::Evict {
             key,
@@ -285,11 +304,11 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         }
         Command::Purge { limit: most, batch } => purge(&store, most, batch, limit, json).await,
         Command::Migrate { dry_run } => {
-            migrate(admin(&store, "migrate")?, dry_run, limit, json).await
+            migrate(admin(&store, "migrate")?, dry_run, whole, json).await
         }
-        Command::Stats => stats(admin(&store, "stats")?, limit, json).await,
+        Command::Stats => stats(admin(&store, "stats")?, whole, json).await,
         Command::Doctor { clock_skew } => {
-            doctor(admin(&store, "doctor")?, clock_skew, limit, json).await
+            doctor(admin(&store, "doctor")?, clock_skew, whole, json).await
         }
         Command::Completions { .. } => Ok(String::new()),
     }
@@ -345,7 +364,7 @@ async fn get(
 async fn list(
     admin: &dyn Admin,
     filter: &ListFilter,
-    limit: Duration,
+    limit: Option<Duration>,
     json: bool,
 ) -> Result<String, Failure> {
     let now = SystemClock.now();
@@ -508,7 +527,7 @@ async fn purge(
 async fn migrate(
     admin: &dyn Admin,
     dry_run: bool,
-    limit: Duration,
+    limit: Option<Duration>,
     json: bool,
 ) -> Result<String, Failure> {
     let steps = within(limit, admin.migrate(dry_run)).await?;
@@ -522,7 +541,7 @@ async fn migrate(
     })
 }
 
-async fn stats(admin: &dyn Admin, limit: Duration, json: bool) -> Result<String, Failure> {
+async fn stats(admin: &dyn Admin, limit: Option<Duration>, json: bool) -> Result<String, Failure> {
     let stats = within(limit, admin.stats(SystemClock.now())).await?;
     Ok(if json {
         serde_json::to_string(&stats).unwrap_or_default()
@@ -534,7 +553,7 @@ async fn stats(admin: &dyn Admin, limit: Duration, json: bool) -> Result<String,
 async fn doctor(
     admin: &dyn Admin,
     clock_skew: Duration,
-    limit: Duration,
+    limit: Option<Duration>,
     json: bool,
 ) -> Result<String, Failure> {
     let checks = within(limit, admin.doctor(&DoctorOptions { clock_skew })).await?;

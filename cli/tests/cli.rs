@@ -348,11 +348,13 @@ fn a_store_that_never_answers_fails_after_the_timeout() {
         std::thread::park();
         drop(held);
     });
+    let (code, _, err) = tool("memory:", &["--timeout", "0s", "stats"]);
+    assert_eq!(code, 2, "a zero timeout is a usage error: {err}");
     for url in [
         format!("redis://127.0.0.1:{port}"),
         format!("postgres://user@127.0.0.1:{port}/db"),
     ] {
-        for args in [&["get", "ns", "id"][..], &["purge"][..]] {
+        for args in [&["get", "ns", "id"][..], &["purge"][..], &["stats"][..]] {
             let mut all = vec!["--timeout", "300ms"];
             all.extend_from_slice(args);
             let (code, _, err) = tool(&url, &all);
