@@ -3,7 +3,7 @@
 //! check of the settings the library relies on (eviction, persistence,
 //! replication, cluster slots, the clock).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use async_trait::async_trait;
 use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats, Verdict};
@@ -60,9 +60,6 @@ impl RedisRepository {
         // hash tag first.
         let encoded = glob_escape(&escape_namespace(prefix.unwrap_or("")));
         let mut cursor: u64 = 0;
-        // `SCAN` may return a key more than once (the keyspace rehashed
-        // between calls): each is visited once.
-        let mut seen: std::collections::HashSet<Vec<u8>> = std::collections::HashSet::new();
         loop {
             let mut scan = cmd("SCAN");
             scan.arg(cursor)
@@ -77,7 +74,6 @@ impl RedisRepository {
                 .into_iter()
                 .filter_map(|k| record_key(&k).map(|r| (k, r)))
                 .filter(|(_, r)| prefix.is_none_or(|p| r.namespace().starts_with(p)))
-                .filter(|(k, _)| seen.insert(k.clone()))
                 .collect();
             if !keys.is_empty() {
                 let mut get = cmd("MGET");
@@ -298,11 +294,22 @@ impl RedisRepository {
 #[async_trait]
 impl Admin for RedisRepository {
     /// `SCAN` with a cursor (standalone servers), in the server's order.
+    /// `SCAN` may return a key twice (the keyspace rehashed between calls):
+    /// each listed once (remembering only the listed ones).
     async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error> {
         self.standalone_only("list")?;
         let mut listing = Listing::default();
+        let mut listed = HashSet::new();
         self.scan(filter.namespace_prefix.as_deref(), |key, record| {
-            listing.offer(filter, &key, record, now)
+            if listed.contains(&key) {
+                return true;
+            }
+            let before = listing.records.len();
+            let more = listing.offer(filter, &key, record, now);
+            if listing.records.len() > before {
+                listed.insert(key);
+            }
+            more
         })
         .await?;
         Ok(listing)
@@ -313,16 +320,21 @@ impl Admin for RedisRepository {
     async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
         self.standalone_only("stats")?;
         let mut stats = Stats::default();
-        let mut seen = 0;
+        // `SCAN` may return a key twice: each counted once (at most the
+        // sample's keys are remembered).
+        let mut seen = HashSet::new();
         let complete = self
             .scan(None, |key, record| {
+                if seen.contains(&key) {
+                    return true;
+                }
                 stats.count(key.namespace(), &record, now);
-                seen += 1;
-                seen < STATS_SAMPLE
+                seen.insert(key);
+                seen.len() < STATS_SAMPLE
             })
             .await?;
         if !complete {
-            stats.sampled = Some(seen as u64);
+            stats.sampled = Some(seen.len() as u64);
         }
         Ok(stats)
     }
