@@ -88,6 +88,16 @@ pub(crate) fn map_sqlx(
                          password in the URL ({err})"
                     ),
                 },
+                // A startup option of the URL's `options` the server does not
+                // know (42704) or whose value it refuses (22023), both FATAL
+                // at connect; 42704 is also an object the schema lacks.
+                "42704" | "22023" => Error::Config {
+                    message: format!(
+                        "{operation}: PostgreSQL refused a setting (check the URL's `options`) \
+                         or does not know an object of the schema (run PgRepository::migrate()) \
+                         ({err})"
+                    ),
+                },
                 "3D000" => Error::Config {
                     message: format!(
                         "{operation}: the database in the URL does not exist; create it or fix \

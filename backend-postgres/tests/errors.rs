@@ -31,6 +31,23 @@ async fn connection_rows(server: &str) -> Vec<ErrorRow> {
         ),
         wrong_password_row(server).await,
         ErrorRow::new(
+            "startup setting the server does not know (`?options[no_such_setting]=1`)",
+            idempotency_postgres::connect(&url_with::query(server, "options[no_such_setting]=1"))
+                .await,
+            Expected::Config,
+            &["no_such_setting", "options"],
+        ),
+        ErrorRow::new(
+            "startup setting with a value the server refuses (`?options[statement_timeout]=soon`)",
+            idempotency_postgres::connect(&url_with::query(
+                server,
+                "options[statement_timeout]=soon",
+            ))
+            .await,
+            Expected::Config,
+            &["statement_timeout", "options"],
+        ),
+        ErrorRow::new(
             "database that does not exist",
             idempotency_postgres::connect(&url_with::path(server, "no_such_db")).await,
             Expected::Config,
