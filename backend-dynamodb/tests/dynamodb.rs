@@ -857,32 +857,10 @@ impl aws_sdk_dynamodb::config::Intercept for LoseRaiseReply {
 async fn an_extension_applied_with_its_reply_lost_succeeds() {
     let lossy = LoseRaiseReply::default();
     let repo = common::repository_through(lossy.clone()).await;
-    let ns = namespace();
-    let now = Timestamp::from_system_time(std::time::SystemTime::now());
-    let k = key(&ns, "raised");
-    let owner = OwnerToken::random();
-    repo.reserve(request(&k, owner, now)).await.unwrap();
-
-    let later = now + Duration::from_secs(10);
-    let (lease, expiry) = (later + LEASE, later + 2 * TTL);
-    repo.extend(&k, owner, lease, expiry, later).await.unwrap();
-    assert_eq!(lossy.lost.load(std::sync::atomic::Ordering::SeqCst), 1);
-    let stored = repo.get(&k, later).await.unwrap().unwrap();
-    assert_eq!(
-        (stored.owner, stored.lease_until, stored.expires_at),
-        (owner, lease, expiry)
-    );
-
-    // Someone else's record is still refused after a lost reply: only our
-    // own, already extended, is a success.
-    let other = key(&ns, "other");
-    repo.reserve(request(&other, OwnerToken::random(), now))
-        .await
-        .unwrap();
-    assert!(matches!(
-        repo.extend(&other, owner, lease, expiry, later).await,
-        Err(Error::LeaseLost { .. })
-    ));
+    an_extension_raising_the_expiry(&repo, || {
+        assert_eq!(lossy.lost.load(std::sync::atomic::Ordering::SeqCst), 1);
+    })
+    .await;
 }
 
 /// From a store that returns no item with a refused condition, an `extend`
@@ -893,18 +871,29 @@ async fn an_extension_applied_with_its_reply_lost_succeeds() {
 async fn an_extension_refused_without_the_item_reads_it() {
     let strip = common::StripRefusedItem::default();
     let repo = common::repository_through(strip.clone()).await;
+    // An expiry beyond the stored one: the first request (the lease alone) is
+    // refused, and the refusal carries no item.
+    an_extension_raising_the_expiry(&repo, || {
+        assert!(strip.stripped.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    })
+    .await;
+}
+
+/// Reserves a key and extends it past its expiry (the lease, then the expiry
+/// and TTL: two requests), `faulted` checking the interceptor did its part;
+/// the record then holds what was asked. Someone else's record, and a
+/// missing one, are still refused: only our own is a success.
+async fn an_extension_raising_the_expiry(repo: &DynamoDbRepository, faulted: impl FnOnce()) {
     let ns = namespace();
     let now = Timestamp::from_system_time(std::time::SystemTime::now());
-    let k = key(&ns, "no-item");
+    let k = key(&ns, "raised");
     let owner = OwnerToken::random();
     repo.reserve(request(&k, owner, now)).await.unwrap();
 
-    // An expiry beyond the stored one: the first request (the lease alone) is
-    // refused, and the refusal carries no item.
     let later = now + Duration::from_secs(10);
     let (lease, expiry) = (later + LEASE, later + 2 * TTL);
     repo.extend(&k, owner, lease, expiry, later).await.unwrap();
-    assert!(strip.stripped.load(std::sync::atomic::Ordering::SeqCst) >= 1);
+    faulted();
     let stored = repo.get(&k, later).await.unwrap().unwrap();
     assert_eq!(
         (stored.owner, stored.lease_until, stored.expires_at),

@@ -311,6 +311,8 @@ async fn sessions_ended(admin: &sqlx::PgPool, db: &str) {
             return;
         }
         assert!(Instant::now() < deadline, "sessions of {db} still open");
+        // A real wait: the server's own idle timer ends the sessions, which
+        // no test clock can drive; polled, bounded by the deadline above.
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
