@@ -91,6 +91,10 @@ EOF
 chmod 644 "$WORK"/*.sql
 
 tps() { sed -n 's/^tps = \([0-9.]*\) .*/\1/p' | head -1 | cut -d. -f1; }
+# Before every measured run: the background work the previous runs left
+# (autovacuum of the rows they inserted, a checkpoint flushing their pages)
+# done now, so that it lands on no run's clock.
+settle() { psql -q "$1" -c "VACUUM ANALYZE pglimit" -c "CHECKPOINT" >/dev/null; }
 
 for fsync in on off; do
     as_pg "$PGBIN/initdb" -D "$WORK/data" -U bench --auth=trust >/dev/null
@@ -106,11 +110,13 @@ for fsync in on off; do
     echo "== fsync=$fsync: $settings; $CLIENTS clients, $SECONDS_PER s per pgbench run, $ROUNDS rounds"
     for round in $(seq 1 "$ROUNDS"); do
         for script in fresh-simple fresh-library fresh-plain duplicate-simple duplicate-library duplicate-plain; do
+            settle "$url"
             t=$(pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_PER" -f "$WORK/$script.sql" "$url" 2>&1 | tps)
             echo "round $round  pgbench $script: $t executions/s"
         done
         for coalesce in 4 0; do
             out="$WORK/bench-$fsync-$round-$coalesce"
+            settle "$url"
             "$BENCH" --backends postgres --postgres-url "$url?coalesce_above=$coalesce" \
                 --postgres-pool 32 --scenarios fresh,duplicate --concurrency "$CLIENTS" \
                 --rounds 4 --ops $((SECONDS_PER * 6000)) --out "$out" >/dev/null 2>&1

@@ -461,6 +461,39 @@ async fn corrupt_items_are_reported_with_their_key() {
     assert!(repo.delete(&k).await.unwrap());
 }
 
+/// An owner stored in another text than the one the repository writes (upper
+/// case) is a corrupt item, not the same owner: the manager would compare the
+/// parsed tokens (equal: "still ours") while every conditional write compares
+/// the text (unequal: "lease lost").
+#[tokio::test]
+async fn an_owner_in_another_text_is_corrupt_not_the_same_owner() {
+    let repo = common::repository().await;
+    let k = key(&namespace(), "upper-owner");
+    let now = Timestamp::from_system_time(std::time::SystemTime::now());
+    let owner = OwnerToken::from_u128(u128::MAX - 1);
+    repo.reserve(request(&k, owner, now)).await.unwrap();
+    let upper = format!("{:032X}", owner.as_u128());
+    repo.client()
+        .update_item()
+        .table_name(repo.table_name())
+        .key("pk", AttributeValue::S(k.encode()))
+        .update_expression("SET #o = :o")
+        .expression_attribute_names("#o", "owner")
+        .expression_attribute_values(":o", AttributeValue::S(upper))
+        .send()
+        .await
+        .unwrap();
+    assert!(matches!(
+        repo.get(&k, now).await,
+        Err(Error::Corrupt { key: Some(got), .. }) if got == k
+    ));
+    assert!(matches!(
+        repo.reserve(request(&k, owner, now)).await,
+        Err(Error::Corrupt { key: Some(_), .. })
+    ));
+    assert!(repo.delete(&k).await.unwrap());
+}
+
 #[tokio::test]
 async fn custom_attribute_names_and_table_creation() {
     let table = common::unique_table("idem-custom").await;

@@ -353,6 +353,13 @@ impl State {
     }
 }
 
+/// Whether a completion with `its` bytes of result joins a statement that
+/// carries `bytes` of results so far (`first`: none yet): the first whatever
+/// its size, then up to [`MOST_BYTES`] in all.
+pub(crate) fn joins(bytes: usize, its: usize, first: bool) -> bool {
+    first || bytes.saturating_add(its) <= MOST_BYTES
+}
+
 /// Takes up to [`MOST`] calls (and [`MOST_BYTES`] of their `size`; the
 /// first call whatever its size) from the front of `queue`, each key once; a
 /// later call for a key taken, or one over the byte budget, stays, in order,
@@ -374,7 +381,7 @@ fn take_distinct<C, A>(
             break;
         }
         let its = size(&waiting.call);
-        let fits = batch.is_empty() || bytes.saturating_add(its) <= MOST_BYTES;
+        let fits = joins(bytes, its, batch.is_empty());
         // Two keys of one hash are both deferred but the first: never a key
         // twice, at worst a key later than it could have gone. A call over
         // the budget keeps its key's later calls behind it.

@@ -290,8 +290,9 @@ impl Drop for Lent {
         let (Some(conn), Some(shared)) = (self.conn.take(), self.shared.as_ref()) else {
             return;
         };
-        // Never a connection left inside a transaction (a handler that forgot
-        // a nested one): sqlx's pool rolls that back on its way in.
+        // A connection still inside a transaction (a dropped `Transaction`
+        // whose `ROLLBACK` is only queued) is never kept: it goes back to
+        // sqlx's pool, whose release ping sends the queued `ROLLBACK` first.
         if self.clean && self.taken.elapsed() < RECYCLE && !conn.is_in_transaction() {
             shared.keep(conn, self.taken);
         }

@@ -1065,7 +1065,7 @@ impl Repository for PgRepository {
         let (mut start, mut bytes) = (0, 0usize);
         for (i, c) in completions.iter().enumerate() {
             let its = c.result.map_or(0, <[u8]>::len);
-            if i > start && bytes.saturating_add(its) > crate::coalesce::MOST_BYTES {
+            if !crate::coalesce::joins(bytes, its, i == start) {
                 chunks.push(&completions[start..i]);
                 (start, bytes) = (i, 0);
             }

@@ -396,14 +396,23 @@ impl fmt::Debug for OwnerToken {
 
 impl FromStr for OwnerToken {
     type Err = Error;
+    /// Exactly what [`Display`](fmt::Display) writes: 32 lowercase hex
+    /// digits. Nothing else parses (no sign, no upper case): a store that
+    /// compares the stored text (a DynamoDB condition) and the manager that
+    /// compares parsed tokens must never disagree on whether two owners are
+    /// the same.
     fn from_str(s: &str) -> Result<Self, Error> {
-        if s.len() != 32 {
-            return Err(Error::corrupt_value("owner token", "not 32 hex digits"));
-        }
-        u128::from_str_radix(s, 16)
+        let text = canonical_hex(s, 32)
+            .ok_or_else(|| Error::corrupt_value("owner token", "not 32 lowercase hex digits"))?;
+        u128::from_str_radix(text, 16)
             .map(OwnerToken)
-            .map_err(|_| Error::corrupt_value("owner token", "not 32 hex digits"))
+            .map_err(|_| Error::corrupt_value("owner token", "not 32 lowercase hex digits"))
     }
+}
+
+/// `s` if it is exactly `digits` lowercase hex digits.
+fn canonical_hex(s: &str, digits: usize) -> Option<&str> {
+    (s.len() == digits && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))).then_some(s)
 }
 
 /// A SHA-256 digest of a request payload, stored with the record to detect one key
@@ -474,10 +483,14 @@ impl fmt::Debug for Fingerprint {
 
 impl FromStr for Fingerprint {
     type Err = Error;
+    /// Exactly what [`Display`](fmt::Display) writes: 64 lowercase hex
+    /// digits (as for [`OwnerToken`], so that comparing texts and comparing
+    /// digests agree).
     fn from_str(s: &str) -> Result<Self, Error> {
+        let bad = || Error::corrupt_value("fingerprint", "not 64 lowercase hex digits");
+        let text = canonical_hex(s, 64).ok_or_else(bad)?;
         let mut out = [0u8; 32];
-        hex::decode_to_slice(s, &mut out)
-            .map_err(|_| Error::corrupt_value("fingerprint", "not 64 hex digits"))?;
+        hex::decode_to_slice(text, &mut out).map_err(|_| bad())?;
         Ok(Fingerprint(out))
     }
 }
@@ -590,8 +603,21 @@ mod tests {
         assert_eq!(OwnerToken::from_bytes(t.to_bytes()), t);
         assert!("zz".parse::<OwnerToken>().is_err());
         assert!("g".repeat(32).parse::<OwnerToken>().is_err());
+        assert_eq!(t.to_string().parse::<OwnerToken>().unwrap(), t);
+        // Only the text Display writes: a sign or upper case would parse to
+        // a token whose text compares unequal in a store.
+        let padded = format!("+{}", &"1".repeat(31));
+        assert!(padded.parse::<OwnerToken>().is_err());
+        assert!("A".repeat(32).parse::<OwnerToken>().is_err());
+        assert!("a".repeat(32).parse::<OwnerToken>().is_ok());
+        assert!(format!(" {}", "a".repeat(31))
+            .parse::<OwnerToken>()
+            .is_err());
         let f = Fingerprint::of_bytes(b"x");
         assert_eq!(Fingerprint::try_from_slice(f.as_bytes()).unwrap(), f);
         assert!(Fingerprint::try_from_slice(b"short").is_err());
+        assert_eq!(f.to_string().parse::<Fingerprint>().unwrap(), f);
+        assert!(f.to_string().to_uppercase().parse::<Fingerprint>().is_err());
+        assert!("ab".repeat(31).parse::<Fingerprint>().is_err());
     }
 }

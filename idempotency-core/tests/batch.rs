@@ -502,3 +502,26 @@ async fn a_repository_panic_in_one_items_reservation_spares_the_group() {
         "the others were recorded, the panicked one left free"
     );
 }
+
+/// After a batch's reservation call fails, its items are sent again one by
+/// one with the single path's pause first, as a single execution's second
+/// send is: never at once against a store that has just failed.
+#[tokio::test(start_paused = true)]
+async fn a_failed_batch_call_is_sent_again_after_a_pause() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    repo.inject(Operation::ReserveMany, Fault::Unavailable, 1);
+    let batch = {
+        let m = m.clone();
+        tokio::spawn(async move { double(&m, &[("a", 1), ("b", 2)], 8).await })
+    };
+    // Paused Tokio time: the clock moves only when every task waits, and the
+    // failed call answers at once.
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(repo.calls(Operation::ReserveMany), 1);
+    assert_eq!(repo.calls(Operation::Reserve), 0, "not sent again at once");
+    let answers = batch.await.unwrap();
+    assert_eq!(repo.calls(Operation::Reserve), 2, "each item once more");
+    let seen: Vec<_> = answers.iter().map(outcome).collect();
+    assert_eq!(seen, [Some(("executed", 2)), Some(("executed", 4))]);
+}

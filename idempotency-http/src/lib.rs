@@ -62,7 +62,7 @@
 //! | situation | answer | handler runs |
 //! |---|---|---|
 //! | first request with a key | the handler's response | yes |
-//! | retry after a stored response | the stored status, headers and body, plus `Idempotency-Replayed: true` | no |
+//! | retry after a stored response | the stored status, headers (with the handler's sensitive marks, which keep HTTP/2 from indexing them) and body, plus `Idempotency-Replayed: true` | no |
 //! | retry while the first is in flight | `409` + `Retry-After` (or wait, with the manager's `InProgressPolicy::Wait`) | no |
 //! | same key, different request (method, path, body) | `422` | no |
 //! | no key on a route that requires one | `400` | no |

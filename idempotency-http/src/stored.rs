@@ -8,6 +8,8 @@
 //! u16 status
 //! u8  flags                     bit 0: body retained, bit 1: trailers present
 //! u16 header count, then per header: u16 name length, name, u32 value length, value
+//!                               (the length's top bit: the value is marked
+//!                               sensitive; the length is the other 31 bits)
 //! if body retained:  u32 body length, body
 //! if trailers:       u16 trailer count, then trailers like headers
 //! ```
@@ -159,14 +161,24 @@ fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) -> Result<(), FormatError
     for (name, value) in headers {
         let name = name.as_str().as_bytes();
         let name_len = u16::try_from(name.len()).map_err(|_| err("header name too long"))?;
-        let value_len = u32::try_from(value.len()).map_err(|_| err("header value too long"))?;
+        let value_len = u32::try_from(value.len())
+            .ok()
+            .filter(|len| len & SENSITIVE == 0)
+            .ok_or_else(|| err("header value too long"))?;
+        let sensitive = if value.is_sensitive() { SENSITIVE } else { 0 };
         out.extend_from_slice(&name_len.to_be_bytes());
         out.extend_from_slice(name);
-        out.extend_from_slice(&value_len.to_be_bytes());
+        out.extend_from_slice(&(value_len | sensitive).to_be_bytes());
         out.extend_from_slice(value.as_bytes());
     }
     Ok(())
 }
+
+/// The bit of a header's value length that carries the value's sensitive
+/// mark (never to be indexed by HTTP/2's header compression, e.g. a
+/// `Set-Cookie` the handler marked): a replay keeps it. Records written
+/// before it was kept have it clear.
+const SENSITIVE: u32 = 1 << 31;
 
 /// The most header slots reserved ahead of decoding: plenty for any real
 /// response, far below the most a [`HeaderMap`] can hold.
@@ -216,9 +228,11 @@ impl<'a> Reader<'a> {
             let name_len = usize::from(self.u16()?);
             let name = HeaderName::from_bytes(self.take(name_len)?)
                 .map_err(|_| err("invalid header name"))?;
-            let value_len = usize::try_from(self.u32()?).map_err(|_| err("header length"))?;
-            let value = HeaderValue::from_bytes(self.take(value_len)?)
+            let len = self.u32()?;
+            let value_len = usize::try_from(len & !SENSITIVE).map_err(|_| err("header length"))?;
+            let mut value = HeaderValue::from_bytes(self.take(value_len)?)
                 .map_err(|_| err("invalid header value"))?;
+            value.set_sensitive(len & SENSITIVE != 0);
             headers
                 .try_append(name, value)
                 .map_err(|_| err("too many headers"))?;
@@ -452,6 +466,36 @@ mod tests {
             let back: StoredResponse = RawBytesCodec.decode(&via_codec).unwrap();
             assert_eq!(back, stored);
         }
+    }
+
+    #[test]
+    fn a_sensitive_mark_is_replayed_and_old_records_have_none() {
+        let mut headers = HeaderMap::new();
+        let mut cookie = HeaderValue::from_static("session=secret");
+        cookie.set_sensitive(true);
+        headers.insert("set-cookie", cookie);
+        headers.insert("content-type", HeaderValue::from_static("text/plain"));
+        let stored = StoredResponse {
+            headers,
+            ..StoredResponse::not_retained(StatusCode::OK, None)
+        };
+        let bytes = stored.encode().unwrap();
+        let back = StoredResponse::decode(&bytes).unwrap();
+        assert_eq!(back, stored);
+        assert!(back.headers["set-cookie"].is_sensitive());
+        assert!(!back.headers["content-type"].is_sensitive());
+        // A record written before the mark was kept: the same bytes with
+        // every length's top bit clear.
+        let mut old = bytes.clone();
+        let at = bytes
+            .windows(b"set-cookie".len())
+            .position(|w| w == b"set-cookie")
+            .unwrap()
+            + b"set-cookie".len();
+        old[at] &= 0x7f;
+        let back = StoredResponse::decode(&old).unwrap();
+        assert_eq!(back, stored);
+        assert!(!back.headers["set-cookie"].is_sensitive());
     }
 
     #[test]

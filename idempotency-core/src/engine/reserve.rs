@@ -95,10 +95,14 @@ impl Engine {
         // An earlier attempt counts against the retries.
         let mut retries_spent = u32::from(unsettled.is_some());
         let mut seen_in_progress = earlier.in_progress;
+        // The earlier attempt was this owner's first: the pause that follows
+        // a failed send, or the wait policy's poll, comes before the next.
         if let (Some(_), InProgressPolicy::Wait { poll_interval, .. }) =
             (&seen_in_progress, self.config.in_progress)
         {
             super::pause(poll_interval).await;
+        } else if unsettled.is_some() {
+            super::pause(backoff(0)).await;
         }
         loop {
             let attempt =
