@@ -4,9 +4,8 @@
 
 use std::fmt;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU32, Ordering};
 
-use idempotency_core::{Error, Reservation};
+use idempotency_core::{Error, FreshShare, Reservation};
 
 /// How a `reserve` on the repository's own connections reaches its answer,
 /// alone or over arrays (a batch's `reserve_many`, coalesced calls: the same
@@ -109,31 +108,19 @@ pub(crate) enum First {
     Read,
 }
 
-/// Fixed-point one: the share of fresh keys is kept in `0..=ONE`.
-const ONE: u32 = 1 << 16;
-/// The moving average's weight of each new answer: 1/32.
-const WEIGHT_SHIFT: u32 = 5;
-/// At or above this share of fresh keys, the insert goes first (85 %).
-const INSERT_AT: u32 = ONE / 100 * 85;
-/// At or below this share, the read goes first (15 %).
-const READ_AT: u32 = ONE / 100 * 15;
-
-/// A [`ReservePlan`] and, for the adaptive one, the moving share of fresh keys.
-///
-/// The share is updated with a relaxed load and store, not a compare-and-swap
-/// loop: an update lost to a concurrent one only delays the average by one
-/// answer, and the plan never affects what a reservation answers.
+/// A [`ReservePlan`] and, for the adaptive one, the recent share of fresh
+/// keys.
 #[derive(Debug)]
 pub(crate) struct Planner {
     plan: ReservePlan,
-    fresh_share: AtomicU32,
+    share: FreshShare,
 }
 
 impl Planner {
     pub(crate) fn new(plan: ReservePlan) -> Self {
         Planner {
             plan,
-            fresh_share: AtomicU32::new(ONE / 2),
+            share: FreshShare::new(),
         }
     }
 
@@ -143,35 +130,18 @@ impl Planner {
             ReservePlan::Function => First::Function,
             ReservePlan::InsertFirst => First::Insert,
             ReservePlan::ReadFirst => First::Read,
-            ReservePlan::Adaptive => match self.fresh_share.load(Ordering::Relaxed) {
-                s if s >= INSERT_AT => First::Insert,
-                s if s <= READ_AT => First::Read,
-                _ => First::Function,
-            },
+            ReservePlan::Adaptive if self.share.mostly_fresh() => First::Insert,
+            ReservePlan::Adaptive if self.share.mostly_duplicates() => First::Read,
+            ReservePlan::Adaptive => First::Function,
         }
     }
 
-    /// Counts a reservation's answer into the share of fresh keys: a first
-    /// attempt acquired counts as fresh (an expired row overwritten, or a
-    /// re-sent reserve of a first attempt, counts alike: rare, and only a
-    /// guess is at stake), an existing record as a duplicate, and a takeover
-    /// as half of each (neither plain statement answers it).
+    /// Counts a reservation's answer into the share of fresh keys (see
+    /// [`FreshShare::observe`]).
     pub(crate) fn observe(&self, answer: &Reservation) {
-        if self.plan != ReservePlan::Adaptive {
-            return;
+        if self.plan == ReservePlan::Adaptive {
+            self.share.observe(answer);
         }
-        let target = match answer {
-            Reservation::Acquired { attempt: 1 } => ONE,
-            Reservation::Acquired { .. } => ONE / 2,
-            Reservation::Existing(_) => 0,
-        };
-        let share = self.fresh_share.load(Ordering::Relaxed);
-        let next = if target >= share {
-            share + ((target - share) >> WEIGHT_SHIFT)
-        } else {
-            share - ((share - target) >> WEIGHT_SHIFT)
-        };
-        self.fresh_share.store(next, Ordering::Relaxed);
     }
 }
 

@@ -4,6 +4,8 @@ use std::time::Duration;
 
 use idempotency_core::{parse_duration, Error};
 
+use crate::BatchReads;
+
 /// The largest value Redis accepts in one argument (`proto-max-bulk-len`'s
 /// default, also the largest string value), less room for the record header.
 pub const REDIS_HARD_MAX_RESULT_BYTES: usize = 512 * 1024 * 1024 - 1024;
@@ -108,6 +110,9 @@ impl ReserveStrategy {
 pub struct RedisOptions {
     /// `reserve=set-nx-get|script` (default `set-nx-get`).
     pub reserve_strategy: ReserveStrategy,
+    /// `batch_reads=adaptive|never|always`: whether a batch's reservations
+    /// read their records first (default `adaptive`; see [`BatchReads`]).
+    pub batch_reads: BatchReads,
     /// `max_result_bytes=N`: the largest result or stored error accepted
     /// (default [`DEFAULT_MAX_RESULT_BYTES`], at most
     /// [`REDIS_HARD_MAX_RESULT_BYTES`]); larger ones get
@@ -133,6 +138,7 @@ impl Default for RedisOptions {
     fn default() -> Self {
         RedisOptions {
             reserve_strategy: ReserveStrategy::default(),
+            batch_reads: BatchReads::default(),
             max_result_bytes: DEFAULT_MAX_RESULT_BYTES,
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             response_timeout: DEFAULT_RESPONSE_TIMEOUT,
@@ -271,6 +277,10 @@ fn parse_query(query: &str, mut options: RedisOptions) -> Result<(RedisOptions, 
                 options.reserve_strategy =
                     ReserveStrategy::parse(value).ok_or_else(|| bad("`set-nx-get` or `script`"))?;
             }
+            "batch_reads" => {
+                options.batch_reads =
+                    BatchReads::parse(value).ok_or_else(|| bad("`adaptive`, `never` or `always`"))?;
+            }
             "max_result_bytes" => {
                 let n: usize = value.parse().map_err(|_| bad("a number of bytes"))?;
                 if n > REDIS_HARD_MAX_RESULT_BYTES {
@@ -294,8 +304,8 @@ fn parse_query(query: &str, mut options: RedisOptions) -> Result<(RedisOptions, 
             "protocol" => passthrough.push(pair),
             _ => {
                 return Err(Error::config(format!(
-                    "unknown Redis URL option `{name}` (known: reserve, max_result_bytes, \
-                     connect_timeout, response_timeout, reconnect_retries, protocol)"
+                    "unknown Redis URL option `{name}` (known: reserve, batch_reads, \
+                     max_result_bytes, connect_timeout, response_timeout, reconnect_retries, protocol)"
                 )))
             }
         }
@@ -335,6 +345,9 @@ mod tests {
         );
         assert_eq!(o.reserve_strategy, ReserveStrategy::Script);
         assert_eq!(o.response_timeout, Duration::from_millis(250));
+        let (_, o) = parse_url("redis://h:1?batch_reads=always").unwrap();
+        assert_eq!(o.batch_reads, BatchReads::Always);
+        assert!(parse_url("redis://h:1?batch_reads=often").is_err());
         let (t, o) = parse_url("redis://h:1?reserve=script#insecure").unwrap();
         assert_eq!(t, Target::Standalone("redis://h:1#insecure".into()));
         assert_eq!(o.reserve_strategy, ReserveStrategy::Script);

@@ -9,8 +9,8 @@ use std::time::Duration;
 use async_trait::async_trait;
 use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
 use idempotency_core::{
-    escape_namespace, Capabilities, Completion, Error, OwnerToken, Record, RecordKey, Repository,
-    Reservation, ReserveRequest, Status, Timestamp,
+    escape_namespace, Capabilities, Completion, Error, FreshShare, OwnerToken, Record, RecordKey,
+    Repository, Reservation, ReserveRequest, Status, Timestamp,
 };
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, RedisWrite, ToRedisArgs, Value};
@@ -23,6 +23,9 @@ use crate::options::{
 use crate::scripts::{LuaScript, Scripts};
 
 mod complete_many;
+mod read_first;
+
+pub use read_first::BatchReads;
 
 /// The longest id stored verbatim; longer ids are digested by
 /// [`RecordKey::new`].
@@ -84,6 +87,10 @@ pub struct RedisRepository {
     /// completed on its own.
     multi_key_scripts: Arc<AtomicBool>,
     max_result_bytes: usize,
+    /// Whether a batch's reservations read their records first.
+    batch_reads: BatchReads,
+    /// The recent share of fresh keys (for [`BatchReads::Adaptive`]).
+    fresh_share: Arc<FreshShare>,
     /// On a cluster reached by URL: the slot table and our connections to its
     /// primaries, for keyed commands and batches (see `nodes`).
     #[cfg(feature = "cluster")]
@@ -217,6 +224,8 @@ impl RedisRepository {
             set_nx_get_supported: Arc::new(AtomicBool::new(true)),
             multi_key_scripts: Arc::new(AtomicBool::new(true)),
             max_result_bytes: RedisOptions::default().max_result_bytes,
+            batch_reads: BatchReads::default(),
+            fresh_share: Arc::new(FreshShare::new()),
             #[cfg(feature = "cluster")]
             nodes: None,
         }
@@ -235,6 +244,14 @@ impl RedisRepository {
     fn with_options(self, options: &RedisOptions) -> Self {
         self.with_reserve_strategy(options.reserve_strategy)
             .with_max_result_bytes(options.max_result_bytes)
+            .with_batch_reads(options.batch_reads)
+    }
+
+    /// Sets whether a batch's reservations (`reserve_many`) read their
+    /// records first (default [`BatchReads::Adaptive`]).
+    pub fn with_batch_reads(mut self, reads: BatchReads) -> Self {
+        self.batch_reads = reads;
+        self
     }
 
     /// Sets how `reserve` talks to Redis (default [`ReserveStrategy::SetNxGet`]).
@@ -656,19 +673,75 @@ impl RedisRepository {
             Value::BulkString(bytes) => Self::decode(req.key, bytes)?,
             _ => return Err(unexpected("reserve", "an unexpected reply to SET")),
         };
-        Ok(match reserve_transition(Some(&record), req) {
+        Ok(Self::decided(req, record))
+    }
+
+    /// What the stored `record` answers for `req` with nothing written, or
+    /// `None` when a write must decide (the record expired or is open to a
+    /// takeover, and may have changed since).
+    fn decided(req: &ReserveRequest<'_>, record: Record) -> Option<Reservation> {
+        match reserve_transition(Some(&record), req) {
             ReserveTransition::Existing => Some(Reservation::Existing(record)),
-            // Our own live reservation (a re-sent reserve): `NX` wrote
-            // nothing, and nothing needs writing.
+            // Our own live reservation (a re-sent reserve): nothing needs
+            // writing.
             ReserveTransition::AlreadyHeld { attempt } => Some(Reservation::Acquired { attempt }),
             ReserveTransition::Create | ReserveTransition::Takeover { .. } => None,
+        }
+    }
+
+    /// A batch's reservations in one round trip (two when they read first
+    /// and a record leaves a key open; see [`BatchReads`]); every answer
+    /// counts into the recent share of fresh keys.
+    async fn reserve_pipelined(
+        &self,
+        mut conn: impl redis::aio::ConnectionLike + Send,
+        requests: Vec<ReserveRequest<'_>>,
+    ) -> Vec<Result<Reservation, Error>> {
+        let answers = if self.batch_reads.now(&self.fresh_share) {
+            match self.read_first(&mut conn, &requests).await {
+                Ok(decided) => self.write_open(conn, requests, decided).await,
+                Err(e) => requests.iter().map(|_| Err(e.for_another())).collect(),
+            }
+        } else {
+            self.write_pipelined(conn, requests).await
+        };
+        for answer in answers.iter().flatten() {
+            self.fresh_share.observe(answer);
+        }
+        answers
+    }
+
+    /// The requests the reads left open (`None` in `decided`) through
+    /// [`Self::write_pipelined`]; every answer in order.
+    async fn write_open(
+        &self,
+        conn: impl redis::aio::ConnectionLike + Send,
+        requests: Vec<ReserveRequest<'_>>,
+        decided: read_first::Decided,
+    ) -> Vec<Result<Reservation, Error>> {
+        let open: Vec<_> = requests
+            .into_iter()
+            .zip(&decided)
+            .filter(|(_, answer)| answer.is_none())
+            .map(|(req, _)| req)
+            .collect();
+        let mut written = if open.is_empty() {
+            Vec::new()
+        } else {
+            self.write_pipelined(conn, open).await
+        }
+        .into_iter();
+        fill(decided, |_| {
+            written
+                .next()
+                .unwrap_or_else(|| Err(unexpected("reserve", "fewer answers than requests")))
         })
     }
 
     /// Every request's first command in one pipeline; what it cannot decide
     /// (a takeover, an expired record, a script the server lost, a server
     /// without `SET … GET`) goes through [`Repository::reserve`], concurrently.
-    async fn reserve_pipelined(
+    async fn write_pipelined(
         &self,
         mut conn: impl redis::aio::ConnectionLike + Send,
         requests: Vec<ReserveRequest<'_>>,

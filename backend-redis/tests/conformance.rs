@@ -1,5 +1,5 @@
 //! The whole conformance suite against the harness's Redis server, once per
-//! reserve strategy. (The same suite against a Redis Cluster runs in
+//! reserve strategy, and once with every batch reading first. (The same suite against a Redis Cluster runs in
 //! `tests/redis.rs`.)
 
 #![allow(clippy::expect_used)]
@@ -34,6 +34,24 @@ mod script_strategy {
 
     async fn repository() -> SharedRepository {
         connect(ReserveStrategy::Script).await
+    }
+
+    idempotency_conformance::conformance_tests!(repository);
+}
+
+/// Every batch's reservations read their records first (`MGET`), the writes
+/// only for the keys the records leave open.
+mod read_first_batches {
+    use super::*;
+
+    async fn repository() -> SharedRepository {
+        let server = containers::redis()
+            .await
+            .expect("a Redis server from the harness (see docs/testing.md)");
+        let repo = RedisRepository::connect(&format!("{}?batch_reads=always", server.url()))
+            .await
+            .expect("connect to the harness's Redis server");
+        Arc::new(repo)
     }
 
     idempotency_conformance::conformance_tests!(repository);

@@ -23,7 +23,7 @@ use idempotency_core::{
     Completion, Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken,
     RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Status,
 };
-use idempotency_redis::{redis, RedisRepository, ReserveStrategy};
+use idempotency_redis::{redis, BatchReads, RedisRepository, ReserveStrategy};
 
 mod sharding_proxy;
 
@@ -697,10 +697,13 @@ async fn batch_completions_fall_back_where_keys_may_not_share_a_script() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cluster_conformance() {
     let (cluster, url) = cluster().await;
-    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
-        let repo = cluster_repo(&url, strategy).await;
+    for (strategy, reads) in CLUSTER_PLANS {
+        let repo = cluster_repo(&url, strategy).await.with_batch_reads(reads);
         let report = idempotency_conformance::run_all(Arc::new(repo)).await;
-        println!("cluster, {strategy:?}: {} checks passed", report.passed());
+        println!(
+            "cluster, {strategy:?}, {reads:?}: {} checks passed",
+            report.passed()
+        );
         report.assert_all_passed();
     }
 
@@ -748,6 +751,16 @@ async fn cluster_conformance() {
     }
 }
 
+/// The ways a cluster's batches are sent that its tests go through: each
+/// reserve strategy writing first, and reads first (a pipeline of `GET`s per
+/// primary).
+#[cfg(feature = "cluster")]
+const CLUSTER_PLANS: [(ReserveStrategy, BatchReads); 3] = [
+    (ReserveStrategy::SetNxGet, BatchReads::Never),
+    (ReserveStrategy::Script, BatchReads::Never),
+    (ReserveStrategy::SetNxGet, BatchReads::Always),
+];
+
 /// Batches on the cluster answer exactly as the single operations would:
 /// fresh keys, duplicates, a batch re-sent by its owners, completions (half of
 /// them refused), and — after `SCRIPT FLUSH` on every node — takeovers and
@@ -757,8 +770,10 @@ async fn cluster_conformance() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cluster_batches_answer_as_single_operations() {
     let (cluster, url) = cluster().await;
-    for strategy in [ReserveStrategy::SetNxGet, ReserveStrategy::Script] {
-        let repo = cluster_repo(&url, strategy).await;
+    for (strategy, reads) in CLUSTER_PLANS {
+        let repo = cluster_repo(&url, strategy).await.with_batch_reads(reads);
+        // In the messages below.
+        let strategy = (strategy, reads);
         let clock = ManualClock::starting_now();
         let keys: Vec<RecordKey> = (0..60).map(|i| key(&format!("batch-{i}"))).collect();
         let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
@@ -2173,4 +2188,227 @@ async fn proxied_batches(proxy: &sharding_proxy::ShardingProxy) {
             assert!(repo.delete(k).await.unwrap());
         }
     }
+}
+
+/// The states a batch meets, prepared under `prefix` on `repo`: the key ids
+/// and, for each, the owner that reserves it in the batch. Fresh keys,
+/// completed records (duplicates), our own live reservation (a re-sent
+/// reserve), another owner's live one, a stale one (a takeover), a completed
+/// record logically expired, a retryable failure (taken over), a foreign
+/// value (corrupt) and a hash (the wrong type).
+async fn batch_states(
+    repo: &RedisRepository,
+    admin: &mut redis::aio::MultiplexedConnection,
+    clock: &ManualClock,
+    prefix: &str,
+) -> (Vec<RecordKey>, Vec<OwnerToken>) {
+    let ns = containers::unique_namespace(prefix);
+    let k = |id: &str| RecordKey::new(ns.clone(), id, 256).unwrap();
+    let now = clock.now();
+    let (mut keys, mut owners) = (Vec::new(), Vec::new());
+    let mut add = |key: RecordKey, owner: OwnerToken| {
+        keys.push(key);
+        owners.push(owner);
+    };
+    add(k("fresh"), OwnerToken::random());
+    let completed = k("completed");
+    let first = OwnerToken::random();
+    repo.reserve(request(&completed, first, clock))
+        .await
+        .unwrap();
+    repo.complete(&completed, first, Some(b"r"), now + TTL, now)
+        .await
+        .unwrap();
+    add(completed, OwnerToken::random());
+    let ours = k("ours");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&ours, owner, clock)).await.unwrap();
+    add(ours, owner);
+    let theirs = k("theirs");
+    repo.reserve(request(&theirs, OwnerToken::random(), clock))
+        .await
+        .unwrap();
+    add(theirs, OwnerToken::random());
+    let stale = k("stale");
+    repo.reserve(ReserveRequest {
+        lease_until: now,
+        ..request(&stale, OwnerToken::random(), clock)
+    })
+    .await
+    .unwrap();
+    add(stale, OwnerToken::random());
+    let expired = k("expired");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&expired, owner, clock)).await.unwrap();
+    repo.complete(&expired, owner, Some(b"old"), now, now)
+        .await
+        .unwrap();
+    add(expired, OwnerToken::random());
+    let failed = k("failed");
+    let owner = OwnerToken::random();
+    repo.reserve(request(&failed, owner, clock)).await.unwrap();
+    repo.fail(&failed, owner, None, true, now + TTL, now)
+        .await
+        .unwrap();
+    add(failed, OwnerToken::random());
+    let foreign = k("foreign");
+    let _: () = redis::cmd("SET")
+        .arg(RedisRepository::redis_key(&foreign))
+        .arg(b"\0\xffnot a record".as_slice())
+        .arg("EX")
+        .arg(600)
+        .query_async(admin)
+        .await
+        .unwrap();
+    add(foreign, OwnerToken::random());
+    let hash = k("hash");
+    let _: () = redis::cmd("HSET")
+        .arg(RedisRepository::redis_key(&hash))
+        .arg("status")
+        .arg("processing")
+        .query_async(admin)
+        .await
+        .unwrap();
+    add(hash, OwnerToken::random());
+    (keys, owners)
+}
+
+/// What an answer says, without the record's instants.
+fn shape(answer: &Result<Reservation, Error>) -> String {
+    match answer {
+        Ok(Reservation::Acquired { attempt }) => format!("acquired {attempt}"),
+        Ok(Reservation::Existing(r)) => {
+            format!("existing {:?} {:?} {}", r.status, r.result, r.attempt)
+        }
+        Err(Error::Corrupt { key: Some(k), .. }) => format!("corrupt {}", k.id()),
+        Err(e) => format!("error retryable={}", e.is_retryable()),
+    }
+}
+
+/// A batch that reads first answers every state exactly as one that writes
+/// first, with one `MGET` and `SET … NX … GET` only for the keys the records
+/// leave open; a batch of duplicates is one `MGET`, one round trip. Under the
+/// adaptive default a batch reads first once the recent batches were mostly
+/// duplicates, and writes first again once they are mostly fresh.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_read_first_answer_as_the_writes_do() {
+    let server = dedicated().await;
+    let counter = containers::WireCounter::redis(server.url()).await.unwrap();
+    let mut admin = admin(server.url()).await;
+    let connect = |reads: BatchReads| {
+        let url = counter.url().to_owned();
+        async move {
+            let repo = RedisRepository::connect(&url)
+                .await
+                .unwrap()
+                .with_batch_reads(reads);
+            repo.load_scripts().await.unwrap();
+            repo
+        }
+    };
+    let (reads, writes) = (
+        connect(BatchReads::Always).await,
+        connect(BatchReads::Never).await,
+    );
+    let clock = ManualClock::starting_now();
+    let (read_keys, read_owners) = batch_states(&reads, &mut admin, &clock, "read-first").await;
+    let (write_keys, write_owners) = batch_states(&writes, &mut admin, &clock, "write-first").await;
+    let mut by_reads = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        by_reads = reads
+            .reserve_many(requests_of(&read_keys, &read_owners, &clock))
+            .await;
+    })
+    .await;
+    let by_writes = writes
+        .reserve_many(requests_of(&write_keys, &write_owners, &clock))
+        .await;
+    let shapes =
+        |answers: &[Result<Reservation, Error>]| answers.iter().map(shape).collect::<Vec<_>>();
+    assert_eq!(shapes(&by_reads), shapes(&by_writes));
+    assert_eq!(
+        shapes(&by_reads),
+        [
+            "acquired 1",
+            "existing Completed Some([114]) 1",
+            "acquired 1",
+            "existing Processing None 1",
+            "acquired 2",
+            "acquired 1",
+            "acquired 2",
+            "corrupt foreign",
+            "corrupt hash",
+        ]
+    );
+    // One read; writes for the fresh, stale, expired, failed and hash keys
+    // (the stale and failed ones then through the script).
+    assert_eq!(commands.get("mget"), Some(&1));
+    assert!(
+        commands.get("set").copied().unwrap_or(0) >= 5,
+        "{commands:?}"
+    );
+
+    // A batch of duplicates: one `MGET`, one round trip, nothing written.
+    let keys: Vec<RecordKey> = (0..100).map(|i| key(&format!("dup-{i}"))).collect();
+    let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    let fresh = writes
+        .reserve_many(requests_of(&keys, &owners, &clock))
+        .await;
+    assert!(fresh
+        .iter()
+        .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+    let others: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    let before = counter.snapshot();
+    let mut duplicates = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        duplicates = reads
+            .reserve_many(requests_of(&keys, &others, &clock))
+            .await;
+    })
+    .await;
+    assert_eq!(counter.round_trips_since(&before), 1);
+    assert_eq!(commands, counts(&[("mget", 1)]));
+    for (answer, owner) in duplicates.iter().zip(&owners) {
+        assert!(matches!(answer, Ok(Reservation::Existing(r)) if r.owner == *owner));
+    }
+
+    // Adaptive: writes first to begin with; reads first after a batch of
+    // duplicates; writes first again after fresh batches.
+    let adaptive = connect(BatchReads::Adaptive).await;
+    let commands = commands_of(&mut admin, reserve_all(&adaptive, &keys, &others, &clock)).await;
+    assert_eq!(
+        commands,
+        counts(&[("set", 100)]),
+        "writes first to begin with"
+    );
+    let commands = commands_of(&mut admin, reserve_all(&adaptive, &keys, &others, &clock)).await;
+    assert_eq!(
+        commands,
+        counts(&[("mget", 1)]),
+        "reads first after duplicates"
+    );
+    for round in 0..2 {
+        let fresh: Vec<RecordKey> = (0..100)
+            .map(|i| key(&format!("fresh-{round}-{i}")))
+            .collect();
+        let owners: Vec<OwnerToken> = fresh.iter().map(|_| OwnerToken::random()).collect();
+        reserve_all(&adaptive, &fresh, &owners, &clock).await;
+    }
+    let commands = commands_of(&mut admin, reserve_all(&adaptive, &keys, &others, &clock)).await;
+    assert_eq!(
+        commands,
+        counts(&[("set", 100)]),
+        "writes first after fresh batches"
+    );
+}
+
+/// One `reserve_many` of `keys` by `owners`, every answer an answer.
+async fn reserve_all(
+    repo: &RedisRepository,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+    clock: &ManualClock,
+) {
+    let answers = repo.reserve_many(requests_of(keys, owners, clock)).await;
+    assert!(answers.iter().all(Result::is_ok), "{answers:?}");
 }

@@ -415,8 +415,14 @@ mod tests {
             ])
             .remove(0)
         };
-        assert_eq!(target(&batch("postgres", 6.7)), Some(("≥ 5×".to_owned(), true)));
-        assert_eq!(target(&batch("redis", 4.5)), Some(("≥ 5×".to_owned(), false)));
+        assert_eq!(
+            target(&batch("postgres", 6.7)),
+            Some(("≥ 5×".to_owned(), true))
+        );
+        assert_eq!(
+            target(&batch("redis", 4.5)),
+            Some(("≥ 5×".to_owned(), false))
+        );
         assert_eq!(target(&batch("sqlite", 9.0)), None);
     }
 

@@ -63,6 +63,7 @@ pub mod metrics;
 mod middleware;
 mod record;
 mod repository;
+mod share;
 pub mod stages;
 mod strategy;
 pub mod testing;
@@ -90,6 +91,7 @@ pub use repository::{
     Capabilities, Completion, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
     SharedRepository,
 };
+pub use share::FreshShare;
 pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};
 pub use time::{Clock, ManualClock, SystemClock, Timestamp};
 

@@ -13,7 +13,7 @@ use idempotency_redis::redis::aio::{ConnectionLike, ConnectionManager, Multiplex
 #[cfg(feature = "redis-cluster")]
 use idempotency_redis::redis::cluster_async::ClusterConnection;
 use idempotency_redis::redis::{self, Value};
-use idempotency_redis::RedisRepository;
+use idempotency_redis::{BatchReads, RedisRepository};
 
 use super::{config, execute, key_id, populate, receipt_bytes, Lane, Workload};
 use crate::{BoxError, Scenario, Variant};
@@ -63,9 +63,18 @@ impl<C: ConnectionLike + Clone + Send + Sync> Side<C> {
 }
 
 impl Side<ConnectionManager> {
+    /// The library's batches read first as
+    /// `IDEMPOTENCY_BENCH_REDIS_BATCH_READS` says (`adaptive`, the default,
+    /// `never` or `always`), to compare them in one sitting.
     async fn connect(url: &str) -> Result<Self, BoxError> {
         let conn = redis::Client::open(url)?.get_connection_manager().await?;
-        Side::new(RedisRepository::from_connection_manager(conn.clone()), conn).await
+        let reads = match std::env::var("IDEMPOTENCY_BENCH_REDIS_BATCH_READS") {
+            Ok(name) => BatchReads::parse(&name)
+                .ok_or_else(|| format!("IDEMPOTENCY_BENCH_REDIS_BATCH_READS={name}: expected adaptive, never or always"))?,
+            Err(_) => BatchReads::default(),
+        };
+        let repo = RedisRepository::from_connection_manager(conn.clone()).with_batch_reads(reads);
+        Side::new(repo, conn).await
     }
 }
 
