@@ -89,6 +89,10 @@ pub struct RedisRepository {
     max_result_bytes: usize,
     /// Whether a batch's reservations read their records first.
     batch_reads: BatchReads,
+    /// Set when the server refused a batch's read for anything but an
+    /// outage (an ACL without `MGET`, `CROSSSLOT`, a proxy): batches write
+    /// first from then on.
+    reads_refused: Arc<AtomicBool>,
     /// The recent share of fresh keys (for [`BatchReads::Adaptive`]).
     fresh_share: Arc<FreshShare>,
     /// On a cluster reached by URL: the slot table and our connections to its
@@ -225,6 +229,7 @@ impl RedisRepository {
             multi_key_scripts: Arc::new(AtomicBool::new(true)),
             max_result_bytes: RedisOptions::default().max_result_bytes,
             batch_reads: BatchReads::default(),
+            reads_refused: Arc::new(AtomicBool::new(false)),
             fresh_share: Arc::new(FreshShare::new()),
             #[cfg(feature = "cluster")]
             nodes: None,
@@ -697,10 +702,20 @@ impl RedisRepository {
         mut conn: impl redis::aio::ConnectionLike + Send,
         requests: Vec<ReserveRequest<'_>>,
     ) -> Vec<Result<Reservation, Error>> {
-        let answers = if self.batch_reads.now(&self.fresh_share) {
+        let reads =
+            self.batch_reads.now(&self.fresh_share) && !self.reads_refused.load(Ordering::Relaxed);
+        let answers = if reads {
             match self.read_first(&mut conn, &requests).await {
                 Ok(decided) => self.write_open(conn, requests, decided).await,
-                Err(e) => requests.iter().map(|_| Err(e.for_another())).collect(),
+                Err(e) if e.is_store_outage() => {
+                    requests.iter().map(|_| Err(e.for_another())).collect()
+                }
+                Err(e) => {
+                    // Nothing was written: this batch writes instead.
+                    tracing::warn!(error = %e, "the Redis server refused a batch's read; batches write first from now on");
+                    self.reads_refused.store(true, Ordering::Relaxed);
+                    self.write_pipelined(conn, requests).await
+                }
             }
         } else {
             self.write_pipelined(conn, requests).await

@@ -2194,8 +2194,9 @@ async fn proxied_batches(proxy: &sharding_proxy::ShardingProxy) {
 /// and, for each, the owner that reserves it in the batch. Fresh keys,
 /// completed records (duplicates), our own live reservation (a re-sent
 /// reserve), another owner's live one, a stale one (a takeover), a completed
-/// record logically expired, a retryable failure (taken over), a foreign
-/// value (corrupt) and a hash (the wrong type).
+/// record still stored but logically expired when the batch comes (see
+/// [`batch_requests`]), a retryable failure (taken over), a foreign value
+/// (corrupt) and a hash (the wrong type).
 async fn batch_states(
     repo: &RedisRepository,
     admin: &mut redis::aio::MultiplexedConnection,
@@ -2240,7 +2241,7 @@ async fn batch_states(
     let expired = k("expired");
     let owner = OwnerToken::random();
     repo.reserve(request(&expired, owner, clock)).await.unwrap();
-    repo.complete(&expired, owner, Some(b"old"), now, now)
+    repo.complete(&expired, owner, Some(b"old"), now + TTL, now)
         .await
         .unwrap();
     add(expired, OwnerToken::random());
@@ -2271,6 +2272,28 @@ async fn batch_states(
         .unwrap();
     add(hash, OwnerToken::random());
     (keys, owners)
+}
+
+/// Where [`batch_states`] puts the record that expires before its batch.
+const EXPIRED: usize = 5;
+
+/// The batch over [`batch_states`]' keys: each request at the clock's time
+/// but the one for [`EXPIRED`], which comes after that record's expiry (the
+/// server still holds it: its TTL is an hour).
+fn batch_requests<'a>(
+    keys: &'a [RecordKey],
+    owners: &[OwnerToken],
+    clock: &ManualClock,
+) -> Vec<ReserveRequest<'a>> {
+    let mut requests = requests_of(keys, owners, clock);
+    let later = clock.now() + TTL + Duration::from_secs(1);
+    requests[EXPIRED] = ReserveRequest {
+        now: later,
+        lease_until: later + LEASE,
+        expires_at: later + TTL,
+        ..requests[EXPIRED].clone()
+    };
+    requests
 }
 
 /// What an answer says, without the record's instants.
@@ -2316,12 +2339,12 @@ async fn batches_read_first_answer_as_the_writes_do() {
     let mut by_reads = Vec::new();
     let commands = commands_of(&mut admin, async {
         by_reads = reads
-            .reserve_many(requests_of(&read_keys, &read_owners, &clock))
+            .reserve_many(batch_requests(&read_keys, &read_owners, &clock))
             .await;
     })
     .await;
     let by_writes = writes
-        .reserve_many(requests_of(&write_keys, &write_owners, &clock))
+        .reserve_many(batch_requests(&write_keys, &write_owners, &clock))
         .await;
     let shapes =
         |answers: &[Result<Reservation, Error>]| answers.iter().map(shape).collect::<Vec<_>>();
@@ -2340,12 +2363,14 @@ async fn batches_read_first_answer_as_the_writes_do() {
             "corrupt hash",
         ]
     );
-    // One read; writes for the fresh, stale, expired, failed and hash keys
-    // (the stale and failed ones then through the script).
-    assert_eq!(commands.get("mget"), Some(&1));
-    assert!(
-        commands.get("set").copied().unwrap_or(0) >= 5,
-        "{commands:?}"
+    // One read, and writes only for the five keys it left open: a pipeline
+    // of `SET … NX … GET` (fresh, stale, expired, failed, hash), then for the
+    // stale, expired and failed keys the single path (`SET … NX … GET`
+    // again, then the reserve script with its `GET` and `SET`). Nothing for
+    // the completed, ours, theirs and foreign keys.
+    assert_eq!(
+        commands,
+        counts(&[("mget", 1), ("set", 11), ("evalsha", 3), ("get", 3)])
     );
 
     // A batch of duplicates: one `MGET`, one round trip, nothing written.
@@ -2411,4 +2436,51 @@ async fn reserve_all(
 ) {
     let answers = repo.reserve_many(requests_of(keys, owners, clock)).await;
     assert!(answers.iter().all(Result::is_ok), "{answers:?}");
+}
+
+/// A server that refuses a batch's read for anything but an outage (here an
+/// ACL without `MGET`) gets that batch's writes instead, with the answers
+/// the writes give, and every later batch writes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_read_falls_back_to_the_writes_for_good() {
+    let server = dedicated().await;
+    let mut admin = admin(server.url()).await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER", "no-mget", "on", ">secret", "~*", "&*", "+@all", "-mget",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = server
+        .url()
+        .replacen("redis://", "redis://no-mget:secret@", 1);
+    let repo = RedisRepository::connect(&format!("{url}?batch_reads=always"))
+        .await
+        .unwrap();
+    let clock = ManualClock::starting_now();
+    let keys: Vec<RecordKey> = (0..3).map(|i| key(&format!("refused-{i}"))).collect();
+    let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    let mut fresh = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        fresh = repo.reserve_many(requests_of(&keys, &owners, &clock)).await;
+    })
+    .await;
+    assert!(
+        fresh
+            .iter()
+            .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))),
+        "{fresh:?}"
+    );
+    assert_eq!(commands.get("set"), Some(&3), "{commands:?}");
+    let others: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    let mut duplicates = Vec::new();
+    let commands = commands_of(&mut admin, async {
+        duplicates = repo.reserve_many(requests_of(&keys, &others, &clock)).await;
+    })
+    .await;
+    for (answer, owner) in duplicates.iter().zip(&owners) {
+        assert!(matches!(answer, Ok(Reservation::Existing(r)) if r.owner == *owner));
+    }
+    assert_eq!(commands, counts(&[("set", 3)]), "no read tried again");
 }

@@ -24,6 +24,17 @@ use crate::error::map_redis_error;
 
 /// Whether a batch's reservations read their records first.
 ///
+/// A server that refuses the read for anything but an outage (an ACL without
+/// `MGET`, `CROSSSLOT` from a cluster node reached by a standalone URL)
+/// gets that batch's writes instead, and every later batch writes first.
+/// Reads go where the writes go; behind an endpoint that may reach a lagging
+/// replica (a failover in progress), a read may answer from a record the
+/// primary has since changed, as any read of it would: a duplicate answered
+/// with an outcome since deleted, or "in progress" for a key since released
+/// (the caller retries later). Every write still goes to the primary, and
+/// the manager runs a handler only on a reservation confirmed within the
+/// lease it asked for.
+///
 /// ```
 /// use idempotency_redis::BatchReads;
 ///
