@@ -278,8 +278,8 @@ fn parse_query(query: &str, mut options: RedisOptions) -> Result<(RedisOptions, 
                     ReserveStrategy::parse(value).ok_or_else(|| bad("`set-nx-get` or `script`"))?;
             }
             "batch_reads" => {
-                options.batch_reads =
-                    BatchReads::parse(value).ok_or_else(|| bad("`adaptive`, `never` or `always`"))?;
+                let what = "`adaptive`, `never` or `always`";
+                options.batch_reads = BatchReads::parse(value).ok_or_else(|| bad(what))?;
             }
             "max_result_bytes" => {
                 let n: usize = value.parse().map_err(|_| bad("a number of bytes"))?;

@@ -695,8 +695,8 @@ impl RedisRepository {
     }
 
     /// A batch's reservations in one round trip (two when they read first
-    /// and a record leaves a key open; see [`BatchReads`]); every answer
-    /// counts into the recent share of fresh keys.
+    /// and a record leaves a key open; see [`BatchReads`]); under the
+    /// adaptive plan every answer counts into the recent share of fresh keys.
     async fn reserve_pipelined(
         &self,
         mut conn: impl redis::aio::ConnectionLike + Send,
@@ -720,8 +720,10 @@ impl RedisRepository {
         } else {
             self.write_pipelined(conn, requests).await
         };
-        for answer in answers.iter().flatten() {
-            self.fresh_share.observe(answer);
+        if self.batch_reads == BatchReads::Adaptive {
+            for answer in answers.iter().flatten() {
+                self.fresh_share.observe(answer);
+            }
         }
         answers
     }
@@ -807,16 +809,11 @@ impl RedisRepository {
             .filter(|(_, answer)| answer.is_none())
             .map(|(req, _)| self.reserve(req));
         let mut again = futures::future::join_all(again).await.into_iter();
-        answers
-            .into_iter()
-            .map(|answer| {
-                answer.unwrap_or_else(|| {
-                    again.next().unwrap_or_else(|| {
-                        Err(unexpected("reserve", "fewer answers than requests"))
-                    })
-                })
-            })
-            .collect()
+        fill(answers, |_| {
+            again
+                .next()
+                .unwrap_or_else(|| Err(unexpected("reserve", "fewer answers than requests")))
+        })
     }
 }
 

@@ -23,7 +23,8 @@ use idempotency_core::{
     Completion, Config, Error, HandlerError, IdempotencyManager, ManualClock, Outcome, OwnerToken,
     RecordKey, Repository, Reservation, ReserveRequest, SharedRepository, Status,
 };
-use idempotency_redis::{redis, BatchReads, RedisRepository, ReserveStrategy};
+use idempotency_redis::redis;
+use idempotency_redis::{BatchReads, RedisRepository, ReserveStrategy};
 
 mod sharding_proxy;
 
@@ -2379,9 +2380,9 @@ async fn batches_read_first_answer_as_the_writes_do() {
     let fresh = writes
         .reserve_many(requests_of(&keys, &owners, &clock))
         .await;
-    assert!(fresh
-        .iter()
-        .all(|a| matches!(a, Ok(Reservation::Acquired { attempt: 1 }))));
+    let acquired =
+        |a: &Result<Reservation, Error>| matches!(a, Ok(Reservation::Acquired { attempt: 1 }));
+    assert!(fresh.iter().all(acquired));
     let others: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
     let before = counter.snapshot();
     let mut duplicates = Vec::new();

@@ -610,9 +610,8 @@ mod tests {
         assert!(padded.parse::<OwnerToken>().is_err());
         assert!("A".repeat(32).parse::<OwnerToken>().is_err());
         assert!("a".repeat(32).parse::<OwnerToken>().is_ok());
-        assert!(format!(" {}", "a".repeat(31))
-            .parse::<OwnerToken>()
-            .is_err());
+        let spaced = format!(" {}", "a".repeat(31));
+        assert!(spaced.parse::<OwnerToken>().is_err());
         let f = Fingerprint::of_bytes(b"x");
         assert_eq!(Fingerprint::try_from_slice(f.as_bytes()).unwrap(), f);
         assert!(Fingerprint::try_from_slice(b"short").is_err());

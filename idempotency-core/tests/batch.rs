@@ -515,8 +515,9 @@ async fn a_failed_batch_call_is_sent_again_after_a_pause() {
         let m = m.clone();
         tokio::spawn(async move { double(&m, &[("a", 1), ("b", 2)], 8).await })
     };
-    // Paused Tokio time: the clock moves only when every task waits, and the
-    // failed call answers at once.
+    // Not a fixed wait: the test runs on paused Tokio time, where this sleep
+    // lets the batch run until it waits (the failed call answers at once)
+    // and the clock then jumps 10 ms, short of the 20 ms back-off.
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(repo.calls(Operation::ReserveMany), 1);
     assert_eq!(repo.calls(Operation::Reserve), 0, "not sent again at once");

@@ -100,7 +100,8 @@ impl RedisRepository {
     /// it would have.
     ///
     /// # Errors
-    /// The call's own error (nothing was written).
+    /// The call's own error (nothing was written); a reply of another shape
+    /// than one value per key is [`Error::Backend`].
     pub(super) async fn read_first(
         &self,
         conn: &mut (impl ConnectionLike + Send),
@@ -111,7 +112,13 @@ impl RedisRepository {
             map_redis_error(e, key, "reserve")
         })?;
         if replies.len() != requests.len() {
-            return Err(super::replies_missing("reserve"));
+            // Not an outage (nothing was written, and the server answered):
+            // something between us and it answers reads otherwise, so
+            // batches write first from then on.
+            return Err(super::unexpected(
+                "reserve",
+                "a read with a reply per key missing",
+            ));
         }
         Ok(requests
             .iter()
