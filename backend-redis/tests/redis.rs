@@ -2214,22 +2214,16 @@ async fn batch_states(
     };
     add(k("fresh"), OwnerToken::random());
     let completed = k("completed");
-    let first = OwnerToken::random();
-    repo.reserve(request(&completed, first, clock))
-        .await
-        .unwrap();
+    let first = reserved(repo, &completed, clock).await;
     repo.complete(&completed, first, Some(b"r"), now + TTL, now)
         .await
         .unwrap();
     add(completed, OwnerToken::random());
     let ours = k("ours");
-    let owner = OwnerToken::random();
-    repo.reserve(request(&ours, owner, clock)).await.unwrap();
+    let owner = reserved(repo, &ours, clock).await;
     add(ours, owner);
     let theirs = k("theirs");
-    repo.reserve(request(&theirs, OwnerToken::random(), clock))
-        .await
-        .unwrap();
+    reserved(repo, &theirs, clock).await;
     add(theirs, OwnerToken::random());
     let stale = k("stale");
     repo.reserve(ReserveRequest {
@@ -2240,15 +2234,13 @@ async fn batch_states(
     .unwrap();
     add(stale, OwnerToken::random());
     let expired = k("expired");
-    let owner = OwnerToken::random();
-    repo.reserve(request(&expired, owner, clock)).await.unwrap();
+    let owner = reserved(repo, &expired, clock).await;
     repo.complete(&expired, owner, Some(b"old"), now + TTL, now)
         .await
         .unwrap();
     add(expired, OwnerToken::random());
     let failed = k("failed");
-    let owner = OwnerToken::random();
-    repo.reserve(request(&failed, owner, clock)).await.unwrap();
+    let owner = reserved(repo, &failed, clock).await;
     repo.fail(&failed, owner, None, true, now + TTL, now)
         .await
         .unwrap();
@@ -2273,6 +2265,13 @@ async fn batch_states(
         .unwrap();
     add(hash, OwnerToken::random());
     (keys, owners)
+}
+
+/// `key` reserved by a new owner, returned.
+async fn reserved(repo: &RedisRepository, key: &RecordKey, clock: &ManualClock) -> OwnerToken {
+    let owner = OwnerToken::random();
+    repo.reserve(request(key, owner, clock)).await.unwrap();
+    owner
 }
 
 /// Where [`batch_states`] puts the record that expires before its batch.
