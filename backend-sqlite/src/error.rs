@@ -10,21 +10,25 @@ mod code {
     pub(super) const ERROR: i64 = 1;
     pub(super) const BUSY: i64 = 5;
     pub(super) const LOCKED: i64 = 6;
+    pub(super) const NOMEM: i64 = 7;
     pub(super) const READONLY: i64 = 8;
     pub(super) const IOERR: i64 = 10;
     pub(super) const CORRUPT: i64 = 11;
     pub(super) const FULL: i64 = 13;
     pub(super) const CANTOPEN: i64 = 14;
+    pub(super) const PROTOCOL: i64 = 15;
     pub(super) const NOTADB: i64 = 26;
 }
 
 /// Maps a sqlx error of `operation` (on `key`, when there is one).
 ///
 /// - the database locked by another connection or process beyond the busy
-///   timeout (`SQLITE_BUSY`, `SQLITE_LOCKED`) → [`Error::Timeout`]: retryable,
-///   and the statement did not apply;
-/// - I/O errors, a full disk, a file that cannot be opened, a closed or
-///   exhausted pool → [`Error::Unavailable`];
+///   timeout (`SQLITE_BUSY`, `SQLITE_LOCKED`), or a race in the WAL's locking
+///   protocol (`SQLITE_PROTOCOL`) → [`Error::Timeout`]: retryable, and the
+///   statement did not apply;
+/// - I/O errors, a full disk, a file that cannot be opened, memory exhausted
+///   (`SQLITE_NOMEM`, e.g. past a `hard_heap_limit`), a closed or exhausted
+///   pool → [`Error::Unavailable`]: retryable;
 /// - a read-only file, a missing table (run the migrations), bad connection
 ///   options → [`Error::Config`] saying what to fix;
 /// - undecodable columns → [`Error::Corrupt`] naming the key;
@@ -57,11 +61,13 @@ pub(crate) fn map_sqlx(
             let extended: i64 = db.code().and_then(|c| c.parse().ok()).unwrap_or(0);
             let message = db.message().to_owned();
             match extended & 0xff {
-                code::BUSY | code::LOCKED => Error::Timeout {
+                code::BUSY | code::LOCKED | code::PROTOCOL => Error::Timeout {
                     backend: BACKEND,
                     operation,
                 },
-                code::IOERR | code::FULL | code::CANTOPEN => unavailable(operation, err),
+                code::IOERR | code::FULL | code::CANTOPEN | code::NOMEM => {
+                    unavailable(operation, err)
+                }
                 code::READONLY => Error::config(format!(
                     "{operation}: the SQLite database is read-only ({message}); the store writes \
                      on every reservation"

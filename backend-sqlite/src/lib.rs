@@ -11,6 +11,11 @@
 //!   finds the file locked waits for it, then fails with a retryable
 //!   [`Error::Timeout`](idempotency_core::Error::Timeout) (which the manager
 //!   retries with the same owner token), never a panic or a silent failure.
+//!   A race in the WAL's locking protocol (`SQLITE_PROTOCOL`) is the same
+//!   retryable `Timeout`; I/O errors, a full disk and memory exhausted
+//!   (`SQLITE_NOMEM`, e.g. past a `hard_heap_limit`) are a retryable
+//!   [`Error::Unavailable`](idempotency_core::Error::Unavailable); a damaged
+//!   file is a [`Error::Backend`](idempotency_core::Error::Backend).
 //! - **Durability**: `synchronous=FULL` by default: a recorded outcome
 //!   survives a crash of the process and a power loss. `synchronous=normal`
 //!   trades the last commits before a power loss for speed ([`Durability`]).
