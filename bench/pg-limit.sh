@@ -17,7 +17,7 @@
 # "library" runs the reservation function; "plain" the statement the adaptive
 # reserve plan sends alone once fresh keys (the INSERT) or duplicates (the
 # deciding SELECT) dominate. The bench runs twice per round: with the default
-# coalescing (coalesce_above=4) and without (0).
+# coalescing (the default, coalesce_above=2) and without (0).
 # The table is the library's own (migrated), so indexes are alike.
 set -euo pipefail
 
@@ -114,7 +114,7 @@ for fsync in on off; do
             t=$(pgbench -n -M prepared -c "$CLIENTS" -j 2 -T "$SECONDS_PER" -f "$WORK/$script.sql" "$url" 2>&1 | tps)
             echo "round $round  pgbench $script: $t executions/s"
         done
-        for coalesce in 4 0; do
+        for coalesce in 2 0; do
             out="$WORK/bench-$fsync-$round-$coalesce"
             settle "$url"
             "$BENCH" --backends postgres --postgres-url "$url?coalesce_above=$coalesce" \

@@ -52,7 +52,7 @@ pub(crate) const MOST: usize = 128;
 pub(crate) const MOST_BYTES: usize = 32 * 1024 * 1024;
 
 /// The default of [`coalesce_above`](crate::PgRepositoryBuilder::coalesce_above).
-pub const DEFAULT_COALESCE_ABOVE: usize = 4;
+pub const DEFAULT_COALESCE_ABOVE: usize = 2;
 
 /// How long a sending task waits for calls it sent on statements of their
 /// own (a lone call, or calls sent again after their shared statement was

@@ -40,7 +40,7 @@
 //! operations; default: the whole pool, see
 //! [`PgRepositoryBuilder::held_connections`]), `reserve_plan` (`adaptive`,
 //! the default, `function`, `insert-first` or `read-first`; see
-//! [`ReservePlan`]), `coalesce_above` (default 4, `0` off; see
+//! [`ReservePlan`]), `coalesce_above` (default 2, `0` off; see
 //! [Coalescing](#coalescing)). sqlx's connection options (`sslmode`, `sslrootcert`,
 //! `sslcert`, `sslkey`, `host`, `hostaddr`, `port`, `dbname`, `user`, `password`,
 //! `application_name`, `options`, `options[NAME]`, `statement-cache-capacity`)
@@ -182,7 +182,7 @@
 //! the server — is the statement itself: its round trip, two wake-ups, the
 //! executor's start, a commit. So a repository keeps at most
 //! [`coalesce_above`](PgRepositoryBuilder::coalesce_above) single
-//! reservations and completions in flight (default 4), each sent by a task
+//! reservations and completions in flight (default 2), each sent by a task
 //! of the repository's own. A call that finds fewer starts such a task, which
 //! sends it alone at once: a light load sees each call's own statement, as
 //! before, plus one task hop (15–20 µs of latency on the benchmark machine).

@@ -755,7 +755,7 @@ impl PgRepositoryBuilder {
 
     /// How many single reservations and completions may have a statement in
     /// flight at once before the next ones are coalesced (default
-    /// [`DEFAULT_COALESCE_ABOVE`], 4; `0` turns coalescing off). Also the URL
+    /// [`DEFAULT_COALESCE_ABOVE`], 2; `0` turns coalescing off). Also the URL
     /// option `coalesce_above=N`.
     ///
     /// Statements are sent by tasks of the repository's own, one per slot. A
