@@ -93,7 +93,8 @@ chmod 644 "$WORK"/*.sql
 tps() { sed -n 's/^tps = \([0-9.]*\) .*/\1/p' | head -1 | cut -d. -f1; }
 # Before every measured run: the background work the previous runs left
 # (autovacuum of the rows they inserted, a checkpoint flushing their pages)
-# done now, so that it lands on no run's clock.
+# done now, so that it lands on no run's clock. The bench does the same for its own
+# table after populating each round's duplicates (Workload::settle).
 settle() { psql -q "$1" -c "VACUUM ANALYZE pglimit" -c "CHECKPOINT" >/dev/null; }
 
 for fsync in on off; do

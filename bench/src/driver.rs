@@ -175,9 +175,7 @@ pub async fn count_round_trips(
     // on first use.
     let warm = ops.min(20);
     let ns = round_namespace(workload.backend(), scenario, variant);
-    if scenario.is_duplicate() {
-        workload.populate(&ns, warm + ops).await?;
-    }
+    prepare(workload, scenario, &ns, warm + ops).await?;
     for i in ops..ops + warm {
         workload
             .op(variant, scenario, &ns, i, Lane::Counted)
@@ -192,6 +190,21 @@ pub async fn count_round_trips(
     }
     let after = workload.round_trips().await?.unwrap_or(0);
     Ok(Some(after.saturating_sub(before) as f64 / ops as f64))
+}
+
+/// Before a round on `ns`: for a duplicate scenario, its `ops` keys completed
+/// and the server's background work for them done.
+async fn prepare(
+    workload: &dyn Workload,
+    scenario: Scenario,
+    ns: &str,
+    ops: usize,
+) -> Result<(), BoxError> {
+    if scenario.is_duplicate() {
+        workload.populate(ns, ops).await?;
+        workload.settle().await?;
+    }
+    Ok(())
 }
 
 /// The library/raw order of round `r`: A B, B A, A B, … (ABBA cancels linear
@@ -236,9 +249,7 @@ pub async fn run_backend(
             let mut slowest = f64::INFINITY;
             for variant in [Variant::Library, Variant::Raw] {
                 let ns = round_namespace(backend, scenario, variant);
-                if scenario.is_duplicate() {
-                    workload.populate(&ns, plan.warmup).await?;
-                }
+                prepare(&*workload, scenario, &ns, plan.warmup).await?;
                 let warm = run_round(
                     workload.clone(),
                     variant,
@@ -270,9 +281,7 @@ pub async fn run_backend(
                 for variant in round_order(r) {
                     let slot = variant as usize;
                     let ns = round_namespace(backend, scenario, variant);
-                    if scenario.is_duplicate() {
-                        workload.populate(&ns, per_round).await?;
-                    }
+                    prepare(&*workload, scenario, &ns, per_round).await?;
                     let before = workload.server_commands().await?;
                     let round = run_round(
                         workload.clone(),

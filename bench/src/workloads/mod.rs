@@ -45,6 +45,14 @@ pub trait Workload: Send + Sync + 'static {
     /// operations on them are duplicates.
     async fn populate(&self, ns: &str, ops: usize) -> Result<(), BoxError>;
 
+    /// Lets the server finish the background work that writes so far started
+    /// (PostgreSQL: `VACUUM ANALYZE` of the workload's table), so that it lands
+    /// on no measured round — as `bench/pg-limit.sh` does before each pgbench
+    /// run. Called after every [`populate`](Workload::populate).
+    async fn settle(&self) -> Result<(), BoxError> {
+        Ok(())
+    }
+
     /// One operation on key `i` of `ns`. Fails if the server's answer is not the
     /// scenario's (a duplicate where a first delivery was expected, …).
     async fn op(
@@ -247,6 +255,10 @@ impl Workload for Derived {
             return Ok(());
         }
         populate(&self.timed, ns, ops * BATCH, 16).await
+    }
+
+    async fn settle(&self) -> Result<(), BoxError> {
+        self.inner.settle().await
     }
 
     async fn op(
