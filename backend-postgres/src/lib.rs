@@ -189,8 +189,11 @@
 //! A call that finds that many waits; when one of those statements ends, its
 //! task sends the calls then waiting together — each kind in one statement
 //! over arrays, up to 128 calls, a key at most once — and keeps doing so
-//! while calls wait. Under load a call waits at most for one statement
-//! before its own goes, within the operation timeout. The slots belong to
+//! while calls wait. Under load a call usually waits for one statement
+//! before its own goes; longer behind waiting completions (they go first),
+//! behind more than 128 waiting calls, or behind other calls for the same
+//! key (one per statement) — always within the operation timeout. The slots
+//! belong to
 //! those tasks, never to a caller's future: one that is dropped, or leaked
 //! and never polled again, holds nothing up.
 //!
@@ -221,11 +224,15 @@
 //!   completions).
 //!
 //! Lower it where the server's CPU is the limit, raise it (or set `0`, off)
-//! where round trips are long and the server has cores to spare. On one
-//! PostgreSQL 15 sharing two cores with the client, the default ran
-//! executions 1.0–1.5 times as fast as no coalescing at 16 tasks and 2.7–3.6
-//! times at 64, fresh keys and duplicates, fsync on and off (BENCHMARKS.md,
-//! "PostgreSQL: coalescing").
+//! where round trips are long and the server has cores to spare, or where
+//! many deliveries of one key arrive at once (they go a statement each). On
+//! one PostgreSQL 15 sharing two cores with the client, coalescing with 4
+//! slots ran executions 1.0–1.5 times as fast as no coalescing at 16 tasks
+//! and 2.7–3.6 times at 64, fresh keys and duplicates, fsync on and off
+//! (BENCHMARKS.md, "PostgreSQL: coalescing"); 2 slots, the default since,
+//! ran duplicates a further 14 % and fresh keys 7 % faster at 16 tasks, and
+//! 1.3–1.5 times as fast as no coalescing (BENCHMARKS.md, "PostgreSQL
+//! against its own limit, both sides settled").
 //!
 //! # Schema
 //!

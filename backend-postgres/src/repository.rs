@@ -770,8 +770,11 @@ impl PgRepositoryBuilder {
     /// its own answer, the one its single statement would have given; an
     /// error of the shared statement is each of its calls' (an outage or a
     /// timeout is "maybe applied", as for a single statement, and retried with
-    /// the same owner token). A call waits at most for one statement to end
-    /// before its own is sent, within the operation timeout. A statement of
+    /// the same owner token). A call usually waits for one statement to end
+    /// before its own is sent (longer behind waiting completions, which go
+    /// first, behind more than 128 waiting calls, or behind other calls for
+    /// its key, which go one per statement), always within the operation
+    /// timeout. A statement of
     /// one call that waits on a row lock (a key another transaction holds)
     /// gives up its slot after 100 ms and ends on a task of its own, so the
     /// calls behind it do not wait for that lock.
@@ -780,7 +783,8 @@ impl PgRepositoryBuilder {
     /// commit are shared by the calls it carries, which is most of what a
     /// one-row statement costs the client and the server: see BENCHMARKS.md.
     /// Lower it for a server whose CPU is the limit, raise it (or turn it
-    /// off) where round trips are long and the server has cores to spare.
+    /// off) where round trips are long and the server has cores to spare, or
+    /// where many deliveries of one key arrive at once.
     /// Reservations and completions on your own connection
     /// ([`PgRepository::in_transaction`], the
     /// [`PgTransactionalManager`](crate::PgTransactionalManager)) and the
