@@ -9,31 +9,14 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
 
-use idempotency_core::{
-    Clock, Error, OwnerToken, RecordKey, Repository, Reservation, ReserveRequest, SystemClock,
-};
+use idempotency_core::{Clock, Error, OwnerToken, RecordKey, Repository, Reservation, SystemClock};
 
 /// The database file the child process works on.
 const CHILD_PATH: &str = "IDEMPOTENCY_TEST_SQLITE_NOMEM_PATH";
 
 fn key() -> RecordKey {
     RecordKey::new("nomem", "k", 1024).unwrap()
-}
-
-fn request(key: &RecordKey) -> ReserveRequest<'_> {
-    let now = SystemClock.now();
-    ReserveRequest {
-        key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
 }
 
 #[tokio::test]
@@ -63,7 +46,10 @@ async fn memory_exhausted_is_a_retryable_outage_that_applied_nothing() {
     let repo = common::repository_at(&path, "").await;
     let key = key();
     assert_eq!(repo.get(&key, SystemClock.now()).await.unwrap(), None);
-    let acquired = repo.reserve(request(&key)).await.unwrap();
+    let acquired = repo
+        .reserve(common::request(&key, OwnerToken::random()))
+        .await
+        .unwrap();
     assert!(matches!(acquired, Reservation::Acquired { attempt: 1 }));
 }
 
@@ -86,7 +72,10 @@ async fn reserve_out_of_memory() {
         "{limited:?}"
     );
     let key = key();
-    let err = repo.reserve(request(&key)).await.unwrap_err();
+    let err = repo
+        .reserve(common::request(&key, OwnerToken::random()))
+        .await
+        .unwrap_err();
     assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
     assert!(err.is_retryable() && err.is_store_outage(), "{err:?}");
     assert!(err.to_string().contains("reserve"), "{err}");

@@ -10,29 +10,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::request;
 use idempotency_core::{
-    Clock, Config, Error, ExecuteError, HandlerError, IdempotencyManager, OwnerToken, RecordKey,
-    Repository, Reservation, ReserveRequest, SystemClock,
+    Config, Error, ExecuteError, HandlerError, IdempotencyManager, OwnerToken, RecordKey,
+    Repository, Reservation,
 };
 use idempotency_sqlite::SqliteRepository;
 use sqlx::{Connection, Executor, SqliteConnection};
 
 fn manager(repo: SqliteRepository) -> IdempotencyManager {
     IdempotencyManager::new(Arc::new(repo), Config::default()).unwrap()
-}
-
-fn request<'a>(key: &'a RecordKey, owner: OwnerToken) -> ReserveRequest<'a> {
-    let now = SystemClock.now();
-    ReserveRequest {
-        key,
-        owner,
-        fingerprint: None,
-        now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
 }
 
 #[tokio::test]

@@ -5,6 +5,9 @@
 
 use std::path::PathBuf;
 
+use std::time::Duration;
+
+use idempotency_core::{Clock, OwnerToken, RecordKey, ReserveRequest, SystemClock};
 use idempotency_sqlite::SqliteRepository;
 
 /// A path no other test uses.
@@ -24,4 +27,19 @@ pub async fn repository_at(path: &std::path::Path, options: &str) -> SqliteRepos
     SqliteRepository::connect(&url(path, options))
         .await
         .expect("open a SQLite database file")
+}
+
+/// A reservation of `key` by `owner` now: a 30 s lease, an hour's expiry.
+pub fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
+    let now = SystemClock.now();
+    ReserveRequest {
+        key,
+        owner,
+        fingerprint: None,
+        now,
+        lease_until: now + Duration::from_secs(30),
+        expires_at: now + Duration::from_secs(3600),
+        retry_failed: false,
+        clock_skew: Duration::ZERO,
+    }
 }
