@@ -1,19 +1,21 @@
 //! SQLite out of memory. The heap limit that provokes it (`PRAGMA
 //! hard_heap_limit`) holds for the whole process and can only be lowered, so
 //! the store runs out of memory in a child process (this binary again, running
-//! the ignored test below alone), and this process checks the file after.
+//! this same test in its child role), and this process checks the file after.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
 use idempotency_core::{Clock, Error, OwnerToken, RecordKey, Repository, Reservation, SystemClock};
 
-/// The database file the child process works on.
+/// Set in the child process: the database file it works on.
 const CHILD_PATH: &str = "IDEMPOTENCY_TEST_SQLITE_NOMEM_PATH";
+
+const TEST: &str = "memory_exhausted_is_a_retryable_outage_that_applied_nothing";
 
 fn key() -> RecordKey {
     RecordKey::new("nomem", "k", 1024).unwrap()
@@ -21,17 +23,14 @@ fn key() -> RecordKey {
 
 #[tokio::test]
 async fn memory_exhausted_is_a_retryable_outage_that_applied_nothing() {
+    if let Some(path) = std::env::var_os(CHILD_PATH) {
+        return reserve_out_of_memory(Path::new(&path)).await;
+    }
     let path = common::fresh_path("nomem");
     drop(common::repository_at(&path, "").await); // create and migrate
 
     let child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "reserve_out_of_memory",
-            "--ignored",
-            "--nocapture",
-        ])
-        .args(["--test-threads", "1"])
+        .args(["--exact", TEST, "--nocapture", "--test-threads", "1"])
         .env(CHILD_PATH, &path)
         .output()
         .unwrap();
@@ -53,12 +52,10 @@ async fn memory_exhausted_is_a_retryable_outage_that_applied_nothing() {
     assert!(matches!(acquired, Reservation::Acquired { attempt: 1 }));
 }
 
-/// Run by the test above in a child process, on the file it names.
-#[tokio::test]
-#[ignore = "run in a child process by memory_exhausted_is_a_retryable_outage_that_applied_nothing"]
-async fn reserve_out_of_memory() {
-    let path = PathBuf::from(std::env::var_os(CHILD_PATH).expect("run by the test above"));
-    let repo = common::repository_at(Path::new(&path), "?migrate=false").await;
+/// The child's part: a reservation on `path` past the heap limit fails with a
+/// retryable outage.
+async fn reserve_out_of_memory(path: &Path) {
+    let repo = common::repository_at(path, "?migrate=false").await;
     // Below what SQLite already holds: its next allocation fails, which may
     // already be one the pragma's own statement makes after setting it.
     let limited = sqlx::query("PRAGMA hard_heap_limit = 1")
