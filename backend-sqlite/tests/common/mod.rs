@@ -4,7 +4,6 @@
 #![allow(dead_code, unreachable_pub, clippy::expect_used)]
 
 use std::path::PathBuf;
-
 use std::time::Duration;
 
 use idempotency_core::{Clock, OwnerToken, RecordKey, ReserveRequest, SystemClock};
