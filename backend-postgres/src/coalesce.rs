@@ -30,8 +30,11 @@
 //!   refuses the statement with nothing applied; its calls are then sent one by
 //!   one.
 //! - **Given up.** A caller that gives up while waiting is dropped from the
-//!   queue before its statement is sent; one that gives up after is in the
-//!   position of a single statement abandoned on the wire.
+//!   queue before its statement is sent; a reservation whose caller gives up
+//!   while its statement waits for a connection is left out of it once the
+//!   connection is there (a completion is sent: it is owner-checked, and may
+//!   still record an outcome). One that gives up after is in the position of
+//!   a single statement abandoned on the wire.
 
 use std::collections::{HashSet, VecDeque};
 use std::hash::BuildHasher;

@@ -288,7 +288,8 @@ impl PgRepository {
         calls: &[Waiting<ReserveCall, Reservation>],
     ) -> Vec<Result<Reservation, Error>> {
         let requests: Vec<_> = calls.iter().map(|w| w.call.request()).collect();
-        self.reserve_over_arrays(&requests).await
+        self.reserve_over_arrays(&requests, |i| !calls[i].gone())
+            .await
     }
 
     /// Coalesced completions, as a batch's, each with its own instant.
@@ -306,25 +307,47 @@ impl PgRepository {
     /// insert, the plain read, or the function), then the function for the
     /// keys it left, on one connection (`ops::reserve_planned_many`). Each
     /// answer feeds the planner, as a single reservation's does.
+    ///
+    /// Request `i` is sent only if `wanted(i)` still holds once the
+    /// connection is there: as on the lone path, a caller that gave up while
+    /// the statement waited for its turn gets no reservation nobody would
+    /// run (its cleanup may already have found nothing to release). It is
+    /// answered `Timeout`, and nothing of it was applied.
     async fn reserve_over_arrays(
         &self,
         requests: &[ReserveRequest<'_>],
+        wanted: impl Fn(usize) -> bool + Sync,
     ) -> Vec<Result<Reservation, Error>> {
         let batch = self.lend("reserve", async |c| {
+            let sent: Vec<usize> = (0..requests.len()).filter(|&i| wanted(i)).collect();
+            if sent.is_empty() {
+                return Vec::new();
+            }
             if let Err(e) = self.ensure_schema(c).await {
-                return requests.iter().map(|_| Err(e.for_another())).collect();
+                return sent.iter().map(|&i| (i, Err(e.for_another()))).collect();
             }
             let first = self.planner.first();
-            let answers = ops::reserve_planned_many(&self.sql, c, requests, first).await;
+            let answers = if sent.len() == requests.len() {
+                ops::reserve_planned_many(&self.sql, c, requests, first).await
+            } else {
+                let still: Vec<_> = sent.iter().map(|&i| requests[i].clone()).collect();
+                ops::reserve_planned_many(&self.sql, c, &still, first).await
+            };
             for reservation in answers.iter().flatten() {
                 self.planner.observe(reservation);
             }
-            answers
+            sent.into_iter().zip(answers).collect()
         });
+        let mut answers: Vec<_> = requests.iter().map(|_| Err(not_sent("reserve"))).collect();
         match self.timed("reserve", batch).await {
-            Ok(answers) => answers,
-            Err(e) => requests.iter().map(|_| Err(e.for_another())).collect(),
+            Ok(sent) => {
+                for (i, answer) in sent {
+                    answers[i] = answer;
+                }
+            }
+            Err(e) => answers.fill_with(|| Err(e.for_another())),
         }
+        answers
     }
 
     /// Completions in one owner-checked `UPDATE` over arrays, write `i` at
@@ -459,6 +482,22 @@ impl<T> Answered for Vec<Result<T, Error>> {
     }
 }
 
+/// Answers of the calls sent, each with its call's index.
+impl<T> Answered for Vec<(usize, Result<T, Error>)> {
+    fn answered(&self) -> bool {
+        self.iter().all(|(_, answer)| answer.answered())
+    }
+}
+
+/// The answer of a call not sent because its caller gave up: nothing of it
+/// was applied.
+fn not_sent(operation: &'static str) -> Error {
+    Error::Timeout {
+        backend: BACKEND,
+        operation,
+    }
+}
+
 /// The slot of a task sending waiting calls (see
 /// [`PgRepository::send_waiting`]).
 struct Sender {
@@ -563,16 +602,16 @@ impl Alone for ReserveCall {
     ) -> BoxFuture<'a, Result<Reservation, Error>> {
         Box::pin(async move {
             let request = self.request();
-            repo.run("reserve", async |c| {
-                if !wanted() {
-                    return Err(Error::Timeout {
-                        backend: crate::error::BACKEND,
-                        operation: "reserve",
-                    });
-                }
-                repo.reserve_planned(c, &request).await
-            })
-            .await
+            // `None`: not sent; the connection, unused, is kept.
+            let sent = repo
+                .run("reserve", async |c| {
+                    if !wanted() {
+                        return Ok(None);
+                    }
+                    repo.reserve_planned(c, &request).await.map(Some)
+                })
+                .await;
+            sent.and_then(|answer| answer.ok_or_else(|| not_sent("reserve")))
         })
     }
 }
@@ -1046,7 +1085,7 @@ impl Repository for PgRepository {
         if requests.len() < 2 {
             return futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await;
         }
-        self.reserve_over_arrays(&requests).await
+        self.reserve_over_arrays(&requests, |_| true).await
     }
 
     /// One statement (and one round trip) for the whole batch: an `UPDATE`

@@ -24,7 +24,7 @@ use idempotency_core::{
     Clock, Error, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest, Status,
     SystemClock,
 };
-use idempotency_postgres::{PgRepository, ReservePlan};
+use idempotency_postgres::{PgRepository, PgRepositoryBuilder, ReservePlan};
 use sqlx::{Connection, PgConnection};
 
 const TABLE: &str = "idem_coalesce";
@@ -44,10 +44,19 @@ struct Setup {
 impl Setup {
     /// A repository with one statement slot, through a counting proxy.
     async fn new(plan: ReservePlan) -> Setup {
+        Setup::with(plan, |builder| builder.coalesce_above(1)).await
+    }
+
+    /// [`Setup::new`] with `configure` applied last to the repository's
+    /// builder.
+    async fn with(
+        plan: ReservePlan,
+        configure: impl FnOnce(PgRepositoryBuilder) -> PgRepositoryBuilder,
+    ) -> Setup {
         let url = common::server_url().await;
         common::repository(TABLE).await; // migrated
         let counter = WireCounter::postgres(&url).await.unwrap();
-        let repo = PgRepository::builder()
+        let builder = PgRepository::builder()
             .table(TABLE)
             .coalesce_above(1)
             // The slot stays with a blocked call for as long as the test
@@ -55,10 +64,8 @@ impl Setup {
             .coalesced_calls_detach_after(Duration::from_secs(60))
             .reserve_plan(plan)
             .max_connections(4)
-            .operation_timeout(Duration::from_secs(10))
-            .connect(counter.url())
-            .await
-            .unwrap();
+            .operation_timeout(Duration::from_secs(10));
+        let repo = configure(builder).connect(counter.url()).await.unwrap();
         let ns = common::unique("co");
         let mut busy = Vec::new();
         for i in 0..3 {
@@ -330,6 +337,42 @@ async fn a_caller_that_gave_up_while_waiting_is_never_sent() {
     blocked.await.unwrap();
     assert_eq!(waiting.await.unwrap(), Reservation::Acquired { attempt: 1 });
     assert_eq!(s.statements_since(&before), 1);
+    assert!(
+        s.record(&gone).await.is_none(),
+        "a caller that gave up reserved nothing"
+    );
+}
+
+/// The statement's calls are taken from the queue by a second slot's task,
+/// which then waits for the one connection turn (held by the blocked
+/// completion); a caller that gives up meanwhile is left out of the
+/// statement once the turn comes. On a single-threaded runtime, so that both
+/// calls are queued before that task takes them, and it has taken them (and
+/// waits for the turn) before the first caller gives up.
+#[tokio::test(flavor = "current_thread")]
+async fn a_caller_that_gave_up_while_its_statement_waited_for_a_connection_is_left_out() {
+    let s = Setup::with(ReservePlan::Function, |builder| {
+        builder.coalesce_above(2).held_connections(1)
+    })
+    .await;
+    let (holder, blocked) = s.block_slot().await;
+
+    let (gone, kept) = (s.key("gone"), s.key("kept"));
+    let before = s.counter.snapshot();
+    let mut given_up = s.repo.reserve(request(&gone, OwnerToken::random()));
+    let mut waiting = s.repo.reserve(request(&kept, OwnerToken::random()));
+    enter(&mut given_up).await;
+    enter(&mut waiting).await;
+    // The second slot's task runs: it takes both calls and waits for the
+    // turn (nothing else is ready on this thread; each yield lets it go on).
+    for _ in 0..8 {
+        tokio::task::yield_now().await;
+    }
+    drop(given_up);
+    commit(holder).await;
+    blocked.await.unwrap();
+    assert_eq!(waiting.await.unwrap(), Reservation::Acquired { attempt: 1 });
+    assert_eq!(s.statements_since(&before), 1, "[kept] alone");
     assert!(
         s.record(&gone).await.is_none(),
         "a caller that gave up reserved nothing"
