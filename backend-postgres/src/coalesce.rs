@@ -32,9 +32,9 @@
 //! - **Given up.** A caller that gives up while waiting is dropped from the
 //!   queue before its statement is sent; a reservation whose caller gives up
 //!   while its statement waits for a connection is left out of it once the
-//!   connection is there (a completion is sent: it is owner-checked, and may
-//!   still record an outcome). One that gives up after is in the position of
-//!   a single statement abandoned on the wire.
+//!   connection is there (a completion in a shared statement is sent: it is
+//!   owner-checked, and may still record an outcome). One that gives up after
+//!   is in the position of a single statement abandoned on the wire.
 
 use std::collections::{HashSet, VecDeque};
 use std::hash::BuildHasher;

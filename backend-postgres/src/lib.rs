@@ -212,10 +212,11 @@
 //!   another transaction (e.g. the transactional mode's) past the statement's
 //!   `lock_timeout` of 100 ms refuses the whole statement with nothing
 //!   applied; its calls are then sent again one by one, so the others are not
-//!   held behind that lock. A reservation whose caller gives up while it
-//!   waits — in the queue, or in a statement waiting for a connection — is
-//!   never sent; one that gives up after its statement was sent is in the
-//!   position of a single statement abandoned on the wire. The task that sends waiting
+//!   held behind that lock. A call whose caller gives up while it waits in
+//!   the queue is never sent, and a reservation whose caller gives up while
+//!   its statement waits for a connection is left out of it once the
+//!   connection is there; one that gives up after is in the position of a
+//!   single statement abandoned on the wire. The task that sends waiting
 //!   calls is not the caller's, so no caller's cancellation strands the
 //!   others.
 //! - **Where it does not apply.** Operations on your own connection

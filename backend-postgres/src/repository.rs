@@ -318,6 +318,11 @@ impl PgRepository {
         requests: &[ReserveRequest<'_>],
         wanted: impl Fn(usize) -> bool + Sync,
     ) -> Vec<Result<Reservation, Error>> {
+        let mut answers: Vec<_> = requests.iter().map(|_| Err(not_sent("reserve"))).collect();
+        if !(0..requests.len()).any(&wanted) {
+            // Nobody waits: no turn taken for nothing.
+            return answers;
+        }
         let batch = self.lend("reserve", async |c| {
             let sent: Vec<usize> = (0..requests.len()).filter(|&i| wanted(i)).collect();
             if sent.is_empty() {
@@ -327,18 +332,17 @@ impl PgRepository {
                 return sent.iter().map(|&i| (i, Err(e.for_another()))).collect();
             }
             let first = self.planner.first();
-            let answers = if sent.len() == requests.len() {
+            let decided = if sent.len() == requests.len() {
                 ops::reserve_planned_many(&self.sql, c, requests, first).await
             } else {
                 let still: Vec<_> = sent.iter().map(|&i| requests[i].clone()).collect();
                 ops::reserve_planned_many(&self.sql, c, &still, first).await
             };
-            for reservation in answers.iter().flatten() {
+            for reservation in decided.iter().flatten() {
                 self.planner.observe(reservation);
             }
-            sent.into_iter().zip(answers).collect()
+            sent.into_iter().zip(decided).collect()
         });
-        let mut answers: Vec<_> = requests.iter().map(|_| Err(not_sent("reserve"))).collect();
         match self.timed("reserve", batch).await {
             Ok(sent) => {
                 for (i, answer) in sent {
