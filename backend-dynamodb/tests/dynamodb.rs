@@ -28,16 +28,7 @@ fn key(ns: &str, id: &str) -> RecordKey {
 }
 
 fn request(key: &RecordKey, owner: OwnerToken, now: Timestamp) -> ReserveRequest<'_> {
-    ReserveRequest {
-        key,
-        owner,
-        fingerprint: None,
-        now,
-        lease_until: now + LEASE,
-        expires_at: now + TTL,
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+    ReserveRequest::new(key, owner, now, LEASE, TTL)
 }
 
 fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {

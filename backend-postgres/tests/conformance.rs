@@ -92,16 +92,13 @@ mod store_faults {
     async fn corrupt(direct: PgRepository, key: RecordKey) -> Result<(), String> {
         let now = SystemClock.now();
         direct
-            .reserve(ReserveRequest {
-                key: &key,
-                owner: OwnerToken::random(),
-                fingerprint: None,
+            .reserve(ReserveRequest::new(
+                &key,
+                OwnerToken::random(),
                 now,
-                lease_until: now + Duration::from_secs(3600),
-                expires_at: now + Duration::from_secs(7200),
-                retry_failed: false,
-                clock_skew: Duration::ZERO,
-            })
+                Duration::from_secs(3600),
+                Duration::from_secs(7200),
+            ))
             .await
             .map_err(|e| e.to_string())?;
         sqlx::query(&format!(

@@ -12,16 +12,13 @@ use idempotency_postgres::PgRepository;
 
 fn request(key: &RecordKey) -> ReserveRequest<'_> {
     let now = Timestamp::from_millis(1_000_000);
-    ReserveRequest {
+    ReserveRequest::new(
         key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
+        OwnerToken::random(),
         now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
 }
 
 async fn admin() -> sqlx::PgPool {

@@ -17,16 +17,13 @@ use idempotency_postgres::PgRepository;
 
 fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
     let now = SystemClock.now();
-    ReserveRequest {
+    ReserveRequest::new(
         key,
         owner,
-        fingerprint: None,
         now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
 }
 
 /// One reserve + complete on a fresh key.

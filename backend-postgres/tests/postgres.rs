@@ -17,16 +17,13 @@ use idempotency_postgres::{PgRepository, ReservePlan};
 const TABLE: &str = "idem_pg_specific";
 
 fn req(key: &RecordKey, now: Timestamp, lease: Duration) -> ReserveRequest<'_> {
-    ReserveRequest {
+    ReserveRequest::new(
         key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
+        OwnerToken::random(),
         now,
-        lease_until: now + lease,
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+        lease,
+        Duration::from_secs(3600),
+    )
 }
 
 fn now() -> Timestamp {

@@ -37,16 +37,13 @@ async fn proxied() -> (String, WireCounter) {
 }
 
 fn request(key: &RecordKey, now: Timestamp, lease: Duration) -> ReserveRequest<'_> {
-    ReserveRequest {
+    ReserveRequest::new(
         key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
+        OwnerToken::random(),
         now,
-        lease_until: now + lease,
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+        lease,
+        Duration::from_secs(3600),
+    )
 }
 
 /// What sqlx pipelines for a prepared statement: `Bind`, `Execute`, `Close`

@@ -88,16 +88,13 @@ async fn reserve(
     key: &RecordKey,
 ) -> Result<Reservation, idempotency_core::Error> {
     let now = SystemClock.now();
-    repo.reserve(ReserveRequest {
+    repo.reserve(ReserveRequest::new(
         key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
+        OwnerToken::random(),
         now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(60),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    })
+        Duration::from_secs(30),
+        Duration::from_secs(60),
+    ))
     .await
 }
 

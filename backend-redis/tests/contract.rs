@@ -79,16 +79,7 @@ impl Fixture {
 
     fn request<'a>(&self, key: &'a RecordKey, owner: OwnerToken) -> ReserveRequest<'a> {
         let now = self.now();
-        ReserveRequest {
-            key,
-            owner,
-            fingerprint: None,
-            now,
-            lease_until: now + LEASE,
-            expires_at: now + TTL,
-            retry_failed: false,
-            clock_skew: Duration::ZERO,
-        }
+        ReserveRequest::new(key, owner, now, LEASE, TTL)
     }
 
     async fn reserve(&self, req: ReserveRequest<'_>) -> Reservation {

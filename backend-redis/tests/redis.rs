@@ -90,14 +90,8 @@ fn counts(pairs: &[(&str, u64)]) -> BTreeMap<String, u64> {
 fn request<'a>(key: &'a RecordKey, owner: OwnerToken, clock: &ManualClock) -> ReserveRequest<'a> {
     let now = clock.now();
     ReserveRequest {
-        key,
-        owner,
-        fingerprint: None,
-        now,
-        lease_until: now + LEASE,
-        expires_at: now + TTL,
         retry_failed: true,
-        clock_skew: Duration::ZERO,
+        ..ReserveRequest::new(key, owner, now, LEASE, TTL)
     }
 }
 

@@ -40,16 +40,7 @@ fn verdict<'a>(report: &'a Value, name: &str) -> &'a str {
 }
 
 fn request(key: &RecordKey, now: Timestamp, lease: Duration, ttl: Duration) -> ReserveRequest<'_> {
-    ReserveRequest {
-        key,
-        owner: OwnerToken::random(),
-        fingerprint: None,
-        now,
-        lease_until: now + lease,
-        expires_at: now + ttl,
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+    ReserveRequest::new(key, OwnerToken::random(), now, lease, ttl)
 }
 
 /// Four records under `ns`: completed (with a JSON result), live processing,

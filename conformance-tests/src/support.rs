@@ -104,16 +104,7 @@ impl Ctx {
     /// A request with the default lease and TTL, no fingerprint, no retry.
     pub(crate) fn req<'a>(&self, key: &'a RecordKey, owner: OwnerToken) -> ReserveRequest<'a> {
         let now = self.now();
-        ReserveRequest {
-            key,
-            owner,
-            fingerprint: None,
-            now,
-            lease_until: now + LEASE,
-            expires_at: now + TTL,
-            retry_failed: false,
-            clock_skew: Duration::ZERO,
-        }
+        ReserveRequest::new(key, owner, now, LEASE, TTL)
     }
 
     pub(crate) async fn reserve(

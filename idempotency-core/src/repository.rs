@@ -228,7 +228,49 @@ pub struct ReserveRequest<'a> {
     pub clock_skew: Duration,
 }
 
-impl ReserveRequest<'_> {
+impl<'a> ReserveRequest<'a> {
+    /// A first reservation of `key` for `owner` at `now`: the lease ends
+    /// `lease` after `now` and the record expires `ttl` after it; no
+    /// fingerprint, a `Failed` record not taken over, no clock skew. Other
+    /// requests start from it with struct update syntax. Keep `ttl >= lease`
+    /// (a `Processing` record never expires before its lease ends).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_core::{Clock, Fingerprint, OwnerToken, RecordKey, ReserveRequest, SystemClock};
+    ///
+    /// let key = RecordKey::new("orders", "order-1", 1024)?;
+    /// let now = SystemClock.now();
+    /// let lease = Duration::from_secs(30);
+    /// let plain = ReserveRequest::new(&key, OwnerToken::random(), now, lease, Duration::from_secs(3600));
+    /// assert_eq!(plain.lease_until, now + lease);
+    /// let retrying = ReserveRequest {
+    ///     fingerprint: Some(Fingerprint::of_bytes(b"payload")),
+    ///     retry_failed: true,
+    ///     ..plain
+    /// };
+    /// assert!(retrying.retry_failed);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn new(
+        key: &'a RecordKey,
+        owner: OwnerToken,
+        now: Timestamp,
+        lease: Duration,
+        ttl: Duration,
+    ) -> Self {
+        ReserveRequest {
+            key,
+            owner,
+            fingerprint: None,
+            now,
+            lease_until: now + lease,
+            expires_at: now + ttl,
+            retry_failed: false,
+            clock_skew: Duration::ZERO,
+        }
+    }
+
     /// The instant a lease must have ended by to be taken over:
     /// `now - clock_skew` (a lease is stale when `lease_until <= lease_cutoff()`).
     pub fn lease_cutoff(&self) -> Timestamp {

@@ -31,14 +31,11 @@ pub async fn repository_at(path: &std::path::Path, options: &str) -> SqliteRepos
 /// A reservation of `key` by `owner` now: a 30 s lease, an hour's expiry.
 pub fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
     let now = SystemClock.now();
-    ReserveRequest {
+    ReserveRequest::new(
         key,
         owner,
-        fingerprint: None,
         now,
-        lease_until: now + Duration::from_secs(30),
-        expires_at: now + Duration::from_secs(3600),
-        retry_failed: false,
-        clock_skew: Duration::ZERO,
-    }
+        Duration::from_secs(30),
+        Duration::from_secs(3600),
+    )
 }

@@ -22,16 +22,13 @@ async fn admin_lists_and_counts_records() {
     let now = SystemClock.now();
     for id in ["a", "b"] {
         let key = RecordKey::new("ns", id, 256).unwrap();
-        repo.reserve(ReserveRequest {
-            key: &key,
-            owner: OwnerToken::random(),
-            fingerprint: None,
+        repo.reserve(ReserveRequest::new(
+            &key,
+            OwnerToken::random(),
             now,
-            lease_until: now + Duration::from_secs(30),
-            expires_at: now + Duration::from_secs(60),
-            retry_failed: false,
-            clock_skew: Duration::ZERO,
-        })
+            Duration::from_secs(30),
+            Duration::from_secs(60),
+        ))
         .await
         .unwrap();
     }

@@ -1245,16 +1245,13 @@ pub async fn corrupt_stored_response_is_500(repo: SharedRepository) {
         let owner = OwnerToken::random();
         let reserved = app
             .repo
-            .reserve(ReserveRequest {
-                key: &key,
+            .reserve(ReserveRequest::new(
+                &key,
                 owner,
-                fingerprint: None,
                 now,
-                lease_until: now + Duration::from_secs(60),
-                expires_at: now + Duration::from_secs(3600),
-                retry_failed: false,
-                clock_skew: Duration::ZERO,
-            })
+                Duration::from_secs(60),
+                Duration::from_secs(3600),
+            ))
             .await
             .unwrap();
         assert_eq!(reserved, Reservation::Acquired { attempt: 1 });
