@@ -372,6 +372,53 @@ async fn a_panicking_handler_lets_the_rest_of_its_group_finish() {
     assert_eq!(outcome(&after[1]), Some(("executed", 0)));
 }
 
+/// A stored result whose decoding panics (a user's `Deserialize` with a bug).
+#[derive(Debug, serde::Serialize, PartialEq)]
+struct Touchy(u32);
+
+/// The value whose decoding panics.
+const UNLUCKY: u32 = 13;
+
+impl<'de> serde::Deserialize<'de> for Touchy {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let v = u32::deserialize(d)?;
+        assert_ne!(v, UNLUCKY, "decoder bug");
+        Ok(Touchy(v))
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_panic_decoding_a_duplicates_answer_lets_the_rest_of_its_group_finish() {
+    let repo = store();
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let stored = m
+        .execute("unlucky", &0u32, || async {
+            Ok::<_, HandlerError<String>>(Touchy(UNLUCKY))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(stored, Outcome::Executed(Touchy(UNLUCKY))));
+    let batch = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute_batch(&[("unlucky", 0u32), ("slow", 1)], 4, |_, _ctx| async {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                Ok::<_, HandlerError<String>>(Touchy(7))
+            })
+            .await
+        })
+    };
+    assert!(batch.await.unwrap_err().is_panic(), "the panic continues");
+    // `slow` ran to completion and was recorded.
+    let again = m
+        .execute("slow", &1u32, || async {
+            Ok::<_, HandlerError<String>>(Touchy(0))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(again, Outcome::Cached(Touchy(7))), "{again:?}");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_reservation_confirmed_after_its_lease_ended_does_not_run() {
     let repo = store();

@@ -17,7 +17,7 @@ use crate::decision::{fingerprints_conflict, DuplicateDecision};
 use crate::engine::completions::Completions;
 use crate::engine::guard::ExecutionGuard;
 use crate::engine::lease::{ExecutionContext, Lease};
-use crate::engine::reserve::BatchReserved;
+use crate::engine::reserve::{BatchReserved, Reserved};
 use crate::error::Error;
 use crate::key::{Fingerprint, OwnerToken, RecordKey};
 use crate::metrics::Counter;
@@ -178,36 +178,56 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             .map(|(lease, _)| ExecutionGuard::new(self.engine.clone(), lease.clone()))
             .collect();
         let reserved = engine.reserve_batch(&leases).await;
-        let participants = Completions::participants(leases.len());
-        let runs = indexes
-            .into_iter()
-            .zip(leases)
-            .zip(guards)
-            .zip(reserved)
-            .zip(participants)
-            .map(
-                |((((index, (lease, fingerprint)), guard), answer), mut participant)| async move {
-                    // A panic (the handler's, or a repository's while the
-                    // reservation is retried) stays with its item until every
-                    // other item has finished: unwinding through the others
-                    // would drop running handlers and leave their keys held
-                    // for nothing.
-                    let answer = async {
-                        let reserved = match answer {
-                            BatchReserved::Done(reserved) => reserved,
-                            BatchReserved::Again(earlier) => {
-                                engine.reserve_after(&lease, fingerprint, earlier).await
-                            }
-                        };
-                        let run = |ctx| handler(index, ctx);
-                        let batch = Some(&mut participant);
-                        self.after_reserve(guard, reserved, fingerprint, run, batch)
-                            .await
-                    };
-                    (index, AssertUnwindSafe(answer).catch_unwind().await)
-                },
-            );
         let mut first_panic = None;
+        // Keys the reservation answered as duplicates end here, without a
+        // future of their own (a poll of redeliveries is mostly these); the
+        // rest run below.
+        let mut running = Vec::with_capacity(reserved.len());
+        let items = indexes.into_iter().zip(leases).zip(guards).zip(reserved);
+        for (((index, (lease, fingerprint)), guard), answer) in items {
+            let BatchReserved::Done(Ok(Reserved::Duplicate {
+                decision,
+                unsettled,
+            })) = answer
+            else {
+                running.push((index, lease, fingerprint, guard, answer));
+                continue;
+            };
+            // A panic (decoding the stored result) waits for the other items,
+            // as one in a running item's future does.
+            let answered = std::panic::catch_unwind(AssertUnwindSafe(|| {
+                self.answer_reserved_duplicate(guard, decision, unsettled)
+            }));
+            match answered {
+                Ok(answer) => answers.push((index, answer)),
+                Err(panic) => {
+                    first_panic.get_or_insert(panic);
+                }
+            }
+        }
+        let participants = Completions::participants(running.len());
+        let runs = running.into_iter().zip(participants).map(
+            |((index, lease, fingerprint, guard, answer), mut participant)| async move {
+                // A panic (the handler's, or a repository's while the
+                // reservation is retried) stays with its item until every
+                // other item has finished: unwinding through the others
+                // would drop running handlers and leave their keys held
+                // for nothing.
+                let answer = async {
+                    let reserved = match answer {
+                        BatchReserved::Done(reserved) => reserved,
+                        BatchReserved::Again(earlier) => {
+                            engine.reserve_after(&lease, fingerprint, earlier).await
+                        }
+                    };
+                    let run = |ctx| handler(index, ctx);
+                    let batch = Some(&mut participant);
+                    self.after_reserve(guard, reserved, fingerprint, run, batch)
+                        .await
+                };
+                (index, AssertUnwindSafe(answer).catch_unwind().await)
+            },
+        );
         for (index, answer) in futures::future::join_all(runs).await {
             match answer {
                 Ok(answer) => answers.push((index, answer)),
@@ -275,20 +295,66 @@ impl Unheld {
 }
 
 /// Splits prepared items into waves of distinct keys: the n-th occurrence of
-/// a key goes to wave n, in input order within each wave.
+/// a key goes to wave n, in input order within each wave. Occurrences are
+/// counted on borrowed keys; a batch without a repeated key (the usual poll)
+/// is one wave, moved as it is.
 fn in_waves(items: Vec<Item>) -> Vec<Vec<Item>> {
-    let mut seen: HashMap<RecordKey, usize> = HashMap::with_capacity(items.len());
-    let mut waves: Vec<Vec<Item>> = Vec::new();
-    for item in items {
-        let occurrence = seen.entry(item.1.clone()).or_insert(0);
-        if waves.len() <= *occurrence {
-            waves.push(Vec::new());
-        }
-        waves[*occurrence].push(item);
-        *occurrence += 1;
+    let occurrences: Vec<usize> = {
+        let mut seen: HashMap<&RecordKey, usize> = HashMap::with_capacity(items.len());
+        items
+            .iter()
+            .map(|item| {
+                let count = seen.entry(&item.1).or_insert(0);
+                *count += 1;
+                *count - 1
+            })
+            .collect()
+    };
+    let waves = occurrences.iter().max().map_or(0, |last| last + 1);
+    if waves <= 1 {
+        return if items.is_empty() {
+            Vec::new()
+        } else {
+            vec![items]
+        };
     }
-    waves
+    let mut split: Vec<Vec<Item>> = std::iter::repeat_with(Vec::new).take(waves).collect();
+    for (item, occurrence) in items.into_iter().zip(occurrences) {
+        split[occurrence].push(item);
+    }
+    split
 }
 
 /// The name of the span around each batch.
 const BATCH_SPAN: &str = "idempotency.execute_batch";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn items(ids: &[&str]) -> Vec<Item> {
+        ids.iter()
+            .enumerate()
+            .map(|(i, id)| (i, RecordKey::new("ns", *id, 1024).unwrap(), None))
+            .collect()
+    }
+
+    fn indexes(waves: &[Vec<Item>]) -> Vec<Vec<usize>> {
+        waves
+            .iter()
+            .map(|w| w.iter().map(|i| i.0).collect())
+            .collect()
+    }
+
+    #[test]
+    fn the_nth_occurrence_of_a_key_goes_to_wave_n_in_input_order() {
+        let waves = in_waves(items(&["a", "b", "a", "c", "a", "b"]));
+        assert_eq!(indexes(&waves), [vec![0, 1, 3], vec![2, 5], vec![4]]);
+    }
+
+    #[test]
+    fn distinct_keys_are_one_wave_and_no_items_none() {
+        assert_eq!(indexes(&in_waves(items(&["a", "b", "c"]))), [vec![0, 1, 2]]);
+        assert!(in_waves(Vec::new()).is_empty());
+    }
+}

@@ -592,16 +592,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             Ok(Reserved::Duplicate {
                 decision,
                 unsettled,
-            }) => {
-                // An unanswered attempt may have created a record under our
-                // token: the guard (left in the reserving phase) releases it.
-                if !unsettled {
-                    guard.phase = Phase::Done;
-                }
-                drop(guard);
-                engine.metrics.count(Counter::DuplicatesBlocked);
-                return self.answer_duplicate(&lease.key, decision);
-            }
+            }) => return self.answer_reserved_duplicate(guard, decision, unsettled),
             Err(e)
                 if e.is_store_outage()
                     && engine.config.on_store_outage == OutagePolicy::FailOpen =>
@@ -770,6 +761,28 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
                 Outcome::Unrecorded { value, error }
             }
         }
+    }
+
+    /// The answer of a delivery whose reservation found a live record: the
+    /// execution ends here, its guard with it.
+    fn answer_reserved_duplicate<T, E>(
+        &self,
+        mut guard: ExecutionGuard,
+        decision: DuplicateDecision,
+        unsettled: bool,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: DeserializeOwned,
+    {
+        // An unanswered attempt may have created a record under our token:
+        // the guard (left in the reserving phase) releases it.
+        if !unsettled {
+            guard.phase = Phase::Done;
+        }
+        let lease = guard.lease.clone();
+        drop(guard);
+        self.engine.metrics.count(Counter::DuplicatesBlocked);
+        self.answer_duplicate(&lease.key, decision)
     }
 
     fn answer_duplicate<T, E>(
