@@ -1,10 +1,12 @@
 //! The completions of a batch's items, sent together in one
 //! [`Repository::complete_many`](crate::Repository::complete_many) call.
 //!
-//! Each item of a group takes part; an item whose handler succeeded submits
-//! its completion and waits. The waiting completions are sent when every item
-//! still taking part has submitted (the others answered a duplicate, failed,
-//! or ended), or when the first of them has waited [`LINGER`] — so a slow
+//! Each item of a group that still runs after the group's reservation takes
+//! part (those it answered as duplicates end before); an item whose handler
+//! succeeded submits its completion and waits. The waiting completions are
+//! sent when every item still taking part has submitted (the others answered
+//! a duplicate on the single path, failed, or ended), or when the first of
+//! them has waited [`LINGER`] — so a slow
 //! handler never holds the others' completions for long. Only the first
 //! attempt goes this way: a completion that fails (an outage, `LeaseLost`) is
 //! retried, or checked against "finished by us", on the single path, with the
