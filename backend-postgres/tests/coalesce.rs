@@ -318,26 +318,34 @@ async fn a_key_goes_once_per_statement_and_the_second_caller_sees_the_first() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_caller_that_gave_up_while_waiting_is_never_sent() {
-    let s = Setup::new(ReservePlan::Function).await;
+/// Two reservations enter while the slot is blocked; `meanwhile` runs, the
+/// first caller gives up, and the slot is freed: the second is acquired by
+/// one statement, and the first reserved nothing.
+async fn the_first_of_two_gives_up(s: &Setup, meanwhile: impl Future<Output = ()>) {
     let (holder, blocked) = s.block_slot().await;
-
     let (gone, kept) = (s.key("gone"), s.key("kept"));
     let before = s.counter.snapshot();
     let mut given_up = s.repo.reserve(request(&gone, OwnerToken::random()));
     let mut waiting = s.repo.reserve(request(&kept, OwnerToken::random()));
     enter(&mut given_up).await;
     enter(&mut waiting).await;
+    meanwhile.await;
     drop(given_up);
     commit(holder).await;
     blocked.await.unwrap();
     assert_eq!(waiting.await.unwrap(), Reservation::Acquired { attempt: 1 });
+    // One statement either way; what it carried shows in the table.
     assert_eq!(s.statements_since(&before), 1);
     assert!(
         s.record(&gone).await.is_none(),
         "a caller that gave up reserved nothing"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_gave_up_while_waiting_is_never_sent() {
+    let s = Setup::new(ReservePlan::Function).await;
+    the_first_of_two_gives_up(&s, async {}).await;
 }
 
 /// The statement's calls are taken from the queue by a second slot's task,
@@ -352,29 +360,14 @@ async fn a_caller_that_gave_up_while_its_statement_waited_for_a_connection_is_le
         builder.coalesce_above(2).held_connections(1)
     })
     .await;
-    let (holder, blocked) = s.block_slot().await;
-
-    let (gone, kept) = (s.key("gone"), s.key("kept"));
-    let before = s.counter.snapshot();
-    let mut given_up = s.repo.reserve(request(&gone, OwnerToken::random()));
-    let mut waiting = s.repo.reserve(request(&kept, OwnerToken::random()));
-    enter(&mut given_up).await;
-    enter(&mut waiting).await;
     // The second slot's task runs: it takes both calls and waits for the
     // turn (nothing else is ready on this thread; each yield lets it go on).
-    for _ in 0..8 {
-        tokio::task::yield_now().await;
-    }
-    drop(given_up);
-    commit(holder).await;
-    blocked.await.unwrap();
-    assert_eq!(waiting.await.unwrap(), Reservation::Acquired { attempt: 1 });
-    // One statement either way; what it carried shows in the table.
-    assert_eq!(s.statements_since(&before), 1);
-    assert!(
-        s.record(&gone).await.is_none(),
-        "a caller that gave up while its statement waited reserved nothing"
-    );
+    let taken = async {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+    };
+    the_first_of_two_gives_up(&s, taken).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
