@@ -170,14 +170,8 @@ impl Setup {
 }
 
 fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
-    let now = SystemClock.now();
-    ReserveRequest::new(
-        key,
-        owner,
-        now,
-        Duration::from_secs(60),
-        Duration::from_secs(3600),
-    )
+    let (lease, ttl) = (Duration::from_secs(60), Duration::from_secs(3600));
+    ReserveRequest::new(key, owner, SystemClock.now(), lease, ttl)
 }
 
 /// Polls `call` once, so that it enters (it must wait for the slot).

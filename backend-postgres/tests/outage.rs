@@ -16,14 +16,8 @@ use idempotency_core::{
 use idempotency_postgres::PgRepository;
 
 fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
-    let now = SystemClock.now();
-    ReserveRequest::new(
-        key,
-        owner,
-        now,
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
-    )
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(3600));
+    ReserveRequest::new(key, owner, SystemClock.now(), lease, ttl)
 }
 
 /// One reserve + complete on a fresh key.

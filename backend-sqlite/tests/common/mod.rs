@@ -30,12 +30,6 @@ pub async fn repository_at(path: &std::path::Path, options: &str) -> SqliteRepos
 
 /// A reservation of `key` by `owner` now: a 30 s lease, an hour's expiry.
 pub fn request(key: &RecordKey, owner: OwnerToken) -> ReserveRequest<'_> {
-    let now = SystemClock.now();
-    ReserveRequest::new(
-        key,
-        owner,
-        now,
-        Duration::from_secs(30),
-        Duration::from_secs(3600),
-    )
+    let (lease, ttl) = (Duration::from_secs(30), Duration::from_secs(3600));
+    ReserveRequest::new(key, owner, SystemClock.now(), lease, ttl)
 }
