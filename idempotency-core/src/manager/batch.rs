@@ -310,14 +310,11 @@ fn in_waves(items: Vec<Item>) -> Vec<Vec<Item>> {
             })
             .collect()
     };
-    let waves = occurrences.iter().max().map_or(0, |last| last + 1);
-    if waves <= 1 {
-        return if items.is_empty() {
-            Vec::new()
-        } else {
-            vec![items]
-        };
-    }
+    let waves = match occurrences.iter().max() {
+        None => return Vec::new(),
+        Some(0) => return vec![items],
+        Some(last) => last + 1,
+    };
     let mut split: Vec<Vec<Item>> = std::iter::repeat_with(Vec::new).take(waves).collect();
     for (item, occurrence) in items.into_iter().zip(occurrences) {
         split[occurrence].push(item);
