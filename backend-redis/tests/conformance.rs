@@ -1,6 +1,8 @@
 //! The whole conformance suite against the harness's Redis server, once per
-//! reserve strategy, and once with every batch reading first. (The same suite against a Redis Cluster runs in
-//! `tests/redis.rs`.)
+//! reserve strategy, and once with every batch reading first; the batch checks
+//! also with both at once (reads first, then the reserve script for the keys
+//! they leave open: a Redis 6 server's batches). (The same suite against a
+//! Redis Cluster runs in `tests/redis.rs`.)
 
 #![allow(clippy::expect_used)]
 
@@ -8,7 +10,7 @@ use std::sync::Arc;
 
 use idempotency_conformance::containers;
 use idempotency_core::SharedRepository;
-use idempotency_redis::{RedisRepository, ReserveStrategy};
+use idempotency_redis::{BatchReads, RedisRepository, ReserveStrategy};
 
 async fn connect(strategy: ReserveStrategy) -> SharedRepository {
     let server = containers::redis()
@@ -55,6 +57,46 @@ mod read_first_batches {
     }
 
     idempotency_conformance::conformance_tests!(repository);
+}
+
+/// Batches reading first, with the reserve script for the keys the reads
+/// leave open (a Redis 6 server, which has no `SET … GET`, under the
+/// adaptive plan's reads): the batch checks, since single operations never
+/// read first.
+mod read_first_with_the_script {
+    use super::*;
+
+    async fn check(name: &str) {
+        let repo = RedisRepository::connect(
+            containers::redis()
+                .await
+                .expect("a Redis server from the harness (see docs/testing.md)")
+                .url(),
+        )
+        .await
+        .expect("connect to the harness's Redis server")
+        .with_reserve_strategy(ReserveStrategy::Script)
+        .with_batch_reads(BatchReads::Always);
+        let check = idempotency_conformance::check_named(name).expect("a check of the suite");
+        if let Err(failure) = idempotency_conformance::run_check(check, Arc::new(repo)).await {
+            panic!("conformance check `{name}` failed: {failure}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn reserve_many_follows_reserve() {
+        check("check_reserve_many_follows_reserve").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn reserve_many_races_single_reserves() {
+        check("check_reserve_many_races_single_reserves").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn complete_many_races_takeovers() {
+        check("check_complete_many_races_takeovers").await;
+    }
 }
 
 /// The errors clause, through a proxy the test can cut: corrupt values under
