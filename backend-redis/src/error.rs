@@ -33,7 +33,10 @@ pub(crate) fn is_syntax_error(err: &RedisError) -> bool {
 /// Connection trouble (I/O, refused, reset, dropped), server states that pass
 /// (`LOADING`, `BUSY`, `TRYAGAIN`, `CLUSTERDOWN`, `MASTERDOWN`, `READONLY`
 /// during a failover, redirections the cluster client or this crate gave up
-/// on) →
+/// on), writes the server refuses for now (`OOM` at `maxmemory` under
+/// `noeviction`, `NOREPLICAS` below `min-replicas-to-write`, `MISCONF` after
+/// a failed snapshot: nothing written, and the write goes through once memory,
+/// replicas or the disk are back) →
 /// [`Error::Unavailable`]; an I/O timeout → [`Error::Timeout`]; a value of the
 /// wrong type or format under the key → [`Error::Corrupt`]; bad credentials or
 /// an untrusted TLS certificate, a connection whose first reply is not Redis's
@@ -71,7 +74,9 @@ pub(crate) fn map_redis_error(
         )
         || matches!(
             code.as_deref(),
-            Some("BUSY" | "LOADING" | "TRYAGAIN" | "CLUSTERDOWN")
+            Some(
+                "BUSY" | "LOADING" | "TRYAGAIN" | "CLUSTERDOWN" | "OOM" | "NOREPLICAS" | "MISCONF"
+            )
         );
     if unavailable {
         return Error::unavailable(BACKEND, err);

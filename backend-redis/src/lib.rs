@@ -191,8 +191,12 @@
 //! and `appendfsync always` (or accept the `everysec` window), and
 //! `maxmemory-policy noeviction`: with an eviction policy Redis may drop records
 //! (all of which carry a TTL) before they expire, with the same effect as a loss;
-//! under `noeviction` a full server refuses writes instead, and `reserve` fails
-//! (fail-closed by default) rather than forgetting.
+//! under `noeviction` a full server refuses writes instead (`OOM`), and
+//! `reserve` fails (fail-closed by default) rather than forgetting. `OOM`, like
+//! `NOREPLICAS` (below `min-replicas-to-write`) and `MISCONF` (after a failed
+//! snapshot), is a retryable [`Error::Unavailable`](idempotency_core::Error::Unavailable):
+//! nothing was written, so the manager retries a refused completion with the
+//! same owner token until shortly before the lease ends.
 //!
 //! # Features
 //!

@@ -392,6 +392,96 @@ fn is_outage(e: &Error) -> bool {
     matches!(e, Error::Unavailable { .. } | Error::Timeout { .. })
 }
 
+/// Writes the server refuses for now — `OOM` at `maxmemory` under
+/// `noeviction`, `NOREPLICAS` below `min-replicas-to-write` — are retryable
+/// outages, single and batched, scripts included: a completion refused that
+/// way is retried with the same owner token, never given up as a permanent
+/// error (which would leave the record `Processing` for a takeover to run the
+/// handler again). Once the server accepts writes, the same calls go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writes_refused_for_now_are_retryable_outages() {
+    let server = dedicated().await;
+    let mut admin = admin(server.url()).await;
+    let repo = RedisRepository::connect(server.url()).await.unwrap();
+    let clock = ManualClock::starting_now();
+    let now = clock.now();
+    let held: Vec<RecordKey> = (0..3).map(|i| key(&format!("held-{i}"))).collect();
+    let owner = OwnerToken::random();
+    for k in &held {
+        repo.reserve(request(k, owner, &clock)).await.unwrap();
+    }
+    let refusals = [("maxmemory", "1", "0"), ("min-replicas-to-write", "1", "0")];
+    for (setting, refusing, accepting) in refusals {
+        let set = |value: &'static str| {
+            redis::cmd("CONFIG")
+                .arg("SET")
+                .arg(setting)
+                .arg(value)
+                .to_owned()
+        };
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("maxmemory-policy")
+            .arg("noeviction")
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let _: () = set(refusing).query_async(&mut admin).await.unwrap();
+        let fresh = key("fresh");
+        let single = [
+            repo.reserve(request(&fresh, OwnerToken::random(), &clock))
+                .await
+                .map(drop),
+            repo.complete(&held[0], owner, Some(b"r"), now + TTL, now)
+                .await,
+            repo.extend(&held[0], owner, now + LEASE, now + TTL, now)
+                .await,
+        ];
+        let fresh_keys = [key("a"), key("b")];
+        let batched = repo
+            .reserve_many(requests_of(&fresh_keys, &[OwnerToken::random(); 2], &clock))
+            .await
+            .into_iter()
+            .map(|a| a.map(drop));
+        let writes: Vec<Completion<'_>> = held[1..]
+            .iter()
+            .map(|k| Completion {
+                key: k,
+                owner,
+                result: None,
+                expires_at: now + TTL,
+            })
+            .collect();
+        let completed = repo.complete_many(writes.clone(), now).await;
+        for answer in single.into_iter().chain(batched).chain(completed) {
+            let e = answer.expect_err(&format!("{setting} {refusing}: refused"));
+            assert!(
+                matches!(e, Error::Unavailable { .. }) && e.is_retryable(),
+                "{setting} {refusing}: {e:?}"
+            );
+        }
+        let _: () = set(accepting).query_async(&mut admin).await.unwrap();
+        assert!(repo
+            .reserve(request(&fresh, OwnerToken::random(), &clock))
+            .await
+            .is_ok());
+        if setting == "min-replicas-to-write" {
+            repo.complete(&held[0], owner, Some(b"r"), now + TTL, now)
+                .await
+                .unwrap();
+            for answer in repo.complete_many(writes, now).await {
+                answer.unwrap();
+            }
+        }
+    }
+    for k in &held {
+        assert_eq!(
+            repo.get(k, now).await.unwrap().unwrap().status,
+            Status::Completed
+        );
+    }
+}
+
 /// The server dies mid-run: calls fail with a typed, retryable error (no panic,
 /// no hang); once it is back, the same repository works again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
