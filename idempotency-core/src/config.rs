@@ -128,8 +128,11 @@ pub struct Config {
     pub clock_skew: Duration,
     /// When set, the lease is extended by `processing_timeout` at this interval
     /// while the handler runs (and while its outcome is being recorded), so long
-    /// handlers are not taken over; the record's expiry moves with the lease
-    /// (default off).
+    /// handlers are not taken over; the record's expiry moves with the lease.
+    /// An extension is also tried sooner whenever less of the lease is left
+    /// than one attempt's time box (half the interval, at most
+    /// `store_timeout`), and a failed one again with backoff until the lease
+    /// ends (default off).
     #[serde(with = "option_duration")]
     pub lease_extension_interval: Option<Duration>,
     /// The longest the manager waits for one store call before treating it as

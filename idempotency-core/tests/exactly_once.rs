@@ -134,6 +134,88 @@ async fn a_hanging_extension_does_not_pause_the_handler() {
     );
 }
 
+/// 3b. The keeper extends in time even when the cadence would be too late: a
+///     handler that starts with less of its lease left than one interval (its
+///     reserve answered late; the lease counts from when it was sent), and an
+///     extension that failed with the next tick past the lease's end, retried
+///     before the end. Either way, without it the lease ended unextended and a
+///     redelivery ran the handler again beside the first run.
+#[tokio::test(start_paused = true)]
+async fn the_keeper_extends_before_the_lease_ends_whatever_the_cadence() {
+    let late_reserve = (Operation::Reserve, Fault::Delay(Duration::from_secs(5)));
+    let failed_extension = (Operation::Extend, Fault::Unavailable);
+    for (operation, fault) in [late_reserve, failed_extension] {
+        let repo = store();
+        repo.inject(operation, fault, 1);
+        let config = Config {
+            processing_timeout: Duration::from_secs(10),
+            lease_extension_interval: Some(Duration::from_secs(
+                if operation == Operation::Reserve {
+                    8
+                } else {
+                    6
+                },
+            )),
+            store_timeout: Duration::from_secs(6),
+            ..Config::default()
+        };
+        let m = manager(&repo, config, &TokioClock::starting_now());
+        let runs = AtomicU32::new(0);
+        let first = m.execute("k", &(), || async {
+            let r = charge(&runs);
+            tokio::time::sleep(Duration::from_secs(30)).await;
+            r
+        });
+        let redelivery = async {
+            tokio::time::sleep(Duration::from_secs(20)).await;
+            m.execute("k", &(), || async { charge(&runs) }).await
+        };
+        let (first, redelivery) = tokio::join!(first, redelivery);
+        assert!(
+            matches!(first, Ok(Outcome::Executed(1))),
+            "{fault:?}: {first:?}"
+        );
+        assert!(
+            matches!(
+                redelivery,
+                Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+            ),
+            "{fault:?}: {redelivery:?}"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), 1, "{fault:?}");
+    }
+}
+
+/// 3c. A completion refused for longer than the lease that was left when the
+///     handler returned is retried for as long as the keeper extends the lease,
+///     not given up as `Unrecorded` while the record stays ours.
+#[tokio::test(start_paused = true)]
+async fn completion_retries_follow_the_extended_lease() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        lease_extension_interval: Some(Duration::from_secs(3)),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    // About 15 s of refused completions (backoff from 20 ms, capped at 1 s).
+    repo.inject(Operation::Complete, Fault::Unavailable, 20);
+    let started = tokio::time::Instant::now();
+    let r = m
+        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
+        .await;
+    assert!(matches!(r, Ok(Outcome::Executed(1))), "{r:?}");
+    assert!(
+        started.elapsed() > Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    let key = m.record_key("k").unwrap();
+    let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
+    assert_eq!(record.status, Status::Completed);
+}
+
 /// 4. A dropped execution does not make the key re-runnable while the handler's
 ///    effect may be happening: by default the lease is kept.
 #[tokio::test(start_paused = true)]

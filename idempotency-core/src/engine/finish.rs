@@ -92,7 +92,8 @@ impl Engine {
     }
 
     /// Applies `pending` for the lease's owner, retrying ambiguous failures
-    /// until `deadline` (at least once). When the store refused the value as
+    /// until `deadline`, or until shortly before the lease ends should the
+    /// lease keeper extend it past that (at least once). When the store refused the value as
     /// too large, `pending` is left as the smaller write that was sent instead
     /// (what the store now holds, should it be applied).
     pub(crate) async fn finish(
@@ -188,8 +189,10 @@ impl Engine {
                 retry = 1;
                 continue;
             }
-            if !(e.is_store_outage() && (retry == 0 || Instant::now() + backoff(retry) < deadline))
-            {
+            // The lease keeper may have moved the lease's end since `deadline`
+            // was set: the retries follow it.
+            let until = deadline.max(self.finish_deadline(lease));
+            if !(e.is_store_outage() && (retry == 0 || Instant::now() + backoff(retry) < until)) {
                 return Finished::Failed(e);
             }
             tracing::warn!(error = %e, operation = pending.op().as_str(), retry, "could not record the outcome; retrying with the same owner token");

@@ -310,11 +310,11 @@ impl Engine {
     /// judged by [`Lease::is_lost`] when the handler asks, and no timer is
     /// armed for executions that never ask.
     pub(crate) async fn under_lease<W: Future>(&self, lease: &Lease, work: W) -> W::Output {
-        if self.config.lease_extension_interval.is_none() {
+        let Some(interval) = self.config.lease_extension_interval else {
             return work.await;
-        }
+        };
         // Boxed: only executions with extension pay for the keeper's timers.
-        let keeper = Box::pin(self.keep_lease(lease));
+        let keeper = Box::pin(self.keep_lease(lease, interval));
         tokio::select! {
             biased;
             out = work => out,
@@ -322,37 +322,62 @@ impl Engine {
         }
     }
 
-    /// Extends the lease at the configured interval; marks it lost when it ends
-    /// unconfirmed or another owner holds the key. Never returns: it is dropped
-    /// with the execution.
-    async fn keep_lease(&self, lease: &Lease) -> Infallible {
-        let interval = self.config.lease_extension_interval;
+    /// Extends the lease every `interval`, and sooner when less of the lease is
+    /// left than one attempt's time box: a handler that started late in its
+    /// lease (slow or re-sent reserves count it from the first attempt), or an
+    /// extension that failed, retried with backoff until the lease ends. Marks
+    /// the lease lost when it ends unconfirmed or another owner holds the key.
+    /// Never returns: it is dropped with the execution.
+    async fn keep_lease(&self, lease: &Lease, interval: Duration) -> Infallible {
+        // Each attempt's time box (the contract's timeout table).
+        let time_box = (interval / 2).min(self.config.store_timeout);
         // Ticks keep their cadence whatever an extension costs.
-        let mut next_tick = interval.map(|i| Instant::now() + i);
+        let mut next_tick = Instant::now() + interval;
+        let mut failures = 0;
+        let mut not_before = Instant::now();
         loop {
             let deadline = lease.deadline();
-            match next_tick {
-                Some(tick) if tick < deadline => tokio::time::sleep_until(tick).await,
-                _ => {
-                    tokio::time::sleep_until(deadline).await;
-                    if lease.deadline() <= Instant::now() {
-                        tracing::warn!(key = %lease.key, "the lease ended without confirmation; another consumer may take over");
-                        lease.mark_lost();
-                        return std::future::pending().await;
-                    }
-                    continue;
+            let due = extension_due(next_tick, deadline, time_box, not_before);
+            if due >= deadline {
+                tokio::time::sleep_until(deadline).await;
+                if lease.deadline() <= Instant::now() {
+                    return lost(
+                        lease,
+                        "the lease ended without confirmation; another consumer may take over",
+                    )
+                    .await;
                 }
+                continue;
             }
-            let Some(interval) = interval else { continue };
-            next_tick = next_tick.map(|t| (t + interval).max(Instant::now()));
-            // Time-boxed below the interval, and never past the lease's end.
-            let limit = (interval / 2)
-                .min(self.config.store_timeout)
-                .min(deadline.saturating_duration_since(Instant::now()));
-            if let Err(Error::LeaseLost { .. }) = self.extend(lease, limit).await {
-                tracing::warn!(key = %lease.key, "lease lost while the handler runs; another attempt took over");
-                lease.mark_lost();
-                return std::future::pending().await;
+            tokio::time::sleep_until(due).await;
+            let now = Instant::now();
+            if next_tick <= now {
+                next_tick = (next_tick + interval).max(now);
+            }
+            // Never past the lease's end.
+            let limit = time_box.min(deadline.saturating_duration_since(now));
+            match self.extend(lease, limit).await {
+                Ok(()) => {
+                    failures = 0;
+                    // An extension that did not move the lease's end (a clock
+                    // standing still) waits for the cadence, never spins.
+                    not_before = if lease.deadline() > deadline {
+                        Instant::now()
+                    } else {
+                        next_tick
+                    };
+                }
+                Err(Error::LeaseLost { .. }) => {
+                    return lost(
+                        lease,
+                        "lease lost while the handler runs; another attempt took over",
+                    )
+                    .await;
+                }
+                Err(_) => {
+                    failures += 1;
+                    not_before = Instant::now() + super::backoff(failures);
+                }
             }
         }
     }
@@ -379,4 +404,26 @@ impl Engine {
         }
         r
     }
+}
+
+/// Marks the lease lost (`why`), and keeps the keeper from returning: it is
+/// dropped with the execution.
+async fn lost(lease: &Lease, why: &'static str) -> Infallible {
+    tracing::warn!(key = %lease.key, "{why}");
+    lease.mark_lost();
+    std::future::pending().await
+}
+
+/// When the keeper tries its next extension: at the cadence's `tick`, or
+/// earlier, so that an attempt of `time_box` still ends before the lease's
+/// `deadline`; never before `not_before` (the backoff after a failure). At or
+/// after `deadline`: no attempt can help, the lease ends.
+fn extension_due(
+    tick: Instant,
+    deadline: Instant,
+    time_box: Duration,
+    not_before: Instant,
+) -> Instant {
+    let latest = deadline.checked_sub(time_box).unwrap_or(not_before);
+    tick.min(latest).max(not_before)
 }
