@@ -131,8 +131,8 @@ pub struct Config {
     /// handlers are not taken over; the record's expiry moves with the lease.
     /// An extension is also tried sooner whenever less of the lease is left
     /// than one attempt's time box (half the interval, at most
-    /// `store_timeout`), and a failed one again with backoff until the lease
-    /// ends (default off).
+    /// `store_timeout`), and a failed one again at the next tick, or with
+    /// backoff in the lease's last stretch (default off).
     #[serde(with = "option_duration")]
     pub lease_extension_interval: Option<Duration>,
     /// The longest the manager waits for one store call before treating it as

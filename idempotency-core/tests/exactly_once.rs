@@ -214,6 +214,24 @@ async fn completion_retries_follow_the_extended_lease() {
     let key = m.record_key("k").unwrap();
     let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
     assert_eq!(record.status, Status::Completed);
+    // A store that takes every extension and refuses every completion holds
+    // the execution for one more processing timeout at most.
+    repo.inject(Operation::Complete, Fault::Unavailable, usize::MAX);
+    let started = tokio::time::Instant::now();
+    let r = m
+        .execute("refused", &(), || async {
+            Ok::<_, HandlerError<String>>(2)
+        })
+        .await;
+    assert!(
+        matches!(r, Ok(Outcome::Unrecorded { value: 2, .. })),
+        "{r:?}"
+    );
+    let took = started.elapsed();
+    assert!(
+        took > Duration::from_secs(10) && took <= Duration::from_secs(20),
+        "{took:?}"
+    );
 }
 
 /// 4. A dropped execution does not make the key re-runnable while the handler's

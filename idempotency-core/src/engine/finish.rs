@@ -92,8 +92,8 @@ impl Engine {
     }
 
     /// Applies `pending` for the lease's owner, retrying ambiguous failures
-    /// until `deadline`, or until shortly before the lease ends should the
-    /// lease keeper extend it past that (at least once). When the store refused the value as
+    /// until `deadline`, or later should the lease keeper extend the lease
+    /// (see [`Engine::retry_until`]; at least once). When the store refused the value as
     /// too large, `pending` is left as the smaller write that was sent instead
     /// (what the store now holds, should it be applied).
     pub(crate) async fn finish(
@@ -189,9 +189,7 @@ impl Engine {
                 retry = 1;
                 continue;
             }
-            // The lease keeper may have moved the lease's end since `deadline`
-            // was set: the retries follow it.
-            let until = deadline.max(self.finish_deadline(lease));
+            let until = self.retry_until(lease, deadline);
             if !(e.is_store_outage() && (retry == 0 || Instant::now() + backoff(retry) < until)) {
                 return Finished::Failed(e);
             }
@@ -199,6 +197,19 @@ impl Engine {
             drop(e);
             super::pause(backoff(retry)).await;
             retry += 1;
+        }
+    }
+
+    /// Until when a failing finish is retried: `deadline`, or later as the
+    /// lease keeper moves the lease's end (it extends while the outcome is
+    /// recorded), but never more than one processing timeout past `deadline`,
+    /// so that a store that takes extensions and keeps refusing the write
+    /// cannot hold the execution for ever.
+    fn retry_until(&self, lease: &Lease, deadline: Instant) -> Instant {
+        let followed = deadline.max(self.finish_deadline(lease));
+        match deadline.checked_add(self.config.processing_timeout) {
+            Some(cap) => followed.min(cap),
+            None => followed,
         }
     }
 
