@@ -191,29 +191,9 @@ async fn the_keeper_extends_before_the_lease_ends_whatever_the_cadence() {
 ///     not given up as `Unrecorded` while the record stays ours.
 #[tokio::test(start_paused = true)]
 async fn completion_retries_follow_the_extended_lease() {
-    let repo = store();
-    let clock = TokioClock::starting_now();
-    let config = Config {
-        processing_timeout: Duration::from_secs(10),
-        lease_extension_interval: Some(Duration::from_secs(3)),
-        ..Config::default()
-    };
-    let m = manager(&repo, config, &clock);
     // About 15 s of refused completions (backoff from 20 ms, capped at 1 s).
-    repo.inject(Operation::Complete, Fault::Unavailable, 20);
-    let started = tokio::time::Instant::now();
-    let r = m
-        .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
-        .await;
-    assert!(matches!(r, Ok(Outcome::Executed(1))), "{r:?}");
-    assert!(
-        started.elapsed() > Duration::from_secs(10),
-        "{:?}",
-        started.elapsed()
-    );
-    let key = m.record_key("k").unwrap();
-    let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
-    assert_eq!(record.status, Status::Completed);
+    let (repo, m, took) = refused_completions_ridden_out(10, 3, 20).await;
+    assert!(took > Duration::from_secs(10), "{took:?}");
     // A store that takes every extension and refuses every completion holds
     // the execution for one more processing timeout at most.
     repo.inject(Operation::Complete, Fault::Unavailable, usize::MAX);
@@ -407,29 +387,39 @@ async fn a_resent_complete_is_not_lease_lost() {
 ///    extended meanwhile) until shortly before the lease ends.
 #[tokio::test(start_paused = true)]
 async fn a_failover_during_the_completion_is_ridden_out() {
+    // About 8 s of refused completions.
+    let (_, _, took) = refused_completions_ridden_out(60, 20, 12).await;
+    assert!(took >= Duration::from_secs(5), "{took:?}");
+}
+
+/// One execution with lease extension (`processing` and `interval` seconds)
+/// whose first `refusals` completions are refused as outages: it ends
+/// `Executed` with its record completed. The store, the manager and how long
+/// the execution took.
+async fn refused_completions_ridden_out(
+    processing: u64,
+    interval: u64,
+    refusals: usize,
+) -> (common::Store, IdempotencyManager, Duration) {
     let repo = store();
     let clock = TokioClock::starting_now();
     let config = Config {
-        processing_timeout: Duration::from_secs(60),
-        lease_extension_interval: Some(Duration::from_secs(20)),
+        processing_timeout: Duration::from_secs(processing),
+        lease_extension_interval: Some(Duration::from_secs(interval)),
         ..Config::default()
     };
     let m = manager(&repo, config, &clock);
-    // About 8 s of refused completions.
-    repo.inject(Operation::Complete, Fault::Unavailable, 12);
+    repo.inject(Operation::Complete, Fault::Unavailable, refusals);
     let started = tokio::time::Instant::now();
     let r = m
         .execute("k", &(), || async { Ok::<_, HandlerError<String>>(1) })
         .await;
+    let took = started.elapsed();
     assert!(matches!(r, Ok(Outcome::Executed(1))), "{r:?}");
-    assert!(
-        started.elapsed() >= Duration::from_secs(5),
-        "{:?}",
-        started.elapsed()
-    );
     let key = m.record_key("k").unwrap();
     let record = repo.inner().get(&key, clock.now()).await.unwrap().unwrap();
     assert_eq!(record.status, Status::Completed);
+    (repo, m, took)
 }
 
 /// 7. Fail-open after a reserve whose replies were lost: the record created
