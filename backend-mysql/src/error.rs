@@ -48,6 +48,22 @@ pub(crate) mod code {
     pub(super) const STATEMENT_TIMEOUT: u16 = 1969;
     /// MySQL's `max_execution_time`.
     pub(super) const QUERY_TIMEOUT: u16 = 3024;
+    /// A cached prepared statement the server wants prepared again (table
+    /// metadata changed, as during another instance's migration): not run.
+    pub(super) const NEED_REPREPARE: u16 = 1615;
+    // The server out of a resource for now (nothing applied; it frees, or an
+    // operator frees it): disk, a full tablespace, memory, locks, prepared
+    // statements.
+    pub(super) const DISK_FULL: u16 = 1021;
+    pub(super) const OUT_OF_MEMORY: u16 = 1037;
+    pub(super) const OUT_OF_SORT_MEMORY: u16 = 1038;
+    pub(super) const OUT_OF_RESOURCES: u16 = 1041;
+    pub(super) const TABLE_FULL: u16 = 1114;
+    pub(super) const LOCK_TABLE_FULL: u16 = 1206;
+    pub(super) const MAX_PREPARED_STATEMENTS: u16 = 1461;
+    /// Group Replication refused to certify the transaction (a conflict with
+    /// another primary): rolled back.
+    pub(super) const ROLLBACK_DURING_COMMIT: u16 = 3101;
 }
 
 /// The server's error number of a database error, if it is one.
@@ -164,7 +180,16 @@ fn map_server(err: sqlx::Error, operation: &'static str, table: &str) -> Error {
         | LOCK_DEADLOCK
         | QUERY_INTERRUPTED
         | CHECKREAD
-        | CLIENT_INTERACTION_TIMEOUT => unavailable(operation, err),
+        | CLIENT_INTERACTION_TIMEOUT
+        | NEED_REPREPARE
+        | DISK_FULL
+        | OUT_OF_MEMORY
+        | OUT_OF_SORT_MEMORY
+        | OUT_OF_RESOURCES
+        | TABLE_FULL
+        | LOCK_TABLE_FULL
+        | MAX_PREPARED_STATEMENTS
+        | ROLLBACK_DURING_COMMIT => unavailable(operation, err),
         OPTION_PREVENTS_STATEMENT | CANT_EXECUTE_IN_READ_ONLY_TRANSACTION | READ_ONLY_MODE => {
             Error::Unavailable {
                 backend: BACKEND,

@@ -51,7 +51,7 @@
 //! | timestamps | milliseconds (`BIGINT`), from the caller's clock; the server's clock is never used |
 //! | expiry | an expired row is absent to every operation; no native expiry: schedule [`purge_expired`](idempotency_core::Repository::purge_expired) |
 //! | timeouts | every operation under `operation_timeout` (default 5 s) → retryable [`Error::Timeout`](idempotency_core::Error::Timeout); pools made by [`connect`] also set the session's `innodb_lock_wait_timeout` to it (rounded up to whole seconds), so a statement abandoned behind a row lock frees its connection soon after (with your own pool, set it yourself) |
-//! | outages | connection errors, a server shutting down, too many connections, deadlocks, a read-only server (a failover) → retryable [`Error::Unavailable`](idempotency_core::Error::Unavailable) |
+//! | outages | connection errors, a server shutting down, too many connections, deadlocks, a read-only server (a failover), a server out of a resource for now (disk, a full tablespace, memory, lock table, `max_prepared_stmt_count`), a statement to prepare again (1615), a Group Replication rollback (3101) → retryable [`Error::Unavailable`](idempotency_core::Error::Unavailable) |
 //! | corrupt rows | [`Error::Corrupt`](idempotency_core::Error::Corrupt) naming the key, never a panic |
 //! | servers | MariaDB 10.5+ (tested: 10.11 from Debian), MySQL 5.7 and 8.x (InnoDB, `ROW_FORMAT=DYNAMIC`) |
 //!

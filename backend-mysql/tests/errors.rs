@@ -133,9 +133,14 @@ async fn create_writer(admin: &MySqlRepository, server: &str) -> (String, String
     (user, url.into())
 }
 
+/// Runs `statements` as plain text (no prepared statement: one of them may
+/// lift a limit on those).
 async fn run_all(admin: &MySqlRepository, statements: &[String]) {
     for statement in statements {
-        sqlx::query(statement).execute(admin.pool()).await.unwrap();
+        sqlx::raw_sql(statement)
+            .execute(admin.pool())
+            .await
+            .unwrap();
     }
 }
 
@@ -183,6 +188,46 @@ async fn read_only_row(server: &str) -> ErrorRow {
         got,
         Expected::Unavailable,
         &["read-only"],
+    )
+}
+
+/// A server out of a resource for now — here prepared statements, at its
+/// `max_prepared_stmt_count` — refuses the statement without running it: a
+/// retryable outage (a completion refused that way is retried, not given up),
+/// whatever the resource (disk, memory, locks).
+async fn out_of_statements_row(server: &str) -> ErrorRow {
+    let table = common::unique_table("out_of_statements");
+    let admin = common::repository(&table, "").await;
+    let limit: (String, String) =
+        sqlx::query_as("SHOW GLOBAL VARIABLES LIKE 'max_prepared_stmt_count'")
+            .fetch_one(admin.pool())
+            .await
+            .unwrap();
+    run_all(
+        &admin,
+        &["SET GLOBAL max_prepared_stmt_count = 0".to_owned()],
+    )
+    .await;
+    // A repository of its own: its connections have prepared nothing yet.
+    let fresh = idempotency_mysql::connect(&url_with::query(
+        server,
+        &format!("table={table}&migrate=false"),
+    ))
+    .await;
+    let got = match fresh {
+        Ok(repo) => reserve_once(&repo, "refused").await,
+        Err(e) => Err(e),
+    };
+    run_all(
+        &admin,
+        &[format!("SET GLOBAL max_prepared_stmt_count = {}", limit.1)],
+    )
+    .await;
+    ErrorRow::new(
+        "server out of a resource (`max_prepared_stmt_count` reached)",
+        got,
+        Expected::Unavailable,
+        &["max_prepared_stmt_count"],
     )
 }
 
@@ -252,6 +297,7 @@ async fn every_cause_has_its_error_and_message() {
     rows.push(privilege_row(&server).await);
     rows.push(user_connection_limit_row(&server).await);
     rows.push(read_only_row(&server).await);
+    rows.push(out_of_statements_row(&server).await);
     rows.push(black_hole_row(&server).await);
     assert_error_table("mysql", &rows);
 }
