@@ -36,7 +36,7 @@ pub(crate) fn latest_version() -> i64 {
 /// for the first's lock, then finds nothing to do).
 pub(crate) async fn run(pool: &SqlitePool) -> Result<(), Error> {
     let map = |e| map_sqlx(e, "migrate", None);
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+    let mut tx = crate::ops::begin_immediate(pool).await.map_err(map)?;
     tx.execute(
         "CREATE TABLE IF NOT EXISTS idempotency_schema_migrations (
              version     INTEGER PRIMARY KEY,

@@ -6,7 +6,7 @@ use idempotency_core::{
     Capabilities, Error, OwnedWrite, OwnerToken, Record, RecordKey, StoredColumns, Timestamp,
 };
 use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteExecutor};
+use sqlx::{Row, Sqlite, SqliteExecutor, SqlitePool, Transaction};
 
 use crate::error::{map_sqlx, BACKEND};
 
@@ -65,6 +65,24 @@ pub(crate) fn decode(row: &SqliteRow, key: &RecordKey) -> Result<Record, Error> 
         updated_at: row.try_get(10).map_err(corrupt)?,
     }
     .into_record(key)
+}
+
+/// `BEGIN IMMEDIATE` on a connection of `pool`, on a task of its own.
+///
+/// sqlx makes the transaction's guard (which rolls it back when dropped) only
+/// after a second exchange with the connection's worker, so a caller dropped
+/// in between — the manager's store timer, a future given up — would send the
+/// connection back to the pool inside the open transaction: every later
+/// reservation on it refused, every later write on it never committed. On
+/// its own task the begin always finishes, and should its caller be gone by
+/// then, the guard is dropped there and rolls the transaction back.
+pub(crate) async fn begin_immediate(
+    pool: &SqlitePool,
+) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+    let pool = pool.clone();
+    tokio::spawn(async move { pool.begin_with("BEGIN IMMEDIATE").await })
+        .await
+        .unwrap_or(Err(sqlx::Error::WorkerCrashed))
 }
 
 /// The stored record under `key`, expired or not.

@@ -173,7 +173,7 @@ impl Repository for SqliteRepository {
         let key = req.key;
         check_key(key)?;
         let map = |e| map_sqlx(e, "reserve", Some(key));
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await.map_err(map)?;
+        let mut tx = ops::begin_immediate(&self.pool).await.map_err(map)?;
         let existing = ops::select(&mut *tx, key, "reserve").await?;
         let (write, answer) = match reserve_transition(existing.as_ref(), &req) {
             ReserveTransition::Create => (

@@ -202,3 +202,40 @@ async fn bad_urls_are_configuration_errors() {
         assert!(matches!(err, Error::Config { .. }), "{url}: {err:?}");
     }
 }
+
+/// A reservation abandoned at any point (the manager's store timer, a caller
+/// that drops its future) leaves no transaction open on the pooled
+/// connection: the next calls on it work and what they write is committed,
+/// visible to another connection to the file. (Dropped between `BEGIN
+/// IMMEDIATE` and the transaction's creation, a connection used to go back
+/// to the pool inside the open transaction: later reservations failed, and
+/// later writes were never committed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reservation_abandoned_anywhere_leaves_no_transaction_open() {
+    let path = common::fresh_path("abandoned");
+    let repo = common::repository_at(&path, "").await;
+    let other = common::repository_at(&path, "").await;
+    for i in 0..300u64 {
+        let key = RecordKey::new("abandoned", format!("k{i}"), 1024).unwrap();
+        let abandoned = repo.reserve(common::request(&key, OwnerToken::random()));
+        let _ = tokio::time::timeout(Duration::from_micros(i % 60 * 10), abandoned).await;
+        let after = RecordKey::new("after", format!("k{i}"), 1024).unwrap();
+        let owner = OwnerToken::random();
+        let answer = repo.reserve(common::request(&after, owner)).await;
+        assert!(
+            matches!(answer, Ok(Reservation::Acquired { attempt: 1 })),
+            "round {i}: {answer:?}"
+        );
+        let seen = other
+            .get(
+                &after,
+                idempotency_core::Clock::now(&idempotency_core::SystemClock),
+            )
+            .await
+            .unwrap();
+        assert!(
+            seen.is_some_and(|r| r.owner == owner),
+            "round {i}: the reservation is not committed"
+        );
+    }
+}
