@@ -5,7 +5,10 @@
 //!   one `BEGIN IMMEDIATE` transaction, which takes SQLite's write lock before
 //!   the read: no other connection or process can change the record between
 //!   the decision and the write. The decision itself is the core's, the one
-//!   every store makes.
+//!   every store makes. A reservation abandoned at any point (the manager's
+//!   store timer, a dropped future) rolls its transaction back; the begin runs
+//!   on a task of its own so that no connection goes back to the pool inside
+//!   an open transaction (needs a Tokio runtime, as sqlx does).
 //! - **Several processes on one file**: WAL mode, and a busy timeout
 //!   ([`DEFAULT_BUSY_TIMEOUT`], URL option `busy_timeout`): a statement that
 //!   finds the file locked waits for it, then fails with a retryable
