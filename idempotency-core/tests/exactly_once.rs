@@ -13,8 +13,8 @@ use common::{eventually, manager, store};
 use idempotency_core::testing::{Fault, Operation, TokioClock};
 use idempotency_core::{
     CancelPolicy, Config, Error, ExecuteError, ExecutionContext, FailurePolicy, HandlerError,
-    IdempotencyManager, InProgressPolicy, MemoryRepository, OutagePolicy, Outcome, Repository,
-    Status,
+    IdempotencyManager, InProgressPolicy, JsonCodec, ManualClock, MemoryRepository, OutagePolicy,
+    Outcome, Repository, SharedRepository, Status,
 };
 
 /// A handler with an effect: counts its runs.
@@ -183,6 +183,42 @@ async fn the_keeper_extends_before_the_lease_ends_whatever_the_cadence() {
             "{fault:?}: {redelivery:?}"
         );
         assert_eq!(runs.load(Ordering::SeqCst), 1, "{fault:?}");
+    }
+}
+
+/// 3d. The keeper never spins: when an extension moves nothing (a clock that
+///     stands still) it keeps to its cadence, and when every extension is
+///     refused it retries with backoff in the lease's last stretch only.
+#[tokio::test(start_paused = true)]
+async fn the_keeper_keeps_to_its_cadence_and_backoff() {
+    for refused in [false, true] {
+        let repo = store();
+        if refused {
+            repo.inject(Operation::Extend, Fault::Unavailable, usize::MAX);
+        }
+        let config = Config {
+            processing_timeout: Duration::from_secs(10),
+            lease_extension_interval: Some(Duration::from_secs(2)),
+            ..Config::default()
+        };
+        let m = IdempotencyManager::with_parts(
+            repo.clone() as SharedRepository,
+            config,
+            Arc::new(ManualClock::starting_now()),
+            JsonCodec,
+        )
+        .unwrap();
+        let _ = m
+            .execute("k", &(), || async {
+                tokio::time::sleep(Duration::from_secs(30)).await;
+                Ok::<_, HandlerError<String>>(())
+            })
+            .await;
+        let calls = repo.calls(Operation::Extend);
+        assert!(
+            (4..=12).contains(&calls),
+            "refused {refused}: {calls} extensions over a 10 s lease"
+        );
     }
 }
 
