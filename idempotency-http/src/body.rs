@@ -161,14 +161,27 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Inner { body } => body.size_hint(),
-            Kind::Buffered { frames, rest, .. } => {
+            Kind::Buffered {
+                frames,
+                rest,
+                error,
+            } => {
                 let buffered: u64 = frames
                     .iter()
                     .filter_map(Frame::data_ref)
                     .map(|d| d.len() as u64)
                     .sum();
                 match rest {
-                    None => SizeHint::with_exact(buffered),
+                    None if error.is_none() => SizeHint::with_exact(buffered),
+                    // A body that failed is not as long as what came of it:
+                    // announced with that length (`Content-Length`), it would
+                    // reach the client looking whole. Without an upper bound
+                    // the transport chunks it and cuts it at the failure.
+                    None => {
+                        let mut hint = SizeHint::new();
+                        hint.set_lower(buffered);
+                        hint
+                    }
                     Some(body) => {
                         let inner = body.size_hint();
                         let mut hint = SizeHint::new();

@@ -333,8 +333,9 @@ impl fmt::Debug for IdempotencyLayer {
 
 impl IdempotencyLayer {
     /// A layer over `manager`, with the defaults: `Idempotency-Key` required on
-    /// POST and PATCH, fingerprint over method, path and body, responses below
-    /// 500 stored (see [`is_stored_by_default`]) up to 1 MiB of body.
+    /// POST and PATCH, fingerprint over method, path and body, 2xx, 400 and
+    /// 422 responses stored (see [`is_stored_by_default`]) up to 1 MiB of
+    /// body.
     ///
     /// The manager's [`Config`](idempotency_core::Config) still decides the
     /// replay window (`ttl`), the lease (`processing_timeout`, optionally

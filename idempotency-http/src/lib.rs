@@ -119,7 +119,9 @@
 //!   (an upload cut short, under a fingerprint that does not read the body):
 //!   it answers the broken transfer, not the request. A response body that
 //!   fails while it is read is kept as not retained (the handler ran; a retry
-//!   is refused, not run again), unless the request body had failed first.
+//!   is refused, not run again), unless the request body had failed first;
+//!   the first client gets the bytes that came without a length that would
+//!   make them look whole, so its transport reports the cut.
 //!
 //! # Frameworks
 //!

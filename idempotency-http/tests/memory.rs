@@ -334,3 +334,46 @@ async fn a_response_body_slower_than_the_lease_never_runs_twice() {
         );
     }
 }
+
+/// Over a real HTTP/1.1 connection, a response body that fails after the
+/// head is not announced with the length of the bytes that came: hyper then
+/// cuts the connection at the failure, so the client sees a broken message,
+/// not a complete shorter body (a `Content-Length` of the buffered bytes made
+/// it look whole, and its retry is refused as not retained, so the client
+/// would never have learned).
+#[tokio::test]
+async fn a_failing_response_body_reaches_the_client_as_truncated() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let app = TestApp::new(repository().await);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    let router = app.router.clone();
+    let server = tokio::spawn(async move { axum::serve(listener, router).await });
+    let mut client = tokio::net::TcpStream::connect(address).await.unwrap();
+    client
+        .write_all(
+            b"POST /broken-once HTTP/1.1\r\nhost: test\r\nidempotency-key: wire\r\n\
+              content-length: 0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        client.read_to_end(&mut got),
+    )
+    .await;
+    server.abort();
+    let got = String::from_utf8_lossy(&got).to_ascii_lowercase();
+    // Cut: the connection closes at the failure (hyper may not have flushed
+    // the head yet), and what came is never a complete message.
+    assert!(read.is_ok(), "the connection stays open after {got:?}");
+    assert!(got.is_empty() || got.starts_with("http/1.1 200"), "{got:?}");
+    assert!(
+        !got.contains("content-length"),
+        "announced as whole: {got:?}"
+    );
+    assert!(!got.ends_with("0\r\n\r\n"), "chunked to its end: {got:?}");
+    assert_eq!(app.runs("broken"), 1);
+}
