@@ -121,7 +121,12 @@
 //!   fails while it is read is kept as not retained (the handler ran; a retry
 //!   is refused, not run again), unless the request body had failed first;
 //!   the first client gets the bytes that came without a length that would
-//!   make them look whole, so its transport reports the cut.
+//!   make them look whole, so its transport reports the cut. One gap: a
+//!   response that had already streamed past the cap was recorded as not
+//!   retained when it passed it, so an upload it proxies that fails later
+//!   does not release the key (the full retry gets `409` too); under
+//!   `MethodPath`, keep streamed uploads' responses below the cap, or let the
+//!   client use a new key after a cut upload.
 //!
 //! # Frameworks
 //!
