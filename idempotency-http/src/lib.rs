@@ -103,7 +103,9 @@
 //!   If the client disconnects (the response future is dropped), the handler
 //!   runs to the end on its own task and its response is stored for the
 //!   retry; if the handler panics, the key is released (like a `500`, whatever
-//!   the manager's failure policy), so the retry runs it.
+//!   the manager's failure policy), so the retry runs it. A response body
+//!   that panics after its head is handled as one that fails (below): the
+//!   handler ran, so the key is kept.
 //! - **What is stored**: the status, the [selected headers](HeaderSelection)
 //!   (all but hop-by-hop, `Content-Length`, `Date` and `Set-Cookie` by
 //!   default), the body and any trailers, in a compact binary form, when

@@ -419,7 +419,12 @@ where
     // a retry takes the key over and runs the handler again. A body still
     // coming then streams through, kept as not retained (the handler ran).
     let lease_end = || drain_deadline(settings, ctx);
-    match collect_up_to_by(body, cap, Some(lease_end)).await {
+    let reading = collect_up_to_by(body, cap, Some(lease_end));
+    let collected = unwinding(reading, |error| Collected::Failed {
+        frames: VecDeque::new(),
+        error,
+    });
+    match collected.await {
         Collected::Complete { data, trailers } => {
             let stores = settings.dialect.stores_complete(
                 &head.headers,
@@ -439,7 +444,13 @@ where
             // The final status, which decides, is at the end: read to it,
             // within bounds (memory, and the lease: the outcome must be
             // recorded before the lease ends, or a retry runs again).
-            let drained = drain(frames, rest, GRPC_DRAIN_LIMIT, lease_end).await;
+            let reading = drain(frames, rest, GRPC_DRAIN_LIMIT, lease_end);
+            let drained = match unwinding(reading.map(Ok), Err).await {
+                Ok(drained) => drained,
+                Err(error) => {
+                    return body_failed(slot, head, VecDeque::new(), error, request_failed)
+                }
+            };
             if let Some(error) = drained.error {
                 return body_failed(slot, head, drained.frames, error, request_failed);
             }
@@ -486,6 +497,28 @@ where
         }
         Collected::Failed { frames, error } => {
             body_failed(slot, head, frames, error, request_failed)
+        }
+    }
+}
+
+/// `reading` the response body, with a panic there turned into the body's
+/// failure (`failed`): the handler ran (its head says so), so the key is kept
+/// as for a body that fails, never released for a retry to run the handler
+/// again — as a panicking `Serialize` records the success in the manager.
+async fn unwinding<T>(reading: impl Future<Output = T>, failed: impl FnOnce(BoxError) -> T) -> T {
+    match AssertUnwindSafe(reading).catch_unwind().await {
+        Ok(read) => read,
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| panic.downcast_ref::<&str>().copied())
+                .unwrap_or("a panic");
+            tracing::error!(
+                panic = message,
+                "the response body panicked while it was read"
+            );
+            failed(format!("the response body panicked: {message}").into())
         }
     }
 }

@@ -251,6 +251,7 @@ impl TestApp {
             .route("/trailers", routing::post(trailers))
             .route("/panic-once", routing::post(panic_once))
             .route("/broken-once", routing::post(broken_once))
+            .route("/panicking-body", routing::post(panicking_body))
             .route("/stream-echo", routing::post(stream_echo))
             .route("/webhooks", routing::post(webhooks))
             .route("/search", routing::post(search))
@@ -418,6 +419,16 @@ async fn broken_once(State(s): State<Arc<Shared>>) -> Response {
         vec![Ok(Bytes::from(format!("whole {n}")))]
     };
     Response::new(Body::from_stream(futures::stream::iter(items)))
+}
+
+/// A body that panics after one chunk (an encoder's bug): the handler ran.
+async fn panicking_body(State(s): State<Arc<Shared>>) -> Response {
+    s.bump("panicking");
+    let chunks = futures::StreamExt::map(futures::stream::iter(0..2), |i| {
+        assert!(i == 0, "the body's encoder panicked");
+        Ok::<_, std::io::Error>(Bytes::from_static(b"partial"))
+    });
+    Response::new(Body::from_stream(chunks))
 }
 
 /// Answers `200` at once and streams the request body back as it arrives (a
@@ -1105,6 +1116,25 @@ pub async fn failing_response_body_is_kept_not_retained(repo: SharedRepository) 
     assert_eq!(app.runs("broken"), 1);
 }
 
+/// A response body that panics while the layer reads it is handled as one
+/// that fails: the handler ran, so the key is kept as not retained and the
+/// retry is refused, never run again (a released key would charge twice).
+pub async fn panicking_response_body_is_kept_not_retained(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let response = app
+        .router
+        .clone()
+        .oneshot(post("/panicking-body", Some("p"), ""))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let error = response.into_body().collect().await.unwrap_err();
+    assert!(error.to_string().contains("panicked"), "{error}");
+    let retry = app.send(post("/panicking-body", Some("p"), "")).await;
+    retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    assert_eq!(app.runs("panicking"), 1, "the handler is not run again");
+}
+
 /// A response body that fails because the request body it streams from was
 /// cut short (an upload the handler proxies): the request never arrived
 /// whole, so the key is released and the client's full retry runs.
@@ -1381,6 +1411,7 @@ macro_rules! http_scenarios {
             dropped_request_still_completes_and_replays,
             panicking_handler_releases_the_key,
             failing_response_body_is_kept_not_retained,
+            panicking_response_body_is_kept_not_retained,
             response_failing_with_a_cut_upload_is_released,
             cut_upload_is_not_stored,
             cut_upload_read_for_the_fingerprint_is_400,
