@@ -163,10 +163,12 @@ async fn the_keeper_extends_before_the_lease_ends_whatever_the_cadence() {
         let runs = AtomicU32::new(0);
         let first = m.execute("k", &(), || async {
             let r = charge(&runs);
+            // Paused time: advances the test's clock, waits for nothing.
             tokio::time::sleep(Duration::from_secs(30)).await;
             r
         });
         let redelivery = async {
+            // Paused time, as above.
             tokio::time::sleep(Duration::from_secs(20)).await;
             m.execute("k", &(), || async { charge(&runs) }).await
         };
@@ -210,6 +212,7 @@ async fn the_keeper_keeps_to_its_cadence_and_backoff() {
         .unwrap();
         let _ = m
             .execute("k", &(), || async {
+                // Paused time: a 30 s handler that waits for nothing.
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 Ok::<_, HandlerError<String>>(())
             })

@@ -508,17 +508,10 @@ where
 async fn unwinding<T>(reading: impl Future<Output = T>, failed: impl FnOnce(BoxError) -> T) -> T {
     match AssertUnwindSafe(reading).catch_unwind().await {
         Ok(read) => read,
-        Err(panic) => {
-            let message = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("a panic");
-            tracing::error!(
-                panic = message,
-                "the response body panicked while it was read"
-            );
-            failed(format!("the response body panicked: {message}").into())
+        // The panic hook has reported the panic and its message.
+        Err(_) => {
+            tracing::error!("the response body panicked while it was read");
+            failed("the response body panicked".into())
         }
     }
 }
