@@ -188,6 +188,48 @@ async fn the_keeper_extends_before_the_lease_ends_whatever_the_cadence() {
     }
 }
 
+/// 3e. An extension refused again and again late in the lease is still tried
+///     before the lease ends: the backoff shrinks to what is left, so the
+///     store's recovery in the lease's last stretch keeps the key (before, the
+///     fifth refusal's backoff landed past the end, the lease was lost and a
+///     redelivery ran the handler again beside the first run).
+#[tokio::test(start_paused = true)]
+async fn an_extension_refused_late_in_the_lease_is_retried_before_it_ends() {
+    let repo = store();
+    // Refused at 2.0, 2.04, 2.12, 2.28 and 2.6 s of a 3 s lease.
+    repo.inject(Operation::Extend, Fault::Unavailable, 5);
+    let config = Config {
+        processing_timeout: Duration::from_secs(3),
+        lease_extension_interval: Some(Duration::from_secs(2)),
+        store_timeout: Duration::from_secs(1),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let runs = AtomicU32::new(0);
+    let first = m.execute("k", &(), || async {
+        let r = charge(&runs);
+        // Paused time: advances the test's clock, waits for nothing.
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        r
+    });
+    let redelivery = async {
+        // Paused time, as above.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        m.execute("k", &(), || async { charge(&runs) }).await
+    };
+    let (first, redelivery) = tokio::join!(first, redelivery);
+    assert!(matches!(first, Ok(Outcome::Executed(1))), "{first:?}");
+    assert!(
+        matches!(
+            redelivery,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{redelivery:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert!(repo.calls(Operation::Extend) > 5, "the sixth try was made");
+}
+
 /// 3d. The keeper never spins: when an extension moves nothing (a clock that
 ///     stands still) it keeps to its cadence, and when every extension is
 ///     refused it retries with backoff in the lease's last stretch only.

@@ -376,7 +376,8 @@ impl Engine {
                 }
                 Err(_) => {
                     failures += 1;
-                    not_before = Instant::now() + super::backoff(failures);
+                    let backoff = super::backoff(failures);
+                    not_before = retry_after(Instant::now(), lease.deadline(), backoff);
                 }
             }
         }
@@ -412,6 +413,19 @@ async fn lost(lease: &Lease, why: &'static str) -> Infallible {
     tracing::warn!(key = %lease.key, "{why}");
     lease.mark_lost();
     std::future::pending().await
+}
+
+/// When the keeper tries again after a failed extension: after `backoff`, or
+/// sooner when less than two backoffs of the lease are left, so that a failure
+/// near the lease's end still leaves a try before `deadline` (halving what is
+/// left each time, down to the shortest backoff: never a spin).
+fn retry_after(now: Instant, deadline: Instant, backoff: Duration) -> Instant {
+    let half_left = deadline.saturating_duration_since(now) / 2;
+    if half_left >= super::backoff(0) {
+        now + backoff.min(half_left)
+    } else {
+        now + backoff
+    }
 }
 
 /// When the keeper tries its next extension: at the cadence's `tick`, or
