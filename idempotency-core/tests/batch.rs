@@ -348,6 +348,40 @@ async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
     holder.abort();
 }
 
+/// A key the batch call refused (not an outage: a record that does not
+/// decode, a statement refused) keeps that refusal when its single retries
+/// then meet an outage: it is never answered with the outage, which a
+/// fail-open policy would run the handler on.
+#[tokio::test(start_paused = true)]
+async fn a_key_the_batch_refused_is_not_run_unprotected_when_the_store_then_fails() {
+    use idempotency_core::OutagePolicy;
+    let repo = store();
+    repo.inject(Operation::ReserveMany, Fault::Refuse, 1);
+    repo.inject(Operation::Reserve, Fault::Unavailable, 10);
+    let config = Config {
+        on_store_outage: OutagePolicy::FailOpen,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let runs = AtomicUsize::new(0);
+    let answers = m
+        .execute_batch(&[("a", 1u32), ("b", 2)], 4, |_, _ctx| {
+            runs.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, HandlerError<String>>(2) }
+        })
+        .await;
+    for answer in &answers {
+        match answer {
+            Err(ExecuteError::Idempotency(e @ Error::Backend { .. })) => {
+                assert!(!e.is_retryable(), "{e:?}");
+            }
+            other => panic!("the batch's refusal, not the outage: {other:?}"),
+        }
+    }
+    assert_eq!(runs.load(Ordering::SeqCst), 0, "never run unprotected");
+    assert!(repo.calls(Operation::Reserve) >= 2, "each key tried on its own");
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_panicking_handler_lets_the_rest_of_its_group_finish() {
     let repo = store();

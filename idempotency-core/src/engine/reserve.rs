@@ -95,6 +95,7 @@ impl Engine {
         // An earlier attempt counts against the retries.
         let mut retries_spent = u32::from(unsettled.is_some());
         let mut seen_in_progress = earlier.in_progress;
+        let mut refused = earlier.refused;
         // The earlier attempt was this owner's first: the pause that follows
         // a failed send, or the wait policy's poll, comes before the next.
         if let (Some(_), InProgressPolicy::Wait { poll_interval, .. }) =
@@ -110,15 +111,19 @@ impl Engine {
             retries_spent = 0;
             let (reservation, sent) = match attempt.await {
                 Ok(answer) => answer,
-                Err(e) if e.is_store_outage() => match seen_in_progress {
-                    Some(decision) => {
+                Err(e) if e.is_store_outage() => match (seen_in_progress, refused.take()) {
+                    (Some(decision), _) => {
                         tracing::debug!(error = %e, "store failed while waiting for a live holder; answering in progress");
                         return Ok(Reserved::Duplicate {
                             decision,
                             unsettled: true,
                         });
                     }
-                    None => return Err(e),
+                    (None, Some(refused)) => {
+                        tracing::debug!(error = %e, "store failed after the batch refused the key; answering with that refusal");
+                        return Err(*refused);
+                    }
+                    (None, None) => return Err(e),
                 },
                 Err(e) => return Err(e),
             };
@@ -215,6 +220,13 @@ pub(crate) struct Earlier {
     /// It found a live holder (under the wait policy): a store outage while
     /// waiting answers with this, never with an error.
     pub(crate) in_progress: Option<DuplicateDecision>,
+    /// The store answered it with an error that is not an outage (a record
+    /// that does not decode, a refused statement): should the single attempts
+    /// then meet an outage, the key ends with this error, never with the
+    /// outage, which a fail-open policy would run the handler on.
+    /// (Boxed: it is kept across the attempts' awaits, in every
+    /// execution's future.)
+    pub(crate) refused: Option<Box<Error>>,
 }
 
 /// One request's answer from [`Engine::reserve_batch`].
@@ -230,7 +242,17 @@ impl BatchReserved {
     fn unsettled(sent: Sent) -> Self {
         BatchReserved::Again(Earlier {
             unsettled: Some(sent),
-            in_progress: None,
+            ..Earlier::default()
+        })
+    }
+
+    /// Refused with `error` (maybe the batch's rather than the key's own), and
+    /// possibly applied all the same.
+    fn refused(sent: Sent, error: Error) -> Self {
+        BatchReserved::Again(Earlier {
+            unsettled: Some(sent),
+            refused: Some(Box::new(error)),
+            ..Earlier::default()
         })
     }
 }
@@ -275,7 +297,7 @@ impl Engine {
                 })
                 .collect(),
             Ok(answers) => {
-                let e = Error::Backend {
+                let broken = || Error::Backend {
                     backend: self.caps.backend,
                     message: format!(
                         "reserve_many answered {} requests with {} answers",
@@ -284,10 +306,10 @@ impl Engine {
                     ),
                     source: None,
                 };
-                tracing::error!(error = %e, "a broken batch answer; reserving one key at a time");
+                tracing::error!(error = %broken(), "a broken batch answer; reserving one key at a time");
                 items
                     .iter()
-                    .map(|_| BatchReserved::unsettled(sent))
+                    .map(|_| BatchReserved::refused(sent, broken()))
                     .collect()
             }
             Err(_timeout) => items
@@ -322,7 +344,7 @@ impl Engine {
                 // after the write): the lease from the batch's send, and what
                 // it may have created released should the key end in error.
                 tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
-                return BatchReserved::unsettled(sent);
+                return BatchReserved::refused(sent, e);
             }
         };
         self.remember_record(&lease.key, &record, sent.sent_at);
@@ -330,8 +352,8 @@ impl Engine {
         let waits = matches!(self.config.in_progress, InProgressPolicy::Wait { .. });
         if waits && matches!(decision, DuplicateDecision::InProgress { .. }) {
             return BatchReserved::Again(Earlier {
-                unsettled: None,
                 in_progress: Some(decision),
+                ..Earlier::default()
             });
         }
         BatchReserved::Done(Ok(Reserved::Duplicate {
