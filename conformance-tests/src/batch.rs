@@ -171,10 +171,16 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         // A lease ending exactly at t is taken over; 1 ms later it is not.
         ("lease-edge", t, t + TTL, 0),
         ("lease-live", t + ms, t + TTL, 0),
-        // With a 5 s allowance: a lease that ended 1 s ago is still held,
-        // one that ended 5 s ago is not.
-        ("skew-live", t - secs(1), t + TTL, 5),
-        ("skew-edge", t - secs(5), t + TTL, 5),
+        // With a 5.5 s allowance (milliseconds: an allowance cut to whole
+        // seconds would take over early): a lease that ended 5 s ago is
+        // still held, one that ended 5.5 s ago is not.
+        ("skew-live", t - secs(5), t + TTL, 5_500),
+        (
+            "skew-edge",
+            t - Duration::from_millis(5_500),
+            t + TTL,
+            5_500,
+        ),
         // A record expiring exactly at t is gone; 1 ms later it is there
         // (its lease ended: taken over).
         ("expiry-edge", t - secs(1), t, 0),
@@ -183,7 +189,7 @@ pub async fn check_reserve_many_follows_reserve(repo: SharedRepository) -> Check
         let key = cx.key(id);
         reserve_at(&cx, &key, before, lease_until, expires_at).await?;
         cases.push(Case {
-            clock_skew: secs(skew),
+            clock_skew: Duration::from_millis(skew),
             ..Case::new(key)
         });
     }

@@ -194,12 +194,12 @@ pub async fn check_reserve_lease_boundary(repo: SharedRepository) -> CheckResult
     Ok(())
 }
 
-/// Clock-skew tolerance delays takeovers by the skew.
+/// Clock-skew tolerance delays takeovers by the skew, to the millisecond.
 pub async fn check_reserve_honours_clock_skew(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let key = cx.key("skew");
     cx.acquire(&key).await?;
-    let skew = Duration::from_secs(5);
+    let skew = Duration::from_millis(5_500);
     cx.advance(LEASE + Duration::from_secs(1));
     let req = ReserveRequest {
         clock_skew: skew,
@@ -207,9 +207,18 @@ pub async fn check_reserve_honours_clock_skew(repo: SharedRepository) -> CheckRe
     };
     existing(
         cx.repo.reserve(req).await?,
-        "lease ended 1 s ago with 5 s skew tolerance",
+        "lease ended 1 s ago with 5.5 s skew tolerance",
     )?;
     cx.advance(Duration::from_secs(4));
+    let req = ReserveRequest {
+        clock_skew: skew,
+        ..cx.req(&key, OwnerToken::random())
+    };
+    existing(
+        cx.repo.reserve(req).await?,
+        "lease ended 5 s ago with 5.5 s skew tolerance (a tolerance cut to whole seconds takes over)",
+    )?;
+    cx.advance(Duration::from_millis(500));
     let req = ReserveRequest {
         clock_skew: skew,
         ..cx.req(&key, OwnerToken::random())
@@ -648,6 +657,51 @@ pub async fn check_result_over_limit_is_refused(repo: SharedRepository) -> Check
     Ok(())
 }
 
+/// The declared limit is the stored error's too: an error as large as the
+/// store allows (capped at 1 MiB here) round-trips, and one byte more is
+/// refused with `TooLarge`, leaving the record `Processing` for the owner to
+/// fail with a shorter one (never stored cut short, never an error the
+/// manager would take as an outage and retry until the lease ends).
+pub async fn check_large_error_up_to_limit(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo);
+    let size = cx.caps.max_result_bytes.unwrap_or(1 << 20).min(1 << 20);
+    let big: Vec<u8> = (0..size).map(|i| (i % 241) as u8).collect();
+    let (key, _) = cx.failed("big-error", Some(&big)).await?;
+    let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
+    ensure!(
+        r.error.as_deref() == Some(&big[..]),
+        "a {size}-byte error did not round-trip through reserve"
+    );
+    ensure!(
+        cx.record(&key).await?.error.as_deref() == Some(&big[..]),
+        "a {size}-byte error did not round-trip through get"
+    );
+    let Some(max) = cx.caps.max_result_bytes else {
+        return Ok(());
+    };
+    let key = cx.key("error-too-big");
+    let owner = cx.acquire(&key).await?;
+    let over = vec![7u8; max + 1];
+    match cx
+        .repo
+        .fail(&key, owner, Some(&over), false, cx.now() + TTL, cx.now())
+        .await
+    {
+        Err(Error::TooLarge { .. }) => {}
+        other => {
+            return Err(failure(format!(
+                "an error of max+1 bytes gave {other:?}, expected TooLarge"
+            )))
+        }
+    }
+    ensure_eq!(cx.status(&key).await?, Some(Status::Processing));
+    cx.repo
+        .fail(&key, owner, Some(b"short"), false, cx.now() + TTL, cx.now())
+        .await?;
+    ensure_eq!(cx.record(&key).await?.error.as_deref(), Some(&b"short"[..]));
+    Ok(())
+}
+
 /// The owner fails: `Failed` with the error, expiry and `updated_at`.
 pub async fn check_fail_by_owner(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
@@ -877,6 +931,89 @@ pub async fn check_get_absent_and_expired(repo: SharedRepository) -> CheckResult
         "expired record is absent"
     );
     Ok(())
+}
+
+/// How long the records of [`check_native_expiry_follows_every_write`] are
+/// first stored for, by the store's own expiry.
+const SHORT_NATIVE_TTL: Duration = Duration::from_millis(1500);
+
+/// A store that expires records by itself (`native_expiry`: Redis key TTLs)
+/// moves that expiry with every write that moves `expires_at`: a record
+/// first stored for 1.5 s, then completed, failed, extended or taken over
+/// with an expiry an hour away, is still stored 2.5 s later. A write that
+/// kept the first TTL (`KEEPTTL`, a TTL attribute not updated) would let the
+/// server drop a completed outcome, or a live lease, and a redelivery run the
+/// handler again. The one check that waits in real time: the server's own
+/// timer cannot be driven by the suite's clock.
+pub async fn check_native_expiry_follows_every_write(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo);
+    if !cx.caps.native_expiry {
+        return Ok(());
+    }
+    let t = cx.now();
+    let later = t + Duration::from_secs(3600);
+    let short = |key, now, lease_until| reserve_briefly(&cx, key, now, lease_until);
+    let lease = t + Duration::from_secs(1);
+    let completed = cx.key("ttl-completed");
+    let owner = short(&completed, t, lease).await?;
+    cx.repo
+        .complete(&completed, owner, Some(b"r"), later, t)
+        .await?;
+    let failed = cx.key("ttl-failed");
+    let owner = short(&failed, t, lease).await?;
+    cx.repo
+        .fail(&failed, owner, Some(b"e"), false, later, t)
+        .await?;
+    let extended = cx.key("ttl-extended");
+    let owner = short(&extended, t, lease).await?;
+    cx.repo.extend(&extended, owner, later, later, t).await?;
+    // Written a second ago with a lease that ended half a second ago: taken
+    // over now, with an expiry an hour away.
+    let taken = cx.key("ttl-taken-over");
+    let ago = t - Duration::from_secs(1);
+    short(&taken, ago, ago + Duration::from_millis(500)).await?;
+    let req = ReserveRequest {
+        expires_at: later,
+        ..cx.req(&taken, OwnerToken::random())
+    };
+    ensure_eq!(
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 2 },
+        "taking over {taken}"
+    );
+    tokio::time::sleep(SHORT_NATIVE_TTL + Duration::from_secs(1)).await;
+    for (key, status) in [
+        (&completed, Status::Completed),
+        (&failed, Status::Failed),
+        (&extended, Status::Processing),
+        (&taken, Status::Processing),
+    ] {
+        ensure_eq!(
+            cx.status(key).await?,
+            Some(status),
+            "{key} after its first expiry passed on the server, though a write moved it an hour away"
+        );
+    }
+    Ok(())
+}
+
+/// Reserves `key` as of `now`, its lease ending at `lease_until`, stored for
+/// [`SHORT_NATIVE_TTL`].
+async fn reserve_briefly(
+    cx: &Ctx,
+    key: &RecordKey,
+    now: Timestamp,
+    lease_until: Timestamp,
+) -> Result<OwnerToken, crate::CheckFailure> {
+    let owner = OwnerToken::random();
+    let req = ReserveRequest {
+        now,
+        lease_until,
+        expires_at: now + SHORT_NATIVE_TTL,
+        ..cx.req(key, owner)
+    };
+    cx.repo.reserve(req).await?;
+    Ok(owner)
 }
 
 /// `delete` removes a record whatever its status and says whether one was

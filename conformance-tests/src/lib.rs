@@ -5,13 +5,18 @@
 //! status × each operation × owner match/mismatch × live/expired), the manager's
 //! decisions over that repository (§4), concurrency (many tasks racing one key,
 //! many keys × many duplicates, racing takeovers: exactly one winner every time),
-//! injective key encoding with adversarial ids, binary and large results up to
-//! the store's limit, and expiry driven purely by the caller's clock.
+//! injective key encoding with adversarial ids, binary and large results and
+//! errors up to the store's limit, and expiry driven purely by the caller's
+//! clock.
 //!
 //! Every check creates its own random namespace and its own
 //! [`ManualClock`](idempotency_core::ManualClock) starting at the wall-clock
 //! time, so all checks can run in parallel against one shared store: the suite
-//! never flushes anything and never sleeps to make time pass.
+//! never flushes anything and never sleeps to make time pass — with one
+//! exception, for stores that declare `native_expiry`: the server's own timer
+//! cannot be driven by the suite's clock, so
+//! `check_native_expiry_follows_every_write` waits 2.5 s of real time to see
+//! that every write moved it.
 //!
 //! # Running it for your backend
 //!
@@ -44,13 +49,15 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 131 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 138 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
 //! and expiry boundaries, collations and truncated keys or namespaces,
 //! takeovers that forget a field, extension that does not move expiry, batch
 //! paths that drift from the single operations, an attempt counter in a
 //! narrow column, operator listings and counts that misfilter, corrupt
-//! records or outages misreported, …), the checks that catch each, and the
+//! records or outages misreported, a clock-skew allowance cut to whole seconds,
+//! a listing prefix read as a `LIKE` or glob pattern, a store's own TTL that
+//! later writes do not move, …), the checks that catch each, and the
 //! catch rate over 20 runs: every flaw, every run. Race checks run some
 //! rounds joined in one task — the racers interleave at every await point, so a
 //! read-then-write gap as small as one scheduler yield is hit deterministically
@@ -94,7 +101,7 @@ pub use checks::*;
 pub use edges::*;
 pub use failure_paths::*;
 pub use model::check_model_based_sequences;
-pub use operator::check_admin_lists_and_counts;
+pub use operator::{check_admin_list_prefix_is_literal, check_admin_lists_and_counts};
 pub use report::{CheckOutcome, Report};
 pub use store_faults::{
     check_corrupt_record_is_reported_with_its_key, check_unreachable_store_is_a_retryable_error,
@@ -250,6 +257,7 @@ define_suite! { $
     check_binary_results_round_trip,
     check_large_result_up_to_limit,
     check_result_over_limit_is_refused,
+    check_large_error_up_to_limit,
     check_fail_by_owner,
     check_fail_wrong_owner_or_state,
     check_fail_edges,
@@ -269,9 +277,11 @@ define_suite! { $
     check_fail_remembers_retryable,
     check_takeover_paths_write_every_field,
     check_get_absent_and_expired,
+    check_native_expiry_follows_every_write,
     check_delete,
     check_purge_expired,
     check_admin_lists_and_counts,
+    check_admin_list_prefix_is_literal,
     check_adversarial_keys_are_distinct,
     check_keys_are_byte_exact,
     check_long_ids,

@@ -209,3 +209,34 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
     }
     Ok(())
 }
+
+/// `admin().list`'s namespace prefix is literal text: a prefix holding the
+/// characters of SQL `LIKE` (`_`, `%`) and of glob patterns (`*`, `?`, `[…]`)
+/// lists the records under exactly that prefix, not under sibling namespaces
+/// those characters would match as a pattern.
+pub async fn check_admin_list_prefix_is_literal(repo: SharedRepository) -> CheckResult {
+    let cx = Ctx::new(repo.clone());
+    let Some(admin) = repo.admin() else {
+        return Ok(());
+    };
+    let prefix = format!("{}:a_b%c*d?e[f]g", cx.ns);
+    let like_sibling = format!("{}:aXbYYc*d?e[f]g", cx.ns);
+    let glob_sibling = format!("{}:a_b%cZZdQefg", cx.ns);
+    let mut keys = Vec::new();
+    for ns in [&prefix, &like_sibling, &glob_sibling] {
+        let key = cx.key_in(ns, "k");
+        cx.acquire(&key).await?;
+        keys.push(key);
+    }
+    let listing = match admin.list(&under(&prefix), cx.now()).await {
+        Ok(listing) => listing,
+        Err(Error::Config { .. } | Error::Unsupported { .. }) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    ensure_eq!(
+        listed(&listing),
+        pairs(&[&keys[0]]),
+        "only the namespace {prefix:?}, not the siblings its characters match as a pattern"
+    );
+    Ok(())
+}

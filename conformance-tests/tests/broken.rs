@@ -317,6 +317,20 @@ flaws! {
     FencedOutageIsLeaseLost,
     /// `complete_many` answers `LeaseLost` for every write when the store is unreachable.
     CompleteManyHidesOutage,
+    /// The clock-skew allowance is cut to whole seconds (a script or SQL parameter given `as_secs()`).
+    SkewInWholeSeconds,
+    /// `reserve_many` cuts the clock-skew allowance to whole seconds.
+    ReserveManySkewInWholeSeconds,
+    /// Stored errors are silently truncated to 64 KiB (a `BLOB` error column).
+    TruncatesErrors,
+    /// Errors over the declared limit are stored instead of refused (the size check guards results only).
+    AcceptsOversizedErrors,
+    /// `admin().list` matches its prefix as a SQL `LIKE` pattern (`_`, `%` unescaped).
+    ListPrefixAsLikePattern,
+    /// `admin().list` matches its prefix as a glob (`SCAN MATCH prefix*` with `*`, `?`, `[` unescaped).
+    ListPrefixAsGlob,
+    /// A store with its own expiry keeps the reservation's TTL through later writes (`KEEPTTL`): the server drops a completed, failed, extended or taken-over record at the first expiry.
+    NativeTtlKeptByWrites,
 }
 
 #[derive(Debug)]
@@ -327,6 +341,10 @@ struct Fixture {
     corrupt: Mutex<HashSet<String>>,
     /// Whether the store stopped answering (`StoreFaults::unreach`).
     down: AtomicBool,
+    /// When the store's own timer drops each key, by the wall clock (under
+    /// [`Flaw::NativeTtlKeptByWrites`] only: set when a record is created,
+    /// never moved).
+    native_expiry: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 /// Instants floored to whole seconds (a store keeping seconds).
@@ -363,6 +381,7 @@ impl Fixture {
             map: Mutex::new(HashMap::new()),
             corrupt: Mutex::new(HashSet::new()),
             down: AtomicBool::new(false),
+            native_expiry: Mutex::new(HashMap::new()),
         });
         (fixture.clone(), fixture)
     }
@@ -463,6 +482,12 @@ impl Fixture {
         match self.flaw {
             Flaw::IgnoresClockSkew => judged.clock_skew = Duration::ZERO,
             Flaw::ReserveManyIgnoresSkew if batch => judged.clock_skew = Duration::ZERO,
+            Flaw::SkewInWholeSeconds => {
+                judged.clock_skew = Duration::from_secs(req.clock_skew.as_secs());
+            }
+            Flaw::ReserveManySkewInWholeSeconds if batch => {
+                judged.clock_skew = Duration::from_secs(req.clock_skew.as_secs());
+            }
             Flaw::LeaseBoundaryOffByOne => judged.clock_skew += MS,
             Flaw::ReserveManyLeaseBoundary if batch => judged.clock_skew += MS,
             Flaw::EarlyTakeover => judged.now = req.now + MS,
@@ -705,6 +730,11 @@ impl Fixture {
             ReserveTransition::Create => {
                 let record = self.reserved(existing.as_ref(), &req, 1, batch);
                 let attempt = record.attempt;
+                if self.is(Flaw::NativeTtlKeptByWrites) {
+                    let ttl = req.expires_at.duration_since(req.now);
+                    let at = std::time::Instant::now() + ttl;
+                    self.native_expiry.lock().insert(k.clone(), at);
+                }
                 map.insert(k, record);
                 Ok(Reservation::Acquired { attempt })
             }
@@ -874,7 +904,9 @@ const CHUNK: usize = 100;
 #[async_trait]
 impl Repository for Fixture {
     fn capabilities(&self) -> Capabilities {
-        Capabilities::new("fixture").with_max_result_bytes(Some(MAX_RESULT))
+        Capabilities::new("fixture")
+            .with_max_result_bytes(Some(MAX_RESULT))
+            .with_native_expiry(self.is(Flaw::NativeTtlKeptByWrites))
     }
 
     fn admin(&self) -> Option<&dyn Admin> {
@@ -1045,8 +1077,15 @@ impl Repository for Fixture {
         expires_at: Timestamp,
         now: Timestamp,
     ) -> Result<(), Error> {
-        self.check_size(error)?;
+        if !self.is(Flaw::AcceptsOversizedErrors) {
+            self.check_size(error)?;
+        }
         let mut error = error.map(<[u8]>::to_vec);
+        if self.is(Flaw::TruncatesErrors) {
+            if let Some(e) = error.as_mut() {
+                e.truncate(64 * 1024);
+            }
+        }
         if self.is(Flaw::DropsEmptyErrors) && error.as_ref().is_some_and(Vec::is_empty) {
             error = None;
         }
@@ -1147,7 +1186,15 @@ impl Repository for Fixture {
             return Ok(None);
         }
         self.decodable(key)?;
-        let map = self.map.lock();
+        let mut map = self.map.lock();
+        let dropped = self
+            .native_expiry
+            .lock()
+            .get(&self.k(key))
+            .is_some_and(|at| *at <= std::time::Instant::now());
+        if dropped {
+            map.remove(&self.k(key));
+        }
         let live = |r: &&Record| {
             (self.is(Flaw::GetReturnsExpired) || !self.expired(r, now))
                 && !(self.is(Flaw::GetHidesEndedLeases)
@@ -1272,6 +1319,44 @@ impl StoreFaults for Fixture {
     }
 }
 
+impl Fixture {
+    /// Whether `namespace` is under `prefix`: literally, or as the flawed
+    /// listing's pattern reads it.
+    fn prefix_matches(&self, prefix: &str, namespace: &str) -> bool {
+        let (p, t): (Vec<char>, Vec<char>) =
+            (prefix.chars().collect(), namespace.chars().collect());
+        match self.flaw {
+            Flaw::ListPrefixAsLikePattern => pattern_prefix(&p, &t, false),
+            Flaw::ListPrefixAsGlob => pattern_prefix(&p, &t, true),
+            _ => namespace.starts_with(prefix),
+        }
+    }
+}
+
+/// Whether `text` starts with something `pattern` matches: as SQL `LIKE`
+/// (`_` one character, `%` any run), or as a glob (`?`, `*`, `[set]`).
+fn pattern_prefix(pattern: &[char], text: &[char], glob: bool) -> bool {
+    let (any_one, any_run) = if glob { ('?', '*') } else { ('_', '%') };
+    match pattern.split_first() {
+        None => true,
+        Some((&c, rest)) if c == any_run => {
+            (0..=text.len()).any(|skip| pattern_prefix(rest, &text[skip..], glob))
+        }
+        Some((&'[', rest)) if glob => {
+            match (rest.iter().position(|&c| c == ']'), text.split_first()) {
+                (Some(end), Some((t, tail))) => {
+                    rest[..end].contains(t) && pattern_prefix(&rest[end + 1..], tail, glob)
+                }
+                _ => false,
+            }
+        }
+        Some((&c, rest)) => match text.split_first() {
+            Some((&t, tail)) => (c == any_one || c == t) && pattern_prefix(rest, tail, glob),
+            None => false,
+        },
+    }
+}
+
 /// The operator operations, over the same map (and flaws).
 #[async_trait]
 impl Admin for Fixture {
@@ -1288,7 +1373,7 @@ impl Admin for Fixture {
             let stuck = r.status == Status::Processing
                 && (r.lease_until <= now || self.is(Flaw::ListStuckIgnoresLease));
             let admitted = (!r.is_expired(now) || self.is(Flaw::ListShowsExpired))
-                && prefix.is_none_or(|p| key.namespace().starts_with(p))
+                && prefix.is_none_or(|p| self.prefix_matches(p, key.namespace()))
                 && (filter.status.is_none_or(|s| r.status == s)
                     || self.is(Flaw::ListIgnoresStatus))
                 && (!filter.stuck || stuck);
