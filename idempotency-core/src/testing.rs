@@ -128,6 +128,11 @@ pub enum Fault {
     /// The repository panics instead of answering, applying nothing (a bug in
     /// a custom backend): the manager must not lose the other work in flight.
     Panic,
+    /// A `reserve` held on its way, never answered: it reaches the store
+    /// only when the test calls [`FaultyRepository::deliver_held`], as a
+    /// request that lands after its caller gave up (and after the cleanup
+    /// that followed). Other operations: as [`Fault::Hang`].
+    HoldOnTheWay,
 }
 
 #[derive(Debug)]
@@ -147,6 +152,49 @@ pub struct FaultyRepository<R> {
     plan: Mutex<Vec<Planned>>,
     unavailable: AtomicBool,
     calls: [AtomicUsize; Operation::ALL.len()],
+    /// Reservations held by [`Fault::HoldOnTheWay`].
+    held: Mutex<Vec<HeldReserve>>,
+}
+
+/// A reservation [`Fault::HoldOnTheWay`] holds, owned.
+#[derive(Debug)]
+struct HeldReserve {
+    key: RecordKey,
+    owner: OwnerToken,
+    fingerprint: Option<crate::key::Fingerprint>,
+    now: Timestamp,
+    lease_until: Timestamp,
+    expires_at: Timestamp,
+    retry_failed: bool,
+    clock_skew: Duration,
+}
+
+impl HeldReserve {
+    fn of(r: &ReserveRequest<'_>) -> Self {
+        HeldReserve {
+            key: r.key.clone(),
+            owner: r.owner,
+            fingerprint: r.fingerprint,
+            now: r.now,
+            lease_until: r.lease_until,
+            expires_at: r.expires_at,
+            retry_failed: r.retry_failed,
+            clock_skew: r.clock_skew,
+        }
+    }
+
+    fn request(&self) -> ReserveRequest<'_> {
+        ReserveRequest {
+            key: &self.key,
+            owner: self.owner,
+            fingerprint: self.fingerprint,
+            now: self.now,
+            lease_until: self.lease_until,
+            expires_at: self.expires_at,
+            retry_failed: self.retry_failed,
+            clock_skew: self.clock_skew,
+        }
+    }
 }
 
 impl<R: fmt::Debug> fmt::Debug for FaultyRepository<R> {
@@ -167,6 +215,7 @@ impl<R> FaultyRepository<R> {
             plan: Mutex::new(Vec::new()),
             unavailable: AtomicBool::new(false),
             calls: Default::default(),
+            held: Mutex::new(Vec::new()),
         }
     }
 
@@ -206,6 +255,20 @@ impl<R> FaultyRepository<R> {
         self.calls[operation as usize].load(Ordering::SeqCst)
     }
 
+    /// Delivers the reservations [`Fault::HoldOnTheWay`] held, in the order
+    /// they were sent, to the store behind the faults; their answers.
+    pub async fn deliver_held(&self) -> Vec<Result<Reservation, Error>>
+    where
+        R: Repository,
+    {
+        let held = std::mem::take(&mut *self.held.lock());
+        let mut answers = Vec::with_capacity(held.len());
+        for h in &held {
+            answers.push(self.inner.reserve(h.request()).await);
+        }
+        answers
+    }
+
     fn next_fault(&self, operation: Operation) -> Option<Fault> {
         self.calls[operation as usize].fetch_add(1, Ordering::SeqCst);
         if self.unavailable.load(Ordering::SeqCst) {
@@ -226,7 +289,22 @@ impl<R> FaultyRepository<R> {
         F: Fn() -> Fut,
         Fut: Future<Output = Result<T, Error>>,
     {
-        let Some(fault) = self.next_fault(operation) else {
+        let fault = self.next_fault(operation);
+        self.apply(fault, operation, call).await
+    }
+
+    /// `call`, with `fault` (if any) applied to it.
+    async fn apply<T, F, Fut>(
+        &self,
+        fault: Option<Fault>,
+        operation: Operation,
+        call: F,
+    ) -> Result<T, Error>
+    where
+        F: Fn() -> Fut,
+        Fut: Future<Output = Result<T, Error>>,
+    {
+        let Some(fault) = fault else {
             return call().await;
         };
         match fault {
@@ -247,7 +325,7 @@ impl<R> FaultyRepository<R> {
                     operation: operation.as_str(),
                 })
             }
-            Fault::Hang => std::future::pending().await,
+            Fault::Hang | Fault::HoldOnTheWay => std::future::pending().await,
             Fault::ApplyThenHang => {
                 let _applied = call().await;
                 std::future::pending().await
@@ -272,8 +350,13 @@ impl<R: Repository> Repository for FaultyRepository<R> {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        self.run(Operation::Reserve, || self.inner.reserve(request.clone()))
-            .await
+        let fault = self.next_fault(Operation::Reserve);
+        if let Some(Fault::HoldOnTheWay) = fault {
+            self.held.lock().push(HeldReserve::of(&request));
+            return std::future::pending().await;
+        }
+        let call = || self.inner.reserve(request.clone());
+        self.apply(fault, Operation::Reserve, call).await
     }
 
     async fn complete(

@@ -14,7 +14,7 @@ use idempotency_core::testing::{Fault, Operation, TokioClock};
 use idempotency_core::{
     CancelPolicy, Config, Error, ExecuteError, ExecutionContext, FailurePolicy, HandlerError,
     IdempotencyManager, InProgressPolicy, JsonCodec, ManualClock, MemoryRepository, OutagePolicy,
-    Outcome, Repository, SharedRepository, Status,
+    Outcome, Repository, Reservation, SharedRepository, Status,
 };
 
 /// A handler with an effect: counts its runs.
@@ -412,6 +412,47 @@ async fn a_detached_local_execution_finishes_and_the_retry_replays_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
+/// 4. A reserve that reaches the store after its caller gave up, and after
+///    the cleanup's release found nothing there, does not hold the key for a
+///    whole lease: the cleanup releases once more one store time box later,
+///    and a redelivery then runs (before, it was answered "in progress" for
+///    the 300 s of the orphan's lease).
+#[tokio::test(start_paused = true)]
+async fn a_reserve_landing_after_its_cleanup_does_not_hold_the_key() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::HoldOnTheWay, 1);
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = AtomicU32::new(0);
+    let gave_up = tokio::time::timeout(
+        Duration::from_secs(1),
+        m.execute("k", &(), || async { charge(&runs) }),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the caller gave up while reserving");
+    eventually(async || repo.calls(Operation::Release) >= 1).await;
+    let landed = repo.deliver_held().await;
+    assert!(
+        matches!(landed[..], [Ok(Reservation::Acquired { attempt: 1 })]),
+        "{landed:?}"
+    );
+    let held = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(
+        matches!(
+            held,
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "the orphan holds the key until the second release: {held:?}"
+    );
+    // Paused time: one store time box (5 s), and the key is free again.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let redelivery = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(
+        matches!(redelivery, Ok(Outcome::Executed(1))),
+        "{redelivery:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
 /// 4. A drop after the handler returned, while its completion is retried,
 ///    still records the completion (in the background).
 #[tokio::test(start_paused = true)]
@@ -682,6 +723,51 @@ async fn scopes_and_steps_compose_injectively() {
 
 /// The context: attempt numbers are fencing tokens, and the lease-lost signal
 /// fires when another owner takes over.
+/// Without lease extension the context still tells the truth: its owner
+/// token is the one the store holds the record under, and `lease_lost` fires
+/// when the processing timeout has passed (nobody extends it), so a long
+/// handler can stop before a redelivery takes the key over.
+#[tokio::test(start_paused = true)]
+async fn without_extension_the_context_names_its_owner_and_loses_the_lease_at_the_timeout() {
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        processing_timeout: Duration::from_secs(10),
+        lease_extension_interval: None,
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let started = tokio::time::Instant::now();
+    let key = m.record_key("k").unwrap();
+    let (repo_ref, clock_ref, key_ref) = (&repo, &clock, &key);
+    let r = m
+        .execute_with_context("k", &(), |ctx: ExecutionContext| async move {
+            let stored = repo_ref
+                .inner()
+                .get(key_ref, clock_ref.now())
+                .await
+                .unwrap()
+                .expect("the record of the running execution");
+            assert_eq!(
+                stored.owner,
+                ctx.owner(),
+                "the context's owner token is the record's"
+            );
+            assert_eq!(stored.attempt, ctx.attempt());
+            assert!(!ctx.is_lease_lost());
+            ctx.lease_lost().await;
+            Ok::<_, HandlerError<String>>(started.elapsed())
+        })
+        .await;
+    let Ok(Outcome::Executed(lost_after)) = r else {
+        panic!("{r:?}");
+    };
+    assert!(
+        lost_after >= Duration::from_secs(10) && lost_after < Duration::from_secs(11),
+        "{lost_after:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn the_handler_sees_its_attempt_and_loses_its_lease() {
     let repo = store();

@@ -11,7 +11,11 @@
 //! | the outcome is recorded | the outcome is recorded in the background | the effect happened; only its record is missing |
 //!
 //! A reserve that failed for good also leaves the reserving phase behind, so
-//! the record a lost reply may have created is released too.
+//! the record a lost reply may have created is released too. While a reserve
+//! attempt of ours may still reach the store (unanswered, or failed
+//! ambiguously), the release is sent once more one store time box later, so
+//! that an attempt landing after the first release does not hold the key for
+//! a whole lease.
 
 use std::sync::Arc;
 
@@ -70,14 +74,31 @@ impl Drop for ExecutionGuard {
         };
         let (engine, lease) = (self.engine.clone(), self.lease.clone());
         runtime.spawn(async move {
-            let deadline = engine.cleanup_deadline(&lease);
-            let mut pending = pending;
-            match engine.finish(&lease, &mut pending, deadline).await {
-                Finished::Applied | Finished::LeaseLost => {}
-                Finished::Failed(e) => {
-                    tracing::warn!(key = %lease.key, error = %e, "could not clean up after a dropped execution; the record keeps its lease until it ends");
-                }
+            let again = matches!(pending, Pending::Release) && lease.reserve_may_land();
+            if !engine.clean_up(&lease, pending).await || !again {
+                return;
             }
+            // A reserve of ours may still be on its way (its caller gave up
+            // while it was sent, or it failed ambiguously): landing after the
+            // release above, it would hold the key for nobody until its lease
+            // ends. Once its time box has passed, release once more.
+            super::pause(engine.config.store_timeout).await;
+            engine.clean_up(&lease, Pending::Release).await;
         });
+    }
+}
+
+impl Engine {
+    /// Applies a dropped execution's `pending` write; whether it ended
+    /// (applied, or another owner holds the key), rather than failed.
+    async fn clean_up(&self, lease: &Lease, mut pending: Pending) -> bool {
+        let deadline = self.cleanup_deadline(lease);
+        match self.finish(lease, &mut pending, deadline).await {
+            Finished::Applied | Finished::LeaseLost => true,
+            Finished::Failed(e) => {
+                tracing::warn!(key = %lease.key, error = %e, "could not clean up after a dropped execution; the record keeps its lease until it ends");
+                false
+            }
+        }
     }
 }

@@ -50,6 +50,10 @@ pub(crate) struct Lease {
     /// created under our token is to be released, whatever error ends the
     /// reservation.
     unsettled: AtomicBool,
+    /// Whether the latest reserve attempt is still unanswered (or was
+    /// answered with an error): it may reach the store after whatever
+    /// follows, a cleanup's release included.
+    unanswered: AtomicBool,
     lost: AtomicBool,
     /// Whether a handler waits on [`Lease::wait_lost`] (only then is there
     /// anybody to notify).
@@ -86,6 +90,7 @@ impl Lease {
             until: AtomicU64::new(0),
             deadline: Mutex::new(created),
             unsettled: AtomicBool::new(false),
+            unanswered: AtomicBool::new(false),
             may_hold_until: Mutex::new(created),
             lost: AtomicBool::new(false),
             watched: AtomicBool::new(false),
@@ -112,6 +117,19 @@ impl Lease {
         let local = sent + until.duration_since(sent_at);
         let mut may_hold = self.may_hold_until.lock();
         *may_hold = (*may_hold).max(local);
+        self.unanswered.store(true, Ordering::Relaxed);
+    }
+
+    /// The store answered the latest reserve attempt (an `Acquired` or an
+    /// `Existing`): nothing of it is left on its way.
+    pub(crate) fn note_answered(&self) {
+        self.unanswered.store(false, Ordering::Relaxed);
+    }
+
+    /// Whether a reserve attempt of ours may still reach the store: the
+    /// latest went unanswered, or an earlier one failed ambiguously.
+    pub(crate) fn reserve_may_land(&self) -> bool {
+        self.unanswered.load(Ordering::Relaxed) || self.was_unsettled()
     }
 
     /// A reserve attempt failed ambiguously (it may have been applied).

@@ -191,7 +191,10 @@ impl Engine {
                 .call_sent_at(Op::Reserve, limit, sent.sent.into_std(), call)
                 .await
             {
-                Ok(reservation) => return Ok((reservation, sent)),
+                Ok(reservation) => {
+                    lease.note_answered();
+                    return Ok((reservation, sent));
+                }
                 Err(e) => e,
             };
             if !e.is_store_outage() {
@@ -293,6 +296,9 @@ impl Engine {
                 .into_iter()
                 .zip(items)
                 .map(|(answer, (lease, fingerprint))| {
+                    if answer.is_ok() {
+                        lease.note_answered();
+                    }
                     self.batch_answer(answer, lease, fingerprint.as_ref(), sent)
                 })
                 .collect(),
