@@ -48,7 +48,7 @@ pub enum OutagePolicy {
     #[default]
     FailClosed,
     /// Run the handler without protection; counted in
-    /// `idempotency_fail_open_total` and logged.
+    /// `idempotency_fail_open` and logged.
     FailOpen,
 }
 

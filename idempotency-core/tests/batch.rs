@@ -379,7 +379,10 @@ async fn a_key_the_batch_refused_is_not_run_unprotected_when_the_store_then_fail
         }
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "never run unprotected");
-    assert!(repo.calls(Operation::Reserve) >= 2, "each key tried on its own");
+    assert!(
+        repo.calls(Operation::Reserve) >= 2,
+        "each key tried on its own"
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -167,6 +167,17 @@ fn metrics_are_recorded() {
                 for _ in 0..3 {
                     m.execute("k", &(), || async { ok(1) }).await.unwrap();
                 }
+                // Two runs without protection during an outage (fail-open).
+                let open = Config {
+                    on_store_outage: OutagePolicy::FailOpen,
+                    ..Config::default()
+                };
+                let m = manager(&repo, open, &TokioClock::starting_now());
+                repo.set_unavailable(true);
+                for key in ["open-1", "open-2"] {
+                    let r = m.execute(key, &(), || async { ok(2) }).await.unwrap();
+                    assert!(matches!(r, Outcome::Unprotected(2)), "{r:?}");
+                }
             })
     });
     let counters: std::collections::HashMap<String, u64> = snapshotter
@@ -190,6 +201,11 @@ fn metrics_are_recorded() {
     );
     assert_eq!(
         counters.get("idempotency_duplicates_blocked"),
+        Some(&2),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idempotency_fail_open"),
         Some(&2),
         "{counters:?}"
     );
