@@ -348,6 +348,54 @@ async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
     holder.abort();
 }
 
+/// Under the wait policy, the wait for a live holder counts from the batch's
+/// call, as a single reservation's counts from its first attempt: a batch call
+/// that took longer than the wait answers "in progress" when it returns,
+/// without waiting a whole timeout more.
+#[tokio::test(start_paused = true)]
+async fn the_wait_for_a_holder_counts_from_the_batch_call() {
+    use idempotency_core::InProgressPolicy;
+    let repo = store();
+    let config = Config {
+        in_progress: InProgressPolicy::Wait {
+            timeout: Duration::from_secs(1),
+            poll_interval: Duration::from_millis(300),
+        },
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &TokioClock::starting_now());
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let holder = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute("k", &1u32, || async move {
+                started_tx.send(()).unwrap();
+                std::future::pending::<Result<u32, HandlerError<String>>>().await
+            })
+            .await
+        })
+    };
+    started_rx.await.unwrap();
+    repo.inject(
+        Operation::ReserveMany,
+        Fault::Delay(Duration::from_secs(2)),
+        1,
+    );
+    let started = tokio::time::Instant::now();
+    let answers = double(&m, &[("k", 1)], 4).await;
+    assert!(
+        matches!(
+            &answers[0],
+            Err(ExecuteError::Idempotency(Error::InProgress { .. }))
+        ),
+        "{:?}",
+        answers[0]
+    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(2_500), "{took:?}");
+    holder.abort();
+}
+
 /// A key the batch call refused (not an outage: a record that does not
 /// decode, a statement refused) keeps that refusal when its single retries
 /// then meet an outage: it is never answered with the outage, which a

@@ -82,8 +82,10 @@ impl Engine {
         fingerprint: Option<Fingerprint>,
         earlier: Earlier,
     ) -> Result<Reserved, Error> {
+        // The wait counts from the first attempt, the batch's included.
+        let waiting_since = earlier.sent.unwrap_or_else(Instant::now);
         let wait_until = match self.config.in_progress {
-            InProgressPolicy::Wait { timeout, .. } => Some(Instant::now() + timeout),
+            InProgressPolicy::Wait { timeout, .. } => Some(waiting_since + timeout),
             InProgressPolicy::FailFast => None,
         };
         // The earliest attempt that failed ambiguously, over the whole wait:
@@ -98,10 +100,19 @@ impl Engine {
         let mut refused = earlier.refused;
         // The earlier attempt was this owner's first: the pause that follows
         // a failed send, or the wait policy's poll, comes before the next.
-        if let (Some(_), InProgressPolicy::Wait { poll_interval, .. }) =
-            (&seen_in_progress, self.config.in_progress)
+        if let (Some(decision), InProgressPolicy::Wait { poll_interval, .. }, Some(until)) =
+            (&seen_in_progress, self.config.in_progress, wait_until)
         {
-            super::pause(poll_interval).await;
+            let remaining = until.saturating_duration_since(Instant::now());
+            if remaining.is_zero() {
+                // The wait ended during the batch's call: answered as a
+                // single reservation would be at the end of its wait.
+                return Ok(Reserved::Duplicate {
+                    decision: decision.clone(),
+                    unsettled: unsettled.is_some(),
+                });
+            }
+            super::pause(poll_interval.min(remaining)).await;
         } else if unsettled.is_some() {
             super::pause(backoff(0)).await;
         }
@@ -230,6 +241,8 @@ pub(crate) struct Earlier {
     /// (Boxed: it is kept across the attempts' awaits, in every
     /// execution's future.)
     pub(crate) refused: Option<Box<Error>>,
+    /// When it was sent: the wait policy's timeout counts from then.
+    pub(crate) sent: Option<Instant>,
 }
 
 /// One request's answer from [`Engine::reserve_batch`].
@@ -245,6 +258,7 @@ impl BatchReserved {
     fn unsettled(sent: Sent) -> Self {
         BatchReserved::Again(Earlier {
             unsettled: Some(sent),
+            sent: Some(sent.sent),
             ..Earlier::default()
         })
     }
@@ -255,6 +269,7 @@ impl BatchReserved {
         BatchReserved::Again(Earlier {
             unsettled: Some(sent),
             refused: Some(Box::new(error)),
+            sent: Some(sent.sent),
             ..Earlier::default()
         })
     }
@@ -359,6 +374,7 @@ impl Engine {
         if waits && matches!(decision, DuplicateDecision::InProgress { .. }) {
             return BatchReserved::Again(Earlier {
                 in_progress: Some(decision),
+                sent: Some(sent.sent),
                 ..Earlier::default()
             });
         }
