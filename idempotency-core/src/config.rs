@@ -132,8 +132,8 @@ pub struct Config {
     /// An extension is also tried sooner whenever less of the lease is left
     /// than one attempt's time box (half the interval, at most
     /// `store_timeout`), and a failed one again at the next tick, or with
-    /// backoff in the lease's last stretch, never longer than half of the
-    /// lease that is left (default off).
+    /// backoff in the lease's last stretch, cut to half of the lease that is
+    /// left (down to the shortest backoff, 20 ms) (default off).
     #[serde(with = "option_duration")]
     pub lease_extension_interval: Option<Duration>,
     /// The longest the manager waits for one store call before treating it as

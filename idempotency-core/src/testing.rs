@@ -112,6 +112,10 @@ pub enum Fault {
     /// Applied by the store, then the reply is lost: [`Error::Timeout`]. The
     /// ambiguous case a retry with the same owner token must resolve.
     LoseReply,
+    /// Applied by the store, then the reply cannot be read: a non-retryable
+    /// [`Error::Backend`] (a reply the client fails to decode after the
+    /// write).
+    GarbleReply,
     /// Never answers and applies nothing (a black-holed request). Only a
     /// timeout around the call ends it.
     Hang,
@@ -323,6 +327,14 @@ impl<R> FaultyRepository<R> {
                 Err(Error::Timeout {
                     backend: "faulty",
                     operation: operation.as_str(),
+                })
+            }
+            Fault::GarbleReply => {
+                let _applied = call().await;
+                Err(Error::Backend {
+                    backend: "faulty",
+                    message: format!("injected unreadable reply to {}", operation.as_str()),
+                    source: None,
                 })
             }
             Fault::Hang | Fault::HoldOnTheWay => std::future::pending().await,

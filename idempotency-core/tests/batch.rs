@@ -397,9 +397,9 @@ async fn the_wait_for_a_holder_counts_from_the_batch_call() {
 }
 
 /// A key the batch call refused (not an outage: a record that does not
-/// decode, a statement refused) keeps that refusal when its single retries
-/// then meet an outage: it is never answered with the outage, which a
-/// fail-open policy would run the handler on.
+/// decode, a statement refused) is never run unprotected when its single
+/// retries then meet an outage: it ends with the outage (retryable: the
+/// message comes again), not with a fail-open run on a key the store refused.
 #[tokio::test(start_paused = true)]
 async fn a_key_the_batch_refused_is_not_run_unprotected_when_the_store_then_fails() {
     use idempotency_core::OutagePolicy;
@@ -420,10 +420,10 @@ async fn a_key_the_batch_refused_is_not_run_unprotected_when_the_store_then_fail
         .await;
     for answer in &answers {
         match answer {
-            Err(ExecuteError::Idempotency(e @ Error::Backend { .. })) => {
-                assert!(!e.is_retryable(), "{e:?}");
+            Err(ExecuteError::Idempotency(e @ Error::Unavailable { .. })) => {
+                assert!(e.is_retryable(), "{e:?}");
             }
-            other => panic!("the batch's refusal, not the outage: {other:?}"),
+            other => panic!("the outage, never an unprotected run: {other:?}"),
         }
     }
     assert_eq!(runs.load(Ordering::SeqCst), 0, "never run unprotected");

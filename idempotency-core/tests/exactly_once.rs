@@ -412,7 +412,7 @@ async fn a_detached_local_execution_finishes_and_the_retry_replays_it() {
     assert_eq!(runs.load(Ordering::SeqCst), 1);
 }
 
-/// 4. A reserve that reaches the store after its caller gave up, and after
+/// 4b. A reserve that reaches the store after its caller gave up, and after
 ///    the cleanup's release found nothing there, does not hold the key for a
 ///    whole lease: the cleanup releases once more one store time box later,
 ///    and a redelivery then runs (before, it was answered "in progress" for
@@ -451,6 +451,29 @@ async fn a_reserve_landing_after_its_cleanup_does_not_hold_the_key() {
         "{redelivery:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// 4c. A reserve applied by the store whose reply could not be read (a
+///    non-retryable error after the write) leaves nothing behind: the record
+///    it may have created under our token is released, so a redelivery runs
+///    (before, the key stayed "in progress" for a whole lease).
+#[tokio::test(start_paused = true)]
+async fn a_reserve_whose_reply_could_not_be_read_leaves_nothing_behind() {
+    let repo = store();
+    repo.inject(Operation::Reserve, Fault::GarbleReply, 1);
+    let m = manager(&repo, Config::default(), &TokioClock::starting_now());
+    let runs = AtomicU32::new(0);
+    let first = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(
+        matches!(first, Err(ExecuteError::Idempotency(Error::Backend { .. }))),
+        "{first:?}"
+    );
+    eventually(async || repo.calls(Operation::Release) >= 1).await;
+    let redelivery = m.execute("k", &(), || async { charge(&runs) }).await;
+    assert!(
+        matches!(redelivery, Ok(Outcome::Executed(1))),
+        "{redelivery:?}"
+    );
 }
 
 /// 4. A drop after the handler returned, while its completion is retried,
@@ -721,8 +744,6 @@ async fn scopes_and_steps_compose_injectively() {
     assert!(matches!(second, Outcome::Executed(2)), "{second:?}");
 }
 
-/// The context: attempt numbers are fencing tokens, and the lease-lost signal
-/// fires when another owner takes over.
 /// Without lease extension the context still tells the truth: its owner
 /// token is the one the store holds the record under, and `lease_lost` fires
 /// when the processing timeout has passed (nobody extends it), so a long
@@ -768,6 +789,8 @@ async fn without_extension_the_context_names_its_owner_and_loses_the_lease_at_th
     );
 }
 
+/// The context: attempt numbers are fencing tokens, and the lease-lost signal
+/// fires when another owner takes over.
 #[tokio::test(start_paused = true)]
 async fn the_handler_sees_its_attempt_and_loses_its_lease() {
     let repo = store();

@@ -54,6 +54,9 @@ pub(crate) struct Lease {
     /// answered with an error): it may reach the store after whatever
     /// follows, a cleanup's release included.
     unanswered: AtomicBool,
+    /// Whether the store refused a reserve attempt with an error that is not
+    /// an outage: the key is never run unprotected (fail-open) after it.
+    refused: AtomicBool,
     lost: AtomicBool,
     /// Whether a handler waits on [`Lease::wait_lost`] (only then is there
     /// anybody to notify).
@@ -91,6 +94,7 @@ impl Lease {
             deadline: Mutex::new(created),
             unsettled: AtomicBool::new(false),
             unanswered: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             may_hold_until: Mutex::new(created),
             lost: AtomicBool::new(false),
             watched: AtomicBool::new(false),
@@ -124,6 +128,18 @@ impl Lease {
     /// `Existing`): nothing of it is left on its way.
     pub(crate) fn note_answered(&self) {
         self.unanswered.store(false, Ordering::Relaxed);
+    }
+
+    /// The store refused a reserve attempt with an error that is not an
+    /// outage (a batch's answer for this key): whatever error ends the
+    /// reservation, the handler is not run unprotected on the key.
+    pub(crate) fn note_refused(&self) {
+        self.refused.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`note_refused`](Self::note_refused) was called.
+    pub(crate) fn was_refused(&self) -> bool {
+        self.refused.load(Ordering::Relaxed)
     }
 
     /// Whether a reserve attempt of ours may still reach the store: the

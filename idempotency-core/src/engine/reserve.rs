@@ -97,7 +97,9 @@ impl Engine {
         // An earlier attempt counts against the retries.
         let mut retries_spent = u32::from(unsettled.is_some());
         let mut seen_in_progress = earlier.in_progress;
-        let mut refused = earlier.refused;
+        if earlier.refused {
+            lease.note_refused();
+        }
         // The earlier attempt was this owner's first: the pause that follows
         // a failed send, or the wait policy's poll, comes before the next.
         if let (Some(decision), InProgressPolicy::Wait { poll_interval, .. }, Some(until)) =
@@ -122,19 +124,15 @@ impl Engine {
             retries_spent = 0;
             let (reservation, sent) = match attempt.await {
                 Ok(answer) => answer,
-                Err(e) if e.is_store_outage() => match (seen_in_progress, refused.take()) {
-                    (Some(decision), _) => {
+                Err(e) if e.is_store_outage() => match seen_in_progress {
+                    Some(decision) => {
                         tracing::debug!(error = %e, "store failed while waiting for a live holder; answering in progress");
                         return Ok(Reserved::Duplicate {
                             decision,
                             unsettled: true,
                         });
                     }
-                    (None, Some(refused)) => {
-                        tracing::debug!(error = %e, "store failed after the batch refused the key; answering with that refusal");
-                        return Err(*refused);
-                    }
-                    (None, None) => return Err(e),
+                    None => return Err(e),
                 },
                 Err(e) => return Err(e),
             };
@@ -236,11 +234,9 @@ pub(crate) struct Earlier {
     pub(crate) in_progress: Option<DuplicateDecision>,
     /// The store answered it with an error that is not an outage (a record
     /// that does not decode, a refused statement): should the single attempts
-    /// then meet an outage, the key ends with this error, never with the
-    /// outage, which a fail-open policy would run the handler on.
-    /// (Boxed: it is kept across the attempts' awaits, in every
-    /// execution's future.)
-    pub(crate) refused: Option<Box<Error>>,
+    /// then meet an outage, the key is never run unprotected (fail-open) on
+    /// it (see [`Lease::note_refused`]).
+    pub(crate) refused: bool,
     /// When it was sent: the wait policy's timeout counts from then.
     pub(crate) sent: Option<Instant>,
 }
@@ -263,12 +259,12 @@ impl BatchReserved {
         })
     }
 
-    /// Refused with `error` (maybe the batch's rather than the key's own), and
+    /// Refused (maybe for the batch's sake rather than the key's own), and
     /// possibly applied all the same.
-    fn refused(sent: Sent, error: Error) -> Self {
+    fn refused(sent: Sent) -> Self {
         BatchReserved::Again(Earlier {
             unsettled: Some(sent),
-            refused: Some(Box::new(error)),
+            refused: true,
             sent: Some(sent.sent),
             ..Earlier::default()
         })
@@ -328,10 +324,7 @@ impl Engine {
                     source: None,
                 };
                 tracing::error!(error = %broken(), "a broken batch answer; reserving one key at a time");
-                items
-                    .iter()
-                    .map(|_| BatchReserved::refused(sent, broken()))
-                    .collect()
+                items.iter().map(|_| BatchReserved::refused(sent)).collect()
             }
             Err(_timeout) => items
                 .iter()
@@ -365,7 +358,7 @@ impl Engine {
                 // after the write): the lease from the batch's send, and what
                 // it may have created released should the key end in error.
                 tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
-                return BatchReserved::refused(sent, e);
+                return BatchReserved::refused(sent);
             }
         };
         self.remember_record(&lease.key, &record, sent.sent_at);

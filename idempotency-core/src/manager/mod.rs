@@ -595,16 +595,18 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
             }) => return self.answer_reserved_duplicate(guard, decision, unsettled),
             Err(e)
                 if e.is_store_outage()
-                    && engine.config.on_store_outage == OutagePolicy::FailOpen =>
+                    && engine.config.on_store_outage == OutagePolicy::FailOpen
+                    && !lease.was_refused() =>
             {
                 return self.run_unprotected(guard, e, handler).await;
             }
             Err(e) => {
                 // After an outage the guard releases what a lost reply may have
-                // created under our token; so it does when an earlier attempt
-                // failed ambiguously before this error. Otherwise nothing is
-                // left behind.
-                if !e.is_store_outage() && !lease.was_unsettled() {
+                // created under our token; so it does when an attempt failed
+                // ambiguously before this error, or this error came with the
+                // attempt's reply (one that did not decode may follow a write).
+                // Otherwise nothing is left behind.
+                if !e.is_store_outage() && !lease.reserve_may_land() {
                     guard.phase = Phase::Done;
                 }
                 record_outcome("store_error");
