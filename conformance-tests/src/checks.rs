@@ -11,10 +11,11 @@ use futures::future::join_all;
 use idempotency_core::{
     Config, Error, ExecuteError, FailurePolicy, HandlerError, InProgressPolicy, OwnerToken,
     RecordKey, Reservation, ReserveRequest, SharedRepository, Status, Timestamp,
+    MAX_NAMESPACE_BYTES,
 };
 
 use crate::support::{ensure, ensure_eq, existing, failure, fp, lease_lost, Ctx, Held, LEASE, TTL};
-use crate::CheckResult;
+use crate::{CheckFailure, CheckResult};
 
 // ---------------------------------------------------------------- reserve
 
@@ -607,12 +608,40 @@ pub async fn check_binary_results_round_trip(repo: SharedRepository) -> CheckRes
     Ok(())
 }
 
-/// A result as large as the store allows (capped at 1 MiB here) round-trips.
+/// The largest key the contract allows (a 512-byte namespace, an id of
+/// `max_id_bytes`), reserved with a fingerprint: the rest of the largest
+/// record, beside which the declared result limit must still hold.
+async fn hold_largest_key(cx: &Ctx, tag: &str) -> Result<(RecordKey, OwnerToken), CheckFailure> {
+    let mut ns = format!("{}/{tag}/", cx.ns);
+    ns.extend(std::iter::repeat_n(
+        'n',
+        MAX_NAMESPACE_BYTES.saturating_sub(ns.len()),
+    ));
+    let key = cx.key_in(&ns, &"i".repeat(cx.caps.max_id_bytes));
+    let owner = OwnerToken::random();
+    let req = ReserveRequest {
+        fingerprint: fp(9),
+        ..cx.req(&key, owner)
+    };
+    ensure_eq!(
+        cx.repo.reserve(req).await?,
+        Reservation::Acquired { attempt: 1 },
+        "reserving the largest key"
+    );
+    Ok((key, owner))
+}
+
+/// A result as large as the store allows (capped at 1 MiB here) round-trips,
+/// also under the largest key and with a fingerprint (a limit declared
+/// without room for the rest of the record would refuse it).
 pub async fn check_large_result_up_to_limit(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo);
     let size = cx.caps.max_result_bytes.unwrap_or(1 << 20).min(1 << 20);
     let big: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
-    let (key, _) = cx.completed("big", Some(&big)).await?;
+    let (key, owner) = hold_largest_key(&cx, "big").await?;
+    cx.repo
+        .complete(&key, owner, Some(&big), cx.now() + TTL, cx.now())
+        .await?;
     let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
     ensure!(
         r.result.as_deref() == Some(&big[..]),
@@ -666,7 +695,10 @@ pub async fn check_large_error_up_to_limit(repo: SharedRepository) -> CheckResul
     let cx = Ctx::new(repo);
     let size = cx.caps.max_result_bytes.unwrap_or(1 << 20).min(1 << 20);
     let big: Vec<u8> = (0..size).map(|i| (i % 241) as u8).collect();
-    let (key, _) = cx.failed("big-error", Some(&big)).await?;
+    let (key, owner) = hold_largest_key(&cx, "big-error").await?;
+    cx.repo
+        .fail(&key, owner, Some(&big), true, cx.now() + TTL, cx.now())
+        .await?;
     let r = existing(cx.reserve(&key, OwnerToken::random()).await?, "duplicate")?;
     ensure!(
         r.error.as_deref() == Some(&big[..]),
@@ -1004,7 +1036,7 @@ async fn reserve_briefly(
     key: &RecordKey,
     now: Timestamp,
     lease_until: Timestamp,
-) -> Result<OwnerToken, crate::CheckFailure> {
+) -> Result<OwnerToken, CheckFailure> {
     let owner = OwnerToken::random();
     let req = ReserveRequest {
         now,

@@ -49,7 +49,7 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 138 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 139 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
 //! and expiry boundaries, collations and truncated keys or namespaces,
 //! takeovers that forget a field, extension that does not move expiry, batch
@@ -57,7 +57,8 @@
 //! narrow column, operator listings and counts that misfilter, corrupt
 //! records or outages misreported, a clock-skew allowance cut to whole seconds,
 //! a listing prefix read as a `LIKE` or glob pattern, a store's own TTL that
-//! later writes do not move, …), the checks that catch each, and the
+//! later writes do not move, a result limit with no room for the largest key,
+//! …), the checks that catch each, and the
 //! catch rate over 20 runs: every flaw, every run. Race checks run some
 //! rounds joined in one task — the racers interleave at every await point, so a
 //! read-then-write gap as small as one scheduler yield is hit deterministically

@@ -331,6 +331,8 @@ flaws! {
     ListPrefixAsGlob,
     /// A store with its own expiry keeps the reservation's TTL through later writes (`KEEPTTL`): the server drops a completed, failed, extended or taken-over record at the first expiry.
     NativeTtlKeptByWrites,
+    /// The store's item limit counts the key and fingerprint too, and the declared result limit leaves room for a short key only (DynamoDB's 400 KB item).
+    ItemLimitCountsTheKey,
 }
 
 #[derive(Debug)]
@@ -658,6 +660,20 @@ impl Fixture {
         Ok(())
     }
 
+    /// Under [`Flaw::ItemLimitCountsTheKey`]: the whole item (key,
+    /// fingerprint, value) within the declared limit plus 256 bytes.
+    fn check_item_size(&self, key: &RecordKey, value: Option<&[u8]>) -> Result<(), Error> {
+        let size = key.namespace().len() + key.id().len() + 32 + value.map_or(0, <[u8]>::len);
+        if self.is(Flaw::ItemLimitCountsTheKey) && size > MAX_RESULT + 256 {
+            return Err(Error::TooLarge {
+                what: "item",
+                size,
+                max: MAX_RESULT + 256,
+            });
+        }
+        Ok(())
+    }
+
     fn check_size(&self, value: Option<&[u8]>) -> Result<(), Error> {
         match value {
             Some(v)
@@ -776,6 +792,7 @@ impl Fixture {
         batch: bool,
     ) -> Result<(), Error> {
         self.check_size(c.result)?;
+        self.check_item_size(c.key, c.result)?;
         let mut result = c.result.map(<[u8]>::to_vec);
         if self.is(Flaw::DropsEmptyResults) && result.as_ref().is_some_and(Vec::is_empty) {
             result = None;
@@ -1080,6 +1097,7 @@ impl Repository for Fixture {
         if !self.is(Flaw::AcceptsOversizedErrors) {
             self.check_size(error)?;
         }
+        self.check_item_size(key, error)?;
         let mut error = error.map(<[u8]>::to_vec);
         if self.is(Flaw::TruncatesErrors) {
             if let Some(e) = error.as_mut() {
