@@ -41,7 +41,8 @@ use std::hash::BuildHasher;
 use std::sync::{Mutex, MutexGuard};
 
 use idempotency_core::{
-    Completion, Error, Fingerprint, OwnerToken, RecordKey, Reservation, ReserveRequest, Timestamp,
+    Completion, Error, OwnedReserveRequest, OwnerToken, RecordKey, Reservation, ReserveRequest,
+    Timestamp,
 };
 use tokio::sync::oneshot;
 
@@ -128,44 +129,7 @@ pub(crate) enum Batch {
 }
 
 /// A reservation's arguments, owned while it waits.
-pub(crate) struct ReserveCall {
-    key: RecordKey,
-    owner: OwnerToken,
-    fingerprint: Option<Fingerprint>,
-    now: Timestamp,
-    lease_until: Timestamp,
-    expires_at: Timestamp,
-    retry_failed: bool,
-    clock_skew: std::time::Duration,
-}
-
-impl ReserveCall {
-    pub(crate) fn of(r: &ReserveRequest<'_>) -> Self {
-        ReserveCall {
-            key: r.key.clone(),
-            owner: r.owner,
-            fingerprint: r.fingerprint,
-            now: r.now,
-            lease_until: r.lease_until,
-            expires_at: r.expires_at,
-            retry_failed: r.retry_failed,
-            clock_skew: r.clock_skew,
-        }
-    }
-
-    pub(crate) fn request(&self) -> ReserveRequest<'_> {
-        ReserveRequest {
-            key: &self.key,
-            owner: self.owner,
-            fingerprint: self.fingerprint,
-            now: self.now,
-            lease_until: self.lease_until,
-            expires_at: self.expires_at,
-            retry_failed: self.retry_failed,
-            clock_skew: self.clock_skew,
-        }
-    }
-}
+pub(crate) type ReserveCall = OwnedReserveRequest;
 
 /// A completion's arguments, owned while it waits.
 pub(crate) struct CompleteCall {
@@ -252,7 +216,7 @@ impl Coalescer {
 
     /// A reservation enters: see [`Entry`].
     pub(crate) fn enter_reserve(&self, request: &ReserveRequest<'_>) -> Entry<Reservation> {
-        self.enter(|s| &mut s.reserves, || ReserveCall::of(request))
+        self.enter(|s| &mut s.reserves, || ReserveCall::from(request))
     }
 
     /// A completion enters: see [`Entry`].
@@ -333,7 +297,7 @@ impl Coalescer {
         if !state.reserves.is_empty() {
             return Some(Batch::Reserve(take_distinct(
                 &mut state.reserves,
-                |c| &c.key,
+                |c| c.key(),
                 |_| 0,
             )));
         }
@@ -431,7 +395,7 @@ mod tests {
     fn ids(batch: Option<Batch>) -> Vec<String> {
         match batch {
             Some(Batch::Reserve(calls)) => {
-                calls.iter().map(|w| w.call.key.id().to_owned()).collect()
+                calls.iter().map(|w| w.call.key().id().to_owned()).collect()
             }
             Some(Batch::Complete(calls)) => {
                 calls.iter().map(|w| w.call.key.id().to_owned()).collect()

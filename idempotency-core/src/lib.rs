@@ -88,8 +88,8 @@ pub use memory::MemoryRepository;
 pub use middleware::{BoxFuture, DispatchResult, Dispatcher, EventHandler, IdempotentHandler};
 pub use record::{Record, Status, StoredColumns};
 pub use repository::{
-    Capabilities, Completion, OwnedWrite, Repository, RepositoryExt, Reservation, ReserveRequest,
-    SharedRepository,
+    Capabilities, Completion, OwnedReserveRequest, OwnedWrite, Repository, RepositoryExt,
+    Reservation, ReserveRequest, SharedRepository,
 };
 pub use share::FreshShare;
 pub use strategy::{canonical_json, CustomKeyFn, Event, KeyStrategy};

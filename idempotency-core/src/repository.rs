@@ -228,6 +228,73 @@ pub struct ReserveRequest<'a> {
     pub clock_skew: Duration,
 }
 
+/// A [`ReserveRequest`] that owns its key: for a store that keeps requests
+/// past the call that made them (queued to be coalesced into one statement),
+/// or a test that holds one on its way.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{OwnedReserveRequest, OwnerToken, RecordKey, ReserveRequest, Timestamp};
+///
+/// let now = Timestamp::from_millis(1_000);
+/// let (kept, lease_until) = {
+///     let key = RecordKey::new("payments", "order-1", 1024)?;
+///     let request = ReserveRequest::new(&key, OwnerToken::random(), now, Duration::from_secs(30), Duration::from_secs(60));
+///     (OwnedReserveRequest::from(&request), request.lease_until)
+/// }; // the key the request borrowed is gone; the kept request has its own
+/// assert_eq!(kept.request().key.id(), "order-1");
+/// assert_eq!(kept.key().namespace(), "payments");
+/// assert_eq!(kept.request().lease_until, lease_until);
+/// # Ok::<(), idempotency_core::Error>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct OwnedReserveRequest {
+    key: RecordKey,
+    owner: OwnerToken,
+    fingerprint: Option<Fingerprint>,
+    now: Timestamp,
+    lease_until: Timestamp,
+    expires_at: Timestamp,
+    retry_failed: bool,
+    clock_skew: Duration,
+}
+
+impl OwnedReserveRequest {
+    /// The record's key.
+    pub fn key(&self) -> &RecordKey {
+        &self.key
+    }
+
+    /// The request, borrowing the key kept here.
+    pub fn request(&self) -> ReserveRequest<'_> {
+        ReserveRequest {
+            key: &self.key,
+            owner: self.owner,
+            fingerprint: self.fingerprint,
+            now: self.now,
+            lease_until: self.lease_until,
+            expires_at: self.expires_at,
+            retry_failed: self.retry_failed,
+            clock_skew: self.clock_skew,
+        }
+    }
+}
+
+impl From<&ReserveRequest<'_>> for OwnedReserveRequest {
+    fn from(r: &ReserveRequest<'_>) -> Self {
+        OwnedReserveRequest {
+            key: r.key.clone(),
+            owner: r.owner,
+            fingerprint: r.fingerprint,
+            now: r.now,
+            lease_until: r.lease_until,
+            expires_at: r.expires_at,
+            retry_failed: r.retry_failed,
+            clock_skew: r.clock_skew,
+        }
+    }
+}
+
 impl<'a> ReserveRequest<'a> {
     /// A first reservation of `key` for `owner` at `now`: the lease ends
     /// `lease` after `now` and the record expires `ttl` after it; no

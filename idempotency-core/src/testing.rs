@@ -38,7 +38,9 @@ use parking_lot::Mutex;
 use crate::error::Error;
 use crate::key::{OwnerToken, RecordKey};
 use crate::record::Record;
-use crate::repository::{Capabilities, Repository, Reservation, ReserveRequest};
+use crate::repository::{
+    Capabilities, OwnedReserveRequest, Repository, Reservation, ReserveRequest,
+};
 use crate::time::{Clock, Timestamp};
 
 /// A repository operation, to aim a [`Fault`] at.
@@ -157,48 +159,7 @@ pub struct FaultyRepository<R> {
     unavailable: AtomicBool,
     calls: [AtomicUsize; Operation::ALL.len()],
     /// Reservations held by [`Fault::HoldOnTheWay`].
-    held: Mutex<Vec<HeldReserve>>,
-}
-
-/// A reservation [`Fault::HoldOnTheWay`] holds, owned.
-#[derive(Debug)]
-struct HeldReserve {
-    key: RecordKey,
-    owner: OwnerToken,
-    fingerprint: Option<crate::key::Fingerprint>,
-    now: Timestamp,
-    lease_until: Timestamp,
-    expires_at: Timestamp,
-    retry_failed: bool,
-    clock_skew: Duration,
-}
-
-impl HeldReserve {
-    fn of(r: &ReserveRequest<'_>) -> Self {
-        HeldReserve {
-            key: r.key.clone(),
-            owner: r.owner,
-            fingerprint: r.fingerprint,
-            now: r.now,
-            lease_until: r.lease_until,
-            expires_at: r.expires_at,
-            retry_failed: r.retry_failed,
-            clock_skew: r.clock_skew,
-        }
-    }
-
-    fn request(&self) -> ReserveRequest<'_> {
-        ReserveRequest {
-            key: &self.key,
-            owner: self.owner,
-            fingerprint: self.fingerprint,
-            now: self.now,
-            lease_until: self.lease_until,
-            expires_at: self.expires_at,
-            retry_failed: self.retry_failed,
-            clock_skew: self.clock_skew,
-        }
-    }
+    held: Mutex<Vec<OwnedReserveRequest>>,
 }
 
 impl<R: fmt::Debug> fmt::Debug for FaultyRepository<R> {
@@ -364,7 +325,7 @@ impl<R: Repository> Repository for FaultyRepository<R> {
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let fault = self.next_fault(Operation::Reserve);
         if let Some(Fault::HoldOnTheWay) = fault {
-            self.held.lock().push(HeldReserve::of(&request));
+            self.held.lock().push(OwnedReserveRequest::from(&request));
             return std::future::pending().await;
         }
         let call = || self.inner.reserve(request.clone());

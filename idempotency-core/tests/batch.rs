@@ -29,6 +29,22 @@ async fn double(m: &IdempotencyManager, items: &[(&str, u32)], concurrency: usiz
     .await
 }
 
+/// Starts an execution of `key` whose handler never returns (a live holder),
+/// once its handler has started.
+async fn hold(m: &IdempotencyManager, key: &'static str) -> tokio::task::JoinHandle<Answer> {
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let m = m.clone();
+    let holder = tokio::spawn(async move {
+        m.execute(key, &1u32, || async move {
+            started_tx.send(()).unwrap();
+            std::future::pending::<Result<u32, HandlerError<String>>>().await
+        })
+        .await
+    });
+    started_rx.await.unwrap();
+    holder
+}
+
 fn outcome(a: &Answer) -> Option<(&'static str, u32)> {
     match a {
         Ok(Outcome::Executed(v)) => Some(("executed", *v)),
@@ -315,18 +331,7 @@ async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
         ..Config::default()
     };
     let m = manager(&repo, config, &TokioClock::starting_now());
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-    let holder = {
-        let m = m.clone();
-        tokio::spawn(async move {
-            m.execute("k", &1u32, || async move {
-                started_tx.send(()).unwrap();
-                std::future::pending::<Result<u32, HandlerError<String>>>().await
-            })
-            .await
-        })
-    };
-    started_rx.await.unwrap();
+    let holder = hold(&m, "k").await;
     // The batch sees the holder; then the store goes away while it waits.
     repo.inject(Operation::Reserve, Fault::Unavailable, 10);
     let runs = AtomicUsize::new(0);
@@ -364,18 +369,7 @@ async fn the_wait_for_a_holder_counts_from_the_batch_call() {
         ..Config::default()
     };
     let m = manager(&repo, config, &TokioClock::starting_now());
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-    let holder = {
-        let m = m.clone();
-        tokio::spawn(async move {
-            m.execute("k", &1u32, || async move {
-                started_tx.send(()).unwrap();
-                std::future::pending::<Result<u32, HandlerError<String>>>().await
-            })
-            .await
-        })
-    };
-    started_rx.await.unwrap();
+    let holder = hold(&m, "k").await;
     repo.inject(
         Operation::ReserveMany,
         Fault::Delay(Duration::from_secs(2)),
