@@ -124,7 +124,18 @@ impl Participant {
             });
         }
         let linger = tokio::time::Instant::now() + LINGER;
+        let lost = || Error::Timeout {
+            backend: engine.caps.backend,
+            operation: "complete",
+        };
         loop {
+            // Its own answer first: once it has come, this item sends no
+            // other item's completion (a call its timer could cut short).
+            match answer.try_recv() {
+                Ok(got) => return got,
+                Err(oneshot::error::TryRecvError::Closed) => return Err(lost()),
+                Err(oneshot::error::TryRecvError::Empty) => {}
+            }
             // Registered before looking, so that a participant leaving in
             // between is not missed.
             let changed = self.completions.changed.notified();
@@ -136,12 +147,8 @@ impl Participant {
                 send(engine, batch).await;
             }
             tokio::select! {
-                got = &mut answer => {
-                    return got.unwrap_or(Err(Error::Timeout {
-                        backend: engine.caps.backend,
-                        operation: "complete",
-                    }));
-                }
+                biased;
+                got = &mut answer => return got.unwrap_or_else(|_| Err(lost())),
                 () = changed => {}
                 () = tokio::time::sleep_until(linger), if !due => {}
             }
