@@ -388,3 +388,52 @@ async fn a_result_the_store_refused_is_not_replayed_from_memory() {
         .unwrap();
     assert!(matches!(again, Outcome::Duplicate), "{again:?}");
 }
+
+/// An own completion is served from the cache only until the expiry the store
+/// was asked for: a manager clock stepped back between the handler's return
+/// and the completion that was applied (a retried write) gives the record an
+/// earlier expiry than the handler's return would, and the cache keeps to it
+/// (with a staleness bound that does not cut it shorter).
+#[tokio::test(start_paused = true)]
+async fn an_own_completion_is_cached_until_the_expiry_the_store_was_asked_for() {
+    use idempotency_core::testing::Fault;
+    use idempotency_core::{JsonCodec, ManualClock, SharedRepository};
+    use std::sync::Arc;
+    let repo = store();
+    let clock = Arc::new(ManualClock::starting_now());
+    let config = Config {
+        ttl: Duration::from_secs(60),
+        processing_timeout: Duration::from_secs(30),
+        answer_cache: Some(AnswerCacheConfig {
+            max_bytes: 1 << 20,
+            max_staleness: Duration::from_secs(3600),
+        }),
+        ..Config::default()
+    };
+    let m = IdempotencyManager::with_parts(
+        repo.clone() as SharedRepository,
+        config,
+        clock.clone(),
+        JsonCodec,
+    )
+    .unwrap();
+    // The first completion is refused; while its retry waits, the clock
+    // steps back 10 s: the applied write asks for an expiry 50 s after the
+    // handler returned.
+    repo.inject(Operation::Complete, Fault::Unavailable, 1);
+    let start = clock.now();
+    let stepping = async {
+        common::eventually(async || repo.calls(Operation::Complete) >= 1).await;
+        clock.set(start - Duration::from_secs(10));
+    };
+    let (first, ()) = tokio::join!(run(&m, "k", 1), stepping);
+    assert!(matches!(first.unwrap(), Outcome::Executed(10)));
+    // 55 s after the handler returned: the record expired 5 s ago.
+    clock.set(start + Duration::from_secs(55));
+    let reserves_before = reserves(&repo);
+    assert!(
+        matches!(run(&m, "k", 1).await.unwrap(), Outcome::Executed(10)),
+        "the expired record runs again, not answered from the cache"
+    );
+    assert_eq!(reserves(&repo), reserves_before + 1, "asked of the store");
+}

@@ -196,16 +196,17 @@ impl Engine {
     }
 
     /// Keeps the answer of this process's own completion, written at
-    /// `written_at` or later: its record expires `ttl` after the write.
+    /// `written_at` or later, whose record expires at `expires_at` (the
+    /// earliest expiry its completion attempts asked for).
     pub(crate) fn remember_completion(
         &self,
         key: &RecordKey,
         fingerprint: Option<Fingerprint>,
         result: Option<Vec<u8>>,
         written_at: Timestamp,
+        expires_at: Timestamp,
     ) {
         if let Some(answers) = &self.answers {
-            let expires_at = written_at.saturating_add(self.config.ttl);
             let result = result.map(Vec::into_boxed_slice);
             answers.insert(key, fingerprint, result, expires_at, written_at);
         }

@@ -224,6 +224,7 @@ impl Engine {
         match (batch, pending) {
             (Some(batch), Pending::Complete(result)) => {
                 let expires_at = self.now() + self.config.ttl;
+                lease.note_completion_sent(expires_at);
                 // Boxed: the group's machinery would enlarge every execution's
                 // future, batched or not.
                 Box::pin(batch.complete(
@@ -249,6 +250,7 @@ impl Engine {
         let expires_at = now + self.config.ttl;
         match pending {
             Pending::Complete(result) => {
+                lease.note_completion_sent(expires_at);
                 self.repo
                     .complete(key, owner, result.as_deref(), expires_at, now)
                     .await

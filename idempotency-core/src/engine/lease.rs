@@ -57,6 +57,9 @@ pub(crate) struct Lease {
     /// Whether the store refused a reserve attempt with an error that is not
     /// an outage: the key is never run unprotected (fail-open) after it.
     refused: AtomicBool,
+    /// The earliest expiry a completion attempt of ours asked for (ms;
+    /// `u64::MAX` before any): the record, if completed, expires no earlier.
+    completion_expiry: AtomicU64,
     lost: AtomicBool,
     /// Whether a handler waits on [`Lease::wait_lost`] (only then is there
     /// anybody to notify).
@@ -95,6 +98,7 @@ impl Lease {
             unsettled: AtomicBool::new(false),
             unanswered: AtomicBool::new(false),
             refused: AtomicBool::new(false),
+            completion_expiry: AtomicU64::new(u64::MAX),
             may_hold_until: Mutex::new(created),
             lost: AtomicBool::new(false),
             watched: AtomicBool::new(false),
@@ -135,6 +139,21 @@ impl Lease {
     /// reservation, the handler is not run unprotected on the key.
     pub(crate) fn note_refused(&self) {
         self.refused.store(true, Ordering::Relaxed);
+    }
+
+    /// A completion attempt asking for `expires_at` is about to be sent.
+    pub(crate) fn note_completion_sent(&self, expires_at: Timestamp) {
+        self.completion_expiry
+            .fetch_min(expires_at.as_millis(), Ordering::Relaxed);
+    }
+
+    /// The earliest expiry a completion attempt of ours asked for: whichever
+    /// attempt was applied, the completed record expires no earlier.
+    pub(crate) fn completion_expiry(&self) -> Option<Timestamp> {
+        match self.completion_expiry.load(Ordering::Relaxed) {
+            u64::MAX => None,
+            ms => Some(Timestamp::from_millis(ms)),
+        }
     }
 
     /// Whether [`note_refused`](Self::note_refused) was called.

@@ -660,10 +660,17 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         // The write as applied (without the result, had the store refused it).
         let was = std::mem::replace(&mut guard.phase, Phase::Done);
         engine.hold_time.observe(guard.lease.held_for());
-        if let (Some(at), Finished::Applied, Phase::Recording(Pending::Complete(result))) =
-            (written_at, &finished, &was)
+        if let (
+            Some(at),
+            Some(expires_at),
+            Finished::Applied,
+            Phase::Recording(Pending::Complete(result)),
+        ) = (written_at, guard.lease.completion_expiry(), &finished, &was)
         {
-            engine.remember_completion(&guard.lease.key, fingerprint, result.clone(), at);
+            // The expiry the store was asked for, not one derived again here:
+            // a clock stepped back between the two would outlive the record.
+            let (key, result) = (&guard.lease.key, result.clone());
+            engine.remember_completion(key, fingerprint, result, at, expires_at);
         }
         match result {
             Ok(Ok(value)) => Ok(self.success_outcome(finished, value)),
