@@ -118,8 +118,9 @@
 //!   the first client, the key completes without it, and retries get
 //!   `409 response-not-retained`, so the handler still runs once. Responses that are not stored release the key, and so does
 //!   a `4xx` to a request whose body failed while the inner service read it
-//!   (an upload cut short, under a fingerprint that does not read the body):
-//!   it answers the broken transfer, not the request. A response body that
+//!   (an upload cut short, under a fingerprint that does not read the body),
+//!   also when its head came first and the upload failed while its body was
+//!   read: it answers the broken transfer, not the request. A response body that
 //!   fails while it is read is kept as not retained (the handler ran; a retry
 //!   is refused, not run again), unless the request body had failed first;
 //!   the first client gets the bytes that came without a length that would

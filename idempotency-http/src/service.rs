@@ -403,10 +403,7 @@ where
         hand_over(slot, head, IdempotencyBody::new(body));
         return Err(HandlerError::transient(Failure::NotStored(status)));
     }
-    // A refusal of a request whose body was cut short (axum's "failed to
-    // buffer the request body"): an answer to this attempt's transport, not
-    // to the request, so the client's full retry must run, not get it back.
-    if status.is_client_error() && request_failed.load(Ordering::Acquire) {
+    if answers_a_cut_upload(status, request_failed) {
         hand_over(slot, head, IdempotencyBody::new(body));
         return Err(HandlerError::transient(Failure::RequestBodyFailed(status)));
     }
@@ -425,6 +422,12 @@ where
         error,
     });
     match collected.await {
+        // The upload was cut while the response was read (a head sent before
+        // the handler read the whole request): as above.
+        Collected::Complete { data, trailers } if answers_a_cut_upload(status, request_failed) => {
+            hand_over(slot, head, IdempotencyBody::full(data, trailers));
+            Err(HandlerError::transient(Failure::RequestBodyFailed(status)))
+        }
         Collected::Complete { data, trailers } => {
             let stores = settings.dialect.stores_complete(
                 &head.headers,
@@ -499,6 +502,14 @@ where
             body_failed(slot, head, frames, error, request_failed)
         }
     }
+}
+
+/// Whether a response with `status` refuses a request whose body was cut
+/// short (axum's "failed to buffer the request body"): an answer to this
+/// attempt's transport, not to the request, so it is not stored and the
+/// client's full retry runs.
+fn answers_a_cut_upload(status: StatusCode, request_failed: &AtomicBool) -> bool {
+    status.is_client_error() && request_failed.load(Ordering::Acquire)
 }
 
 /// `reading` the response body, with a panic there turned into the body's

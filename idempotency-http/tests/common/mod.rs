@@ -253,6 +253,7 @@ impl TestApp {
             .route("/broken-once", routing::post(broken_once))
             .route("/panicking-body", routing::post(panicking_body))
             .route("/stream-echo", routing::post(stream_echo))
+            .route("/early-refusal", routing::post(early_refusal))
             .route("/webhooks", routing::post(webhooks))
             .route("/search", routing::post(search))
             .layer(layer)
@@ -436,6 +437,18 @@ async fn panicking_body(State(s): State<Arc<Shared>>) -> Response {
 async fn stream_echo(State(s): State<Arc<Shared>>, request: Request<Body>) -> Response {
     s.bump("echo");
     Response::new(Body::from_stream(request.into_body().into_data_stream()))
+}
+
+/// A `400` sent before the upload is read, its body ending once the upload
+/// has (whole or cut): a validating proxy that answers early.
+async fn early_refusal(State(s): State<Arc<Shared>>, request: Request<Body>) -> Response {
+    s.bump("early");
+    let mut upload = request.into_body().into_data_stream();
+    let verdict = futures::stream::once(async move {
+        while let Some(Ok(_)) = futures::StreamExt::next(&mut upload).await {}
+        Ok::<_, Infallible>(Bytes::from_static(b"invalid upload"))
+    });
+    (StatusCode::BAD_REQUEST, Body::from_stream(verdict)).into_response()
 }
 
 async fn webhooks(State(s): State<Arc<Shared>>) -> Response {
@@ -1181,6 +1194,45 @@ pub async fn response_failing_with_a_cut_upload_is_released(repo: SharedReposito
     assert_eq!(app.runs("echo"), 2);
 }
 
+/// A `400` whose head came before the upload was cut, its body after: it
+/// answers the broken transport, not the request, so it is not stored and
+/// the client's full retry runs.
+pub async fn early_refusal_of_a_cut_upload_is_not_stored(repo: SharedRepository) {
+    let options = Options {
+        fingerprint: RequestFingerprint::MethodPath,
+        ..Options::default()
+    };
+    let app = TestApp::with(repo, options);
+    let cut = futures::stream::iter([
+        Ok(Bytes::from_static(b"first half")),
+        Err(std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "client went away",
+        )),
+    ]);
+    let first = app
+        .send(request(
+            Method::POST,
+            "/early-refusal",
+            Some("early"),
+            Body::from_stream(cut),
+        ))
+        .await;
+    assert_eq!(first.status, StatusCode::BAD_REQUEST);
+    assert_eq!(app.runs("early"), 1);
+    let retry = app
+        .send(post("/early-refusal", Some("early"), "whole"))
+        .await;
+    assert_eq!(retry.status, StatusCode::BAD_REQUEST);
+    assert!(!retry.replayed(), "the full retry ran");
+    assert_eq!(app.runs("early"), 2);
+    let again = app
+        .send(post("/early-refusal", Some("early"), "whole"))
+        .await;
+    assert!(again.replayed(), "a 400 to a whole upload is stored");
+    assert_eq!(app.runs("early"), 2);
+}
+
 /// With the manager's wait policy, a duplicate that finds the key in flight
 /// waits for the first request and gets its replay instead of a `409`.
 pub async fn wait_policy_replays_after_the_first_finishes(repo: SharedRepository) {
@@ -1416,6 +1468,7 @@ macro_rules! http_scenarios {
             failing_response_body_is_kept_not_retained,
             panicking_response_body_is_kept_not_retained,
             response_failing_with_a_cut_upload_is_released,
+            early_refusal_of_a_cut_upload_is_not_stored,
             cut_upload_is_not_stored,
             cut_upload_read_for_the_fingerprint_is_400,
             wait_policy_replays_after_the_first_finishes,
