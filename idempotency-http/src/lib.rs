@@ -116,7 +116,9 @@
 //!   larger one, or one still coming shortly before the lease ends (with lease
 //!   extension on, each extension confirmed moves that deadline), streams through to
 //!   the first client, the key completes without it, and retries get
-//!   `409 response-not-retained`, so the handler still runs once. Responses that are not stored release the key, and so does
+//!   `409 response-not-retained`, so the handler still runs once. So does a
+//!   server-sent event stream (`text/event-stream`), streamed through at once
+//!   rather than held back until it ends (it may never end). Responses that are not stored release the key, and so does
 //!   a `4xx` to a request whose body failed while the inner service read it
 //!   (an upload cut short, under a fingerprint that does not read the body),
 //!   also when its head came first and the upload failed while its body was

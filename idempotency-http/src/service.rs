@@ -407,6 +407,15 @@ where
         hand_over(slot, head, IdempotencyBody::new(body));
         return Err(HandlerError::transient(Failure::RequestBodyFailed(status)));
     }
+    if settings.dialect == Dialect::Http && is_event_stream(&head.headers) {
+        // Read as it comes, and perhaps never ending (a heartbeat): held
+        // back to be stored, the client would see nothing until its end.
+        // Streamed through at once, as a body over the cap: the handler ran,
+        // so the key completes without it.
+        tracing::debug!(%status, "event stream: streamed through, not retained for replays");
+        hand_over(slot, head, IdempotencyBody::new(body));
+        return Ok(StoredResponse::not_retained(status, None));
+    }
     let headers = settings.select_headers(&head.headers);
     let room = settings
         .store_limit
@@ -502,6 +511,15 @@ where
             body_failed(slot, head, frames, error, request_failed)
         }
     }
+}
+
+/// Whether the response is a server-sent event stream (`text/event-stream`).
+fn is_event_stream(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("text/event-stream"))
 }
 
 /// Whether a response with `status` refuses a request whose body was cut

@@ -254,6 +254,7 @@ impl TestApp {
             .route("/panicking-body", routing::post(panicking_body))
             .route("/stream-echo", routing::post(stream_echo))
             .route("/early-refusal", routing::post(early_refusal))
+            .route("/events", routing::post(events))
             .route("/webhooks", routing::post(webhooks))
             .route("/search", routing::post(search))
             .layer(layer)
@@ -449,6 +450,24 @@ async fn early_refusal(State(s): State<Arc<Shared>>, request: Request<Body>) -> 
         Ok::<_, Infallible>(Bytes::from_static(b"invalid upload"))
     });
     (StatusCode::BAD_REQUEST, Body::from_stream(verdict)).into_response()
+}
+
+/// A server-sent event stream that sends one event, then keeps the
+/// connection open (a heartbeat that never ends, for the test's purpose).
+async fn events(State(s): State<Arc<Shared>>) -> Response {
+    s.bump("events");
+    let first =
+        futures::stream::once(async { Ok::<_, Infallible>(Bytes::from_static(b"data: 1\n\n")) });
+    let stream = futures::StreamExt::chain(first, futures::stream::pending());
+    (
+        StatusCode::OK,
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/event-stream; charset=utf-8",
+        )],
+        Body::from_stream(stream),
+    )
+        .into_response()
 }
 
 async fn webhooks(State(s): State<Arc<Shared>>) -> Response {
@@ -1233,6 +1252,33 @@ pub async fn early_refusal_of_a_cut_upload_is_not_stored(repo: SharedRepository)
     assert_eq!(app.runs("early"), 2);
 }
 
+/// A server-sent event stream reaches its client as it comes, not held back
+/// to be stored (it may never end): the key completes without it, and a retry
+/// is refused as not retained, never run again.
+pub async fn event_streams_flow_through_and_are_not_retained(repo: SharedRepository) {
+    let app = TestApp::new(repo);
+    let sent = app.router.clone().oneshot(post("/events", Some("ev"), ""));
+    let response = tokio::time::timeout(PATIENCE, sent)
+        .await
+        .expect("the head comes without waiting for the stream's end")
+        .unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let mut body = response.into_body();
+    let first = tokio::time::timeout(PATIENCE, body.frame())
+        .await
+        .expect("the first event comes as it is sent")
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.into_data().unwrap(), "data: 1\n\n");
+    drop(body);
+    for _ in 0..2 {
+        let retry = app.send(post("/events", Some("ev"), "")).await;
+        let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+        assert_eq!(problem["original_status"], 200);
+    }
+    assert_eq!(app.runs("events"), 1, "the handler ran once");
+}
+
 /// With the manager's wait policy, a duplicate that finds the key in flight
 /// waits for the first request and gets its replay instead of a `409`.
 pub async fn wait_policy_replays_after_the_first_finishes(repo: SharedRepository) {
@@ -1469,6 +1515,7 @@ macro_rules! http_scenarios {
             panicking_response_body_is_kept_not_retained,
             response_failing_with_a_cut_upload_is_released,
             early_refusal_of_a_cut_upload_is_not_stored,
+            event_streams_flow_through_and_are_not_retained,
             cut_upload_is_not_stored,
             cut_upload_read_for_the_fingerprint_is_400,
             wait_policy_replays_after_the_first_finishes,
