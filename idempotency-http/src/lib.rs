@@ -64,7 +64,8 @@
 //! | first request with a key | the handler's response | yes |
 //! | retry after a stored response | the stored status, headers (with the handler's sensitive marks, which keep HTTP/2 from indexing them) and body, plus `Idempotency-Replayed: true` | no |
 //! | retry while the first is in flight | `409` + `Retry-After` (or wait, with the manager's `InProgressPolicy::Wait`) | no |
-//! | same key, different request (method, path, body) | `422` | no |
+//! | same key, same route and method, different request (path, body) | `422` | no |
+//! | same key on another route or method | a record of its own (the scope below): the handler's response | yes |
 //! | no key on a route that requires one | `400` | no |
 //! | key empty, over 255 bytes, bad characters, repeated header | `400` | no |
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (when fingerprinted) | `413` | no |
@@ -89,8 +90,12 @@
 //!   matched template (`/orders/{id}`, with the `axum` feature or a
 //!   [route extractor](IdempotencyLayer::route_extractor)) or else the path.
 //!   The [caller identity](IdempotencyLayer::caller_identity) defaults to a
-//!   digest of the `Authorization` header, so one client can never replay
-//!   another's response; [`without_caller_identity`](IdempotencyLayer::without_caller_identity)
+//!   digest of the `Authorization` header, so clients that authenticate with
+//!   it never replay one another's responses; requests without it share one
+//!   anonymous scope, so an application that authenticates otherwise (a
+//!   session cookie, mTLS, an API-key header) sets a caller identity that names
+//!   the principal, or one client's key can answer another's request.
+//!   [`without_caller_identity`](IdempotencyLayer::without_caller_identity)
 //!   is the explicit opt-out.
 //! - **Fingerprint**: SHA-256 over method, path and body by default
 //!   ([`RequestFingerprint`]; `MethodPathJsonBody` compares JSON bodies by
