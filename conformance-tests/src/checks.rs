@@ -1013,6 +1013,8 @@ pub async fn check_native_expiry_follows_every_write(repo: SharedRepository) -> 
         Reservation::Acquired { attempt: 2 },
         "taking over {taken}"
     );
+    // Real time, on purpose: the server's own timer is what is checked, and
+    // no suite clock drives it (the suite's one real-time wait).
     tokio::time::sleep(SHORT_NATIVE_TTL + Duration::from_secs(1)).await;
     for (key, status) in [
         (&completed, Status::Completed),

@@ -29,6 +29,18 @@ async fn double(m: &IdempotencyManager, items: &[(&str, u32)], concurrency: usiz
     .await
 }
 
+/// The wait policy for a live holder: up to `timeout`, polling every
+/// `poll_interval`.
+fn waiting(timeout: Duration, poll_interval: Duration) -> Config {
+    Config {
+        in_progress: idempotency_core::InProgressPolicy::Wait {
+            timeout,
+            poll_interval,
+        },
+        ..Config::default()
+    }
+}
+
 /// Starts an execution of `key` whose handler never returns (a live holder),
 /// once its handler has started.
 async fn hold(m: &IdempotencyManager, key: &'static str) -> tokio::task::JoinHandle<Answer> {
@@ -320,15 +332,11 @@ async fn the_local_answer_cache_answers_before_the_store() {
 
 #[tokio::test(start_paused = true)]
 async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
-    use idempotency_core::{InProgressPolicy, OutagePolicy};
+    use idempotency_core::OutagePolicy;
     let repo = store();
     let config = Config {
-        in_progress: InProgressPolicy::Wait {
-            timeout: Duration::from_secs(5),
-            poll_interval: Duration::from_millis(50),
-        },
         on_store_outage: OutagePolicy::FailOpen,
-        ..Config::default()
+        ..waiting(Duration::from_secs(5), Duration::from_millis(50))
     };
     let m = manager(&repo, config, &TokioClock::starting_now());
     let holder = hold(&m, "k").await;
@@ -359,15 +367,8 @@ async fn an_outage_while_waiting_for_a_holder_never_runs_beside_it() {
 /// without waiting a whole timeout more.
 #[tokio::test(start_paused = true)]
 async fn the_wait_for_a_holder_counts_from_the_batch_call() {
-    use idempotency_core::InProgressPolicy;
     let repo = store();
-    let config = Config {
-        in_progress: InProgressPolicy::Wait {
-            timeout: Duration::from_secs(1),
-            poll_interval: Duration::from_millis(300),
-        },
-        ..Config::default()
-    };
+    let config = waiting(Duration::from_secs(1), Duration::from_millis(300));
     let m = manager(&repo, config, &TokioClock::starting_now());
     let holder = hold(&m, "k").await;
     repo.inject(

@@ -483,6 +483,16 @@ async fn search(State(s): State<Arc<Shared>>) -> Response {
 // ---------------------------------------------------------------------------
 // Requests and replies.
 
+/// An upload whose first bytes are `first`, then cut short by the transport
+/// (`why`: a connection reset).
+pub fn cut_upload(first: &'static [u8], why: &str) -> Body {
+    let error = std::io::Error::new(std::io::ErrorKind::ConnectionReset, why.to_owned());
+    Body::from_stream(futures::stream::iter([
+        Ok(Bytes::from_static(first)),
+        Err(error),
+    ]))
+}
+
 pub fn request(
     method: Method,
     uri: &str,
@@ -1043,20 +1053,9 @@ pub async fn panicking_handler_releases_the_key(repo: SharedRepository) {
 /// transport's own words; the client's full retry runs.
 pub async fn cut_upload_read_for_the_fingerprint_is_400(repo: SharedRepository) {
     let app = TestApp::new(repo);
-    let cut = futures::stream::iter([
-        Ok(Bytes::from_static(b"{\"amount\":")),
-        Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionReset,
-            "peer 10.1.2.3 went away",
-        )),
-    ]);
+    let cut = cut_upload(b"{\"amount\":", "peer 10.1.2.3 went away");
     let first = app
-        .send(request(
-            Method::POST,
-            "/orders",
-            Some("cut-read"),
-            Body::from_stream(cut),
-        ))
+        .send(request(Method::POST, "/orders", Some("cut-read"), cut))
         .await;
     let problem = first.assert_problem(StatusCode::BAD_REQUEST, "unreadable-body");
     assert!(
@@ -1082,20 +1081,9 @@ pub async fn cut_upload_is_not_stored(repo: SharedRepository) {
         ..Options::default()
     };
     let app = TestApp::with(repo, options);
-    let cut = futures::stream::iter([
-        Ok(Bytes::from_static(b"{\"amount\":")),
-        Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionReset,
-            "client went away",
-        )),
-    ]);
+    let cut = cut_upload(b"{\"amount\":", "client went away");
     let first = app
-        .send(request(
-            Method::POST,
-            "/orders",
-            Some("cut"),
-            Body::from_stream(cut),
-        ))
+        .send(request(Method::POST, "/orders", Some("cut"), cut))
         .await;
     assert_eq!(first.status, StatusCode::BAD_REQUEST);
     assert_eq!(app.runs("orders"), 0, "the handler never got a body");
@@ -1179,22 +1167,11 @@ pub async fn response_failing_with_a_cut_upload_is_released(repo: SharedReposito
         ..Options::default()
     };
     let app = TestApp::with(repo, options);
-    let cut = futures::stream::iter([
-        Ok(Bytes::from_static(b"first half")),
-        Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionReset,
-            "client went away",
-        )),
-    ]);
+    let cut = cut_upload(b"first half", "client went away");
     let response = app
         .router
         .clone()
-        .oneshot(request(
-            Method::POST,
-            "/stream-echo",
-            Some("up"),
-            Body::from_stream(cut),
-        ))
+        .oneshot(request(Method::POST, "/stream-echo", Some("up"), cut))
         .await
         .unwrap();
     assert_eq!(response.status(), StatusCode::OK);
@@ -1222,20 +1199,9 @@ pub async fn early_refusal_of_a_cut_upload_is_not_stored(repo: SharedRepository)
         ..Options::default()
     };
     let app = TestApp::with(repo, options);
-    let cut = futures::stream::iter([
-        Ok(Bytes::from_static(b"first half")),
-        Err(std::io::Error::new(
-            std::io::ErrorKind::ConnectionReset,
-            "client went away",
-        )),
-    ]);
+    let cut = cut_upload(b"first half", "client went away");
     let first = app
-        .send(request(
-            Method::POST,
-            "/early-refusal",
-            Some("early"),
-            Body::from_stream(cut),
-        ))
+        .send(request(Method::POST, "/early-refusal", Some("early"), cut))
         .await;
     assert_eq!(first.status, StatusCode::BAD_REQUEST);
     assert_eq!(app.runs("early"), 1);
