@@ -314,16 +314,12 @@ impl Engine {
                 })
                 .collect(),
             Ok(answers) => {
-                let broken = || Error::Backend {
-                    backend: self.caps.backend,
-                    message: format!(
-                        "reserve_many answered {} requests with {} answers",
-                        items.len(),
-                        answers.len()
-                    ),
-                    source: None,
-                };
-                tracing::error!(error = %broken(), "a broken batch answer; reserving one key at a time");
+                tracing::error!(
+                    backend = self.caps.backend,
+                    requests = items.len(),
+                    answers = answers.len(),
+                    "reserve_many answered with the wrong number of answers; reserving one key at a time"
+                );
                 items.iter().map(|_| BatchReserved::refused(sent)).collect()
             }
             Err(_timeout) => items
