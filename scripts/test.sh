@@ -15,6 +15,7 @@
 #   SKIP_LINT=1               skip `cargo fmt --check` and clippy
 #   IDEMPOTENCY_TEST_IMAGES   auto (default) | official (never bake) | baked (always baked images)
 #   IDEMPOTENCY_TEST_LOG      where the full output goes (default: $CARGO_TARGET_DIR/idempotency-test.log)
+#   IDEMPOTENCY_TEST_JOBS     test binaries run at once (default 4; see scripts/run-tests.sh)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -148,10 +149,9 @@ run_tests() {
 }
 
 START=$SECONDS
-run_tests cargo test --workspace --all-features --no-fail-fast
-if [ -f examples/custom-backend/Cargo.toml ]; then
-    run_tests cargo test --manifest-path examples/custom-backend/Cargo.toml --no-fail-fast
-fi
+# Every test binary of the workspace, the doc tests and examples/custom-backend's
+# tests, built once and run side by side (scripts/run-tests.sh).
+IDEMPOTENCY_TEST_LOG="$LOG" run_tests bash scripts/run-tests.sh
 # The README's quickstart command must stay true: it exits non-zero unless every
 # event's side effect was applied exactly once.
 say "cargo run --example quickstart"

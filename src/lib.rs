@@ -234,13 +234,25 @@ pub fn store_url_from_env() -> String {
 /// message names the feature), and the backend's own errors when connecting.
 pub async fn connect(url: &str) -> Result<SharedRepository, Error> {
     match StoreKind::from_url(url)? {
-        StoreKind::Memory => Ok(Arc::new(MemoryRepository::new())),
+        StoreKind::Memory => connect_memory(url),
         StoreKind::Redis => connect_redis(url).await,
         StoreKind::Postgres => connect_postgres(url).await,
         StoreKind::DynamoDb => connect_dynamodb(url).await,
         StoreKind::Sqlite => connect_sqlite(url).await,
         StoreKind::MySql => connect_mysql(url).await,
     }
+}
+
+/// `memory:` (also `memory://`, `mem:`): the in-memory store takes no
+/// options, and a URL that gives some is refused rather than half-read.
+fn connect_memory(url: &str) -> Result<SharedRepository, Error> {
+    let rest = url.split_once(':').map_or("", |(_, rest)| rest);
+    if !rest.is_empty() && rest != "//" {
+        return Err(Error::config(format!(
+            "the in-memory store takes no path or options (use memory:), not {url:?}"
+        )));
+    }
+    Ok(Arc::new(MemoryRepository::new()))
 }
 
 #[cfg(not(all(

@@ -55,10 +55,44 @@ const EMULATOR_REGION: &str = "us-east-1";
 ///
 /// # Errors
 /// [`Error::Config`] for a malformed URL, an unknown option, a missing region,
-/// or an `https` endpoint without the `tls` feature; errors of
+/// an `https` endpoint without the `tls` feature, or a plain-HTTP endpoint
+/// where another service listens (it closes connections without an HTTP
+/// answer, or answers something else); errors of
 /// [`DynamoDbRepository::create_table`] with `create_table=true`.
 pub async fn connect(url: &str) -> Result<DynamoDbRepository, Error> {
     DynamoDbRepository::from_url(url).await
+}
+
+/// Refuses a plain-HTTP endpoint where another service listens: one that
+/// closes the connection without answering an HTTP request (Redis does), or
+/// answers something that is not HTTP (a database's greeting). Its requests
+/// would fail as outages, retryable, for ever. An endpoint that cannot be
+/// reached now is left to the operations (an outage, not a misconfiguration);
+/// an `https` endpoint is not probed (its TLS handshake would fail the same
+/// way and is reported by the SDK).
+async fn refuse_another_service(endpoint: &str) -> Result<(), Error> {
+    let Ok(parsed) = Url::parse(endpoint) else {
+        return Ok(());
+    };
+    let (Some(host), Some(port), "http") = (
+        parsed.host_str(),
+        parsed.port_or_known_default(),
+        parsed.scheme(),
+    ) else {
+        return Ok(());
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let hello = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    let speaks_http = |reply: &[u8]| reply.starts_with(b"HTTP/");
+    match idempotency_core::probe::foreign_service(host, port, hello.as_bytes(), CONNECT_TIMEOUT, speaks_http)
+        .await
+    {
+        Some(seen) => Err(Error::config(format!(
+            "the DynamoDB endpoint {endpoint} accepts connections but is not an HTTP server \
+             ({seen}): another service listens there; check the endpoint's port"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Credentials for a URL connection.
@@ -296,6 +330,9 @@ impl DynamoDbRepository {
             return Err(Error::config(format!(
                 "no AWS region for DynamoDB URL {url:?}: add `?region=…` or set AWS_REGION"
             )));
+        }
+        if let Some(endpoint) = &opts.endpoint {
+            refuse_another_service(endpoint).await?;
         }
         let repo = DynamoDbRepository::from_sdk_config(&sdk_config, opts.table)
             .with_attribute_names(opts.names)?;

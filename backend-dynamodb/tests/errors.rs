@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use aws_sdk_dynamodb::types::{
     AttributeDefinition, BillingMode, KeySchemaElement, KeyType, ScalarAttributeType,
 };
-use idempotency_conformance::containers::FaultProxy;
+use idempotency_conformance::containers::{self, FaultProxy};
 use idempotency_conformance::error_table::{
     assert_error_table, foreign_service, reserve_once, ErrorRow, Expected,
 };
@@ -148,6 +148,20 @@ async fn foreign_row() -> ErrorRow {
     )
 }
 
+/// A real Redis server at the endpoint: it closes an HTTP request's
+/// connection without a reply. Refused when connecting, not retried as an
+/// outage for ever.
+async fn not_http_row() -> ErrorRow {
+    let redis = containers::redis().await.expect("a Redis server");
+    let endpoint = format!("http://{}:{}", redis.host(), redis.port());
+    ErrorRow::new(
+        "a service that is not HTTP (Redis) at the endpoint",
+        idempotency_dynamodb::connect(&url("t_not_http", Some(&endpoint), "").await).await,
+        Expected::Config,
+        &["not an HTTP server", "without answering"],
+    )
+}
+
 /// A server that stops answering: the call fails after the default
 /// operation timeout, however long the outage lasts.
 async fn black_hole_row() -> ErrorRow {
@@ -196,6 +210,7 @@ async fn every_cause_has_its_error_and_message() {
     }
     rows.push(refused_row().await);
     rows.push(foreign_row().await);
+    rows.push(not_http_row().await);
     rows.push(black_hole_row().await);
     assert_error_table("dynamodb", &rows);
 }

@@ -108,6 +108,15 @@ async fn wrong_port_rows() -> Vec<ErrorRow> {
         foreign_service().await.unwrap()
     ))
     .await;
+    // A real PostgreSQL server: it closes the connection without a reply
+    // when the first bytes are not a startup packet.
+    let postgres = containers::postgres().await.expect("a PostgreSQL server");
+    let silent = RedisRepository::connect(&format!(
+        "redis://{}:{}?connect_timeout=2s",
+        postgres.host(),
+        postgres.port()
+    ))
+    .await;
     vec![
         ErrorRow::new(cause, refused, Expected::Unavailable, &["redis"]),
         ErrorRow::new(
@@ -115,6 +124,12 @@ async fn wrong_port_rows() -> Vec<ErrorRow> {
             http,
             Expected::Config,
             &["not as a Redis server"],
+        ),
+        ErrorRow::new(
+            "a port where a service that closes silently (PostgreSQL) listens",
+            silent,
+            Expected::Config,
+            &["not a Redis server", "without answering"],
         ),
     ]
 }

@@ -88,6 +88,34 @@ pub(crate) fn map_sqlx(
     }
 }
 
+/// Maps an error opening the database at `url`: a file that cannot be opened
+/// (a missing directory, no permission, a directory where the file should
+/// be) is [`Error::Config`]: no retry opens it, and an application that
+/// retries a misspelled path for ever never says what is wrong. Anything
+/// else as [`map_sqlx`].
+pub(crate) fn map_open(err: sqlx::Error, url: &str) -> Error {
+    let cannot_open = match &err {
+        sqlx::Error::Database(db) => {
+            db.code().and_then(|c| c.parse::<i64>().ok()).unwrap_or(0) & 0xff == code::CANTOPEN
+        }
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            std::io::ErrorKind::NotFound
+                | std::io::ErrorKind::PermissionDenied
+                | std::io::ErrorKind::IsADirectory
+                | std::io::ErrorKind::NotADirectory
+        ),
+        _ => false,
+    };
+    if cannot_open {
+        return Error::config(format!(
+            "cannot open the SQLite database of {url:?}: {err}; check that the path's directory \
+             exists and that this process may create and write files there"
+        ));
+    }
+    map_sqlx(err, "connect", None)
+}
+
 fn unavailable(operation: &'static str, err: sqlx::Error) -> Error {
     Error::Unavailable {
         backend: BACKEND,

@@ -81,6 +81,7 @@ impl UrlOptions {
                 }
             }
         }
+        check_database(path, &passed)?;
         let mut sqlx_url = format!("sqlite:{path}");
         if !passed.is_empty() {
             let query = url::form_urlencoded::Serializer::new(String::new())
@@ -92,6 +93,37 @@ impl UrlOptions {
         options.sqlx_url = sqlx_url;
         Ok(options)
     }
+}
+
+/// Refuses a URL whose connections would not share one database: an empty
+/// path (SQLite opens a private temporary database for each connection) or
+/// an in-memory database with a private cache (one per connection). The
+/// pool's connections would each see their own records, and a duplicate on
+/// another connection would run its handler again.
+fn check_database(path: &str, passed: &[(String, String)]) -> Result<(), Error> {
+    let file = path.strip_prefix("//").unwrap_or(path);
+    if file.is_empty() {
+        return Err(Error::config(
+            "the SQLite URL names no file (sqlite://path/to/file.db): an empty path opens a \
+             private temporary database for each connection, which would not see each other's \
+             records; for a database in memory use sqlite::memory:",
+        ));
+    }
+    let option = |name: &str| {
+        passed
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    };
+    let in_memory = file == ":memory:" || option("mode") == Some("memory");
+    if in_memory && option("cache") == Some("private") {
+        return Err(Error::config(
+            "an in-memory SQLite database with cache=private is a different database for each \
+             connection of the pool; leave cache unset (shared) or use a file",
+        ));
+    }
+    Ok(())
 }
 
 fn invalid(name: &str, value: &str, expected: &str) -> Error {
@@ -125,6 +157,10 @@ mod tests {
             UrlOptions::parse("sqlite:idem.db").unwrap().sqlx_url,
             "sqlite:idem.db"
         );
+        // In memory, shared between the pool's connections.
+        for url in ["sqlite::memory:", "sqlite://:memory:", "sqlite://db?mode=memory"] {
+            UrlOptions::parse(url).unwrap();
+        }
     }
 
     #[test]
@@ -136,6 +172,12 @@ mod tests {
             ("sqlite://a.db?migrate=maybe", "migrate"),
             ("sqlite://a.db?table=x", "\"table\""),
             ("postgres://h/db", "sqlite://"),
+            ("sqlite://", "names no file"),
+            ("sqlite:", "names no file"),
+            ("sqlite://?mode=memory", "names no file"),
+            ("sqlite://?synchronous=normal", "names no file"),
+            ("sqlite::memory:?cache=private", "cache=private"),
+            ("sqlite://db?mode=memory&cache=private", "cache=private"),
         ] {
             let e = UrlOptions::parse(url).unwrap_err();
             assert!(matches!(e, Error::Config { .. }), "{url}: {e}");

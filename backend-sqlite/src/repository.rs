@@ -12,7 +12,7 @@ use idempotency_core::{
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
-use crate::error::map_sqlx;
+use crate::error::{map_open, map_sqlx};
 use crate::ops::{self, check_key, check_size};
 use crate::options::{Durability, UrlOptions};
 
@@ -71,9 +71,11 @@ impl SqliteRepository {
     /// `vfs`.
     ///
     /// # Errors
-    /// [`Error::Config`] for a malformed URL or option, a read-only file or a
-    /// schema newer than this library; [`Error::Unavailable`] when the file
-    /// cannot be opened.
+    /// [`Error::Config`] for a malformed URL or option, a URL whose
+    /// connections would not share one database (no path; an in-memory
+    /// database with `cache=private`), a file that cannot be opened (a missing
+    /// directory, no permission), a read-only file or a schema newer than this
+    /// library; [`Error::Unavailable`] for an I/O failure of the disk.
     pub async fn connect(url: &str) -> Result<Self, Error> {
         let options = UrlOptions::parse(url)?;
         let busy = options.busy_timeout.unwrap_or(DEFAULT_BUSY_TIMEOUT);
@@ -100,7 +102,7 @@ impl SqliteRepository {
             .test_before_acquire(false)
             .connect_with(connect)
             .await
-            .map_err(|e| map_sqlx(e, "connect", None))?;
+            .map_err(|e| map_open(e, url))?;
         let repo = SqliteRepository { pool };
         if options.migrate.unwrap_or(true) {
             repo.migrate().await?;

@@ -236,6 +236,7 @@ impl Config {
     /// handler again beside the first), or the lease extension interval is not
     /// shorter than the processing timeout.
     pub fn validate(&self) -> Result<(), Error> {
+        self.check_bounds()?;
         if self.ttl.is_zero() || self.processing_timeout.is_zero() {
             return Err(Error::config("ttl and processing_timeout must be positive"));
         }
@@ -294,7 +295,69 @@ impl Config {
         }
         Ok(())
     }
+
+    /// Every duration of the configuration with its name.
+    fn durations(&self) -> impl Iterator<Item = (&'static str, Duration)> {
+        let wait = match self.in_progress {
+            InProgressPolicy::Wait {
+                poll_interval,
+                timeout,
+            } => [
+                Some(("in_progress.poll_interval", poll_interval)),
+                Some(("in_progress.timeout", timeout)),
+            ],
+            InProgressPolicy::FailFast => [None, None],
+        };
+        [
+            Some(("ttl", self.ttl)),
+            Some(("processing_timeout", self.processing_timeout)),
+            Some(("clock_skew", self.clock_skew)),
+            Some(("store_timeout", self.store_timeout)),
+            self.lease_extension_interval
+                .map(|d| ("lease_extension_interval", d)),
+            self.answer_cache
+                .map(|c| ("answer_cache.max_staleness", c.max_staleness)),
+        ]
+        .into_iter()
+        .chain(wait)
+        .flatten()
+    }
+
+    /// Refuses a duration past [`MAX_DURATION`]: added to an instant, it
+    /// would overflow the clock (a panic in `Instant + Duration`) or a
+    /// store's column.
+    fn check_bounds(&self) -> Result<(), Error> {
+        match self.durations().find(|(_, d)| *d > MAX_DURATION) {
+            Some((name, d)) => Err(Error::config(format!(
+                "{name} ({d:?}) is longer than the longest duration the library accepts \
+                 ({} days): added to an instant it would overflow a clock or a store's column",
+                MAX_DURATION.as_secs() / 86_400
+            ))),
+            None => Ok(()),
+        }
+    }
 }
+
+/// The longest duration a [`Config`] accepts, for every one of its durations
+/// (TTL, timeouts, skew, intervals): 100 years of 365 days. Every instant the
+/// library computes from a configured duration then fits the clocks it adds
+/// them to (`Instant`, milliseconds since the epoch in a store's 64-bit
+/// column) with room to spare.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::{Config, InProgressPolicy, MAX_DURATION};
+/// let config = Config {
+///     in_progress: InProgressPolicy::Wait {
+///         poll_interval: Duration::from_millis(50),
+///         timeout: Duration::MAX,
+///     },
+///     ..Config::default()
+/// };
+/// assert!(config.validate().is_err());
+/// assert!(MAX_DURATION >= Duration::from_secs(100 * 365 * 86_400));
+/// ```
+pub const MAX_DURATION: Duration = Duration::from_secs(100 * 365 * 86_400);
 
 /// Parses `"250ms"`, `"30s"`, `"5m"`, `"1h"`, `"2d"` or a bare number of seconds.
 ///
@@ -418,6 +481,56 @@ mod tests {
         assert_eq!(c.on_cancel, CancelPolicy::KeepLease);
         assert_eq!(c.store_timeout, Duration::from_secs(5));
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn every_duration_past_the_bound_is_refused_by_name() {
+        let wait = |poll_interval, timeout| InProgressPolicy::Wait {
+            poll_interval,
+            timeout,
+        };
+        let cases: Vec<(&str, Box<dyn Fn(&mut Config)>)> = vec![
+            ("ttl", Box::new(|c| c.ttl = Duration::MAX)),
+            ("processing_timeout", Box::new(|c| c.processing_timeout = Duration::MAX)),
+            ("clock_skew", Box::new(|c| c.clock_skew = Duration::MAX)),
+            ("store_timeout", Box::new(|c| c.store_timeout = Duration::MAX)),
+            (
+                "lease_extension_interval",
+                Box::new(|c| c.lease_extension_interval = Some(Duration::MAX)),
+            ),
+            (
+                "answer_cache.max_staleness",
+                Box::new(|c| {
+                    c.answer_cache = Some(AnswerCacheConfig {
+                        max_staleness: Duration::MAX,
+                        ..AnswerCacheConfig::default()
+                    })
+                }),
+            ),
+            (
+                "in_progress.timeout",
+                Box::new(move |c| c.in_progress = wait(Duration::from_millis(50), Duration::MAX)),
+            ),
+            (
+                "in_progress.poll_interval",
+                Box::new(move |c| c.in_progress = wait(Duration::MAX, Duration::from_secs(1))),
+            ),
+        ];
+        for (name, set) in cases {
+            let mut c = Config::default();
+            set(&mut c);
+            let err = c.validate().unwrap_err();
+            assert!(matches!(err, Error::Config { .. }), "{name}: {err}");
+            assert!(err.to_string().contains(name), "{name}: {err}");
+            assert!(!err.is_retryable());
+        }
+        // One millisecond past the bound is refused; the bound itself is not.
+        let at = |d| Config {
+            ttl: d,
+            ..Config::default()
+        };
+        assert!(at(MAX_DURATION).validate().is_ok());
+        assert!(at(MAX_DURATION + Duration::from_millis(1)).validate().is_err());
     }
 
     #[test]

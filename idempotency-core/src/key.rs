@@ -355,9 +355,32 @@ fn is_invisible_format(c: char) -> bool {
 pub struct OwnerToken(u128);
 
 impl OwnerToken {
-    /// A fresh random token (128 bits from the thread-local CSPRNG).
+    /// A fresh random token: 128 bits drawn from the operating system's
+    /// random source at every call.
+    ///
+    /// Never from a generator whose state lives in the process: a process
+    /// that forks (a prefork server, a worker pool) or a VM snapshot restored
+    /// twice would carry that state into every copy, and the copies would
+    /// draw the same tokens in the same order. Two executions with one token
+    /// are one owner to the store: the second copy's reservation of a key the
+    /// first holds would be taken as the holder's own re-sent reserve, and
+    /// both would run the handler. The operating system's source is reseeded
+    /// by the kernel, which tells the copies apart (a VM generation ID after
+    /// a snapshot is restored).
+    ///
+    /// If the operating system's source fails (it does not on any supported
+    /// platform), the token comes from the thread's generator mixed with the
+    /// process id, which still tells forked copies apart.
     pub fn random() -> Self {
-        OwnerToken(rand::random::<u128>())
+        use rand::TryRngCore;
+        let mut bytes = [0u8; 16];
+        match rand::rngs::OsRng.try_fill_bytes(&mut bytes) {
+            Ok(()) => OwnerToken::from_bytes(bytes),
+            Err(e) => {
+                tracing::warn!(error = %e, "the operating system's random source failed; owner token from the thread's generator and the process id");
+                OwnerToken(rand::random::<u128>() ^ u128::from(std::process::id()))
+            }
+        }
     }
 
     /// A token from its 128-bit value.

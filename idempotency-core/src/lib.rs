@@ -60,7 +60,9 @@ mod key;
 mod manager;
 mod memory;
 pub mod metrics;
+
 mod middleware;
+pub mod probe;
 mod record;
 mod repository;
 mod share;
@@ -73,7 +75,7 @@ pub mod tls;
 pub use codec::{Codec, JsonCodec};
 pub use config::{
     parse_bool, parse_duration, AnswerCacheConfig, CancelPolicy, Config, FailurePolicy,
-    InProgressPolicy, OutagePolicy,
+    InProgressPolicy, OutagePolicy, MAX_DURATION,
 };
 pub use decision::FailureKind;
 pub use engine::answers::AnswerCacheStats;

@@ -431,3 +431,107 @@ async fn in_progress_hints_a_retry_after_about_one_execution() {
     hold.send(()).unwrap();
     assert!(holder.await.unwrap().unwrap().handler_ran());
 }
+
+/// Durations near `Duration::MAX` (a wait timeout, an extension interval)
+/// are configuration errors, not a panic when the manager adds them to an
+/// instant; the longest accepted ones run.
+#[tokio::test(start_paused = true)]
+async fn durations_past_the_bound_are_refused_and_those_at_it_run() {
+    let wait = |timeout| InProgressPolicy::Wait {
+        timeout,
+        poll_interval: Duration::from_millis(100),
+    };
+    for bad in [
+        Config {
+            in_progress: wait(Duration::MAX),
+            ..Config::default()
+        },
+        Config {
+            lease_extension_interval: Some(Duration::MAX - Duration::from_secs(1)),
+            processing_timeout: Duration::MAX,
+            ttl: Duration::MAX,
+            ..Config::default()
+        },
+    ] {
+        let r = IdempotencyManager::new(Arc::new(MemoryRepository::new()), bad);
+        assert!(matches!(r, Err(Error::Config { .. })), "{r:?}");
+    }
+    // At the bound: a duplicate waits on a held key until its holder
+    // finishes, and the holder's lease is extended.
+    let repo = store();
+    let clock = TokioClock::starting_now();
+    let config = Config {
+        in_progress: wait(idempotency_core::MAX_DURATION),
+        ttl: idempotency_core::MAX_DURATION,
+        processing_timeout: idempotency_core::MAX_DURATION / 2,
+        clock_skew: idempotency_core::MAX_DURATION / 4,
+        lease_extension_interval: Some(idempotency_core::MAX_DURATION / 4),
+        ..Config::default()
+    };
+    let m = manager(&repo, config, &clock);
+    let (release, hold) = tokio::sync::oneshot::channel::<()>();
+    let holder = {
+        let m = m.clone();
+        tokio::spawn(async move {
+            m.execute("long", &(), || async {
+                hold.await.ok();
+                ok(7)
+            })
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(1)).await; // paused time: the holder reserves
+    let duplicate = {
+        let m = m.clone();
+        tokio::spawn(async move { m.execute("long", &(), || async { ok(8) }).await })
+    };
+    tokio::time::sleep(Duration::from_secs(60)).await; // paused time: the duplicate polls
+    release.send(()).unwrap();
+    assert!(matches!(holder.await.unwrap(), Ok(Outcome::Executed(7))));
+    assert!(matches!(duplicate.await.unwrap(), Ok(Outcome::Cached(7))));
+}
+
+/// A store whose real result limit is below the one it declared refuses the
+/// completion as too large; the smaller write it then gets (no cached
+/// result) is one more attempt under the recording phase's bound, not a new
+/// round of retries after the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_completion_refused_as_too_large_keeps_the_recording_bound() {
+    let repo = Arc::new(idempotency_core::testing::FaultyRepository::new(
+        common::SmallerThanDeclared(MemoryRepository::new()),
+    ));
+    let clock = TokioClock::starting_now();
+    let (processing, store_timeout) = (Duration::from_secs(10), Duration::from_secs(1));
+    let config = Config {
+        processing_timeout: processing,
+        store_timeout,
+        ..Config::default()
+    };
+    let m = IdempotencyManager::with_parts(
+        repo.clone() as idempotency_core::SharedRepository,
+        config,
+        Arc::new(clock.clone()),
+        idempotency_core::JsonCodec,
+    )
+    .unwrap();
+    // Three completions time out; the fourth reaches the store late in the
+    // phase and is refused as too large; whatever is sent after that hangs.
+    repo.inject(Operation::Complete, Fault::Hang, 3)
+        .inject(Operation::Complete, Fault::Delay(Duration::from_millis(950)), 1)
+        .inject(Operation::Complete, Fault::Hang, usize::MAX);
+    let started = tokio::time::Instant::now();
+    let r = m
+        .execute("big", &(), || async {
+            tokio::time::sleep(Duration::from_secs(5)).await; // paused time: the handler's work
+            ok("a result longer than eight bytes".to_owned())
+        })
+        .await
+        .unwrap();
+    assert!(matches!(r, Outcome::Unrecorded { .. }), "{r:?}");
+    // Retries stop a tenth of the processing timeout (at most 1 s) before
+    // the lease ends; an attempt begun before then lasts one store timeout
+    // at most.
+    let bound = processing - Duration::from_secs(1) + store_timeout;
+    let took = started.elapsed();
+    assert!(took <= bound, "recording ran {took:?}, past the bound {bound:?}");
+}

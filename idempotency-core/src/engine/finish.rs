@@ -50,6 +50,24 @@ impl Pending {
 /// The error stored instead of a handler's error the store refused as too large.
 const ERROR_TOO_LARGE: &[u8] = b"the handler's error was too large to store";
 
+impl Pending {
+    /// The write to send instead when the store refused this one as too
+    /// large: a completion without its cached result, a failure with a short
+    /// placeholder message; none for a write that carries no value.
+    fn smaller(&self) -> Option<Pending> {
+        match self {
+            Pending::Complete(Some(_)) => Some(Pending::Complete(None)),
+            Pending::Fail { error, retryable } if error.as_slice() != ERROR_TOO_LARGE => {
+                Some(Pending::Fail {
+                    error: ERROR_TOO_LARGE.to_vec(),
+                    retryable: *retryable,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
 /// How a finishing write ended.
 #[derive(Debug)]
 pub(crate) enum Finished {
@@ -105,38 +123,6 @@ impl Engine {
         self.finish_in(lease, pending, deadline, None).await
     }
 
-    /// [`Engine::finish`], whose first attempt at a completion goes with its
-    /// batch group's (`batch`) when it has one.
-    pub(crate) async fn finish_in(
-        &self,
-        lease: &Lease,
-        pending: &mut Pending,
-        deadline: Instant,
-        batch: Option<&mut Participant>,
-    ) -> Finished {
-        let finished = self
-            .finish_once_retrying(lease, pending, deadline, batch)
-            .await;
-        // The store's real limit is below the one it declared: keep the
-        // protection (the record, and whether a failure may be retried), drop
-        // the cached result or the error's message.
-        let smaller = match (&finished, &*pending) {
-            (Finished::Failed(Error::TooLarge { .. }), Pending::Complete(Some(_))) => {
-                Pending::Complete(None)
-            }
-            (Finished::Failed(Error::TooLarge { .. }), Pending::Fail { retryable, .. }) => {
-                Pending::Fail {
-                    error: ERROR_TOO_LARGE.to_vec(),
-                    retryable: *retryable,
-                }
-            }
-            _ => return finished,
-        };
-        *pending = smaller;
-        self.finish_once_retrying(lease, pending, deadline, None)
-            .await
-    }
-
     /// [`Engine::finish_in`] of the write a guard in the recording phase holds.
     pub(crate) async fn finish_guarded(
         &self,
@@ -154,10 +140,19 @@ impl Engine {
         }
     }
 
-    async fn finish_once_retrying(
+    /// [`Engine::finish`], whose first attempt at a completion goes with its
+    /// batch group's (`batch`) when it has one.
+    ///
+    /// The attempts at one finishing write: after the first, an attempt
+    /// starts only before the retry deadline ([`Engine::retry_until`]), except
+    /// the second, which is always made: the phase's bound in the contract.
+    /// A store that refuses the value as too large (its real limit is below
+    /// the one it declared) gets the smaller write (see [`Pending::smaller`])
+    /// as the next of these attempts, at once, never as a round of its own.
+    pub(crate) async fn finish_in(
         &self,
         lease: &Lease,
-        pending: &Pending,
+        pending: &mut Pending,
         deadline: Instant,
         mut batch: Option<&mut Participant>,
     ) -> Finished {
@@ -179,6 +174,19 @@ impl Engine {
                     // Unknown: say so, rather than claim another owner.
                     Err(e) => Finished::Failed(e),
                 };
+            }
+            if let (Error::TooLarge { .. }, Some(smaller)) = (&e, pending.smaller()) {
+                // Keep the protection (the record, and whether a failure may
+                // be retried); drop the cached result or the error's message.
+                batched = false;
+                if retry == 0 || Instant::now() < self.retry_until(lease, deadline) {
+                    tracing::debug!(error = %e, "the store refused the value as too large; recording without it");
+                    drop(e);
+                    *pending = smaller;
+                    retry += 1;
+                    continue;
+                }
+                return Finished::Failed(e);
             }
             if std::mem::take(&mut batched) && !matches!(e, Error::TooLarge { .. }) {
                 // The group's call failed as a whole (a statement refused for
