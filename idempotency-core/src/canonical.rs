@@ -21,6 +21,9 @@
 //! up with [`FastError::Unsupported`], and the value is serialized again through
 //! the `Value` route. Errors raised by `Serialize` implementations are reported
 //! as the `Value` route would report them.
+//!
+//! [`text`] writes the canonical form of a JSON *text* instead, without the
+//! losses of reading it into a `Value` first.
 
 use std::cell::RefCell;
 use std::cmp::Ordering;
@@ -30,6 +33,9 @@ use std::io::Write as _;
 use serde::ser::{self, Impossible, Serialize};
 
 use crate::error::Error;
+
+mod text;
+pub use text::canonical_json_text;
 
 /// Buffers larger than this are not kept for the next call.
 const KEEP_BYTES: usize = 64 * 1024;

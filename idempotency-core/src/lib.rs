@@ -72,6 +72,7 @@ pub mod testing;
 mod time;
 pub mod tls;
 
+pub use canonical::canonical_json_text;
 pub use codec::{Codec, JsonCodec};
 pub use config::{
     parse_bool, parse_duration, AnswerCacheConfig, CancelPolicy, Config, FailurePolicy,

@@ -14,6 +14,20 @@ pub type FingerprintFn = Arc<dyn Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync>;
 /// the record. A key reused with a request of another fingerprint is refused
 /// with `422 Unprocessable Content`.
 ///
+/// **The request target counts in every mode.** Each fingerprint but
+/// [`Disabled`](Self::Disabled) covers the request's path and query string as
+/// sent (`/accounts/1/charge?to=alice`), whatever else it covers: records are
+/// scoped by the route template (`/accounts/{id}/charge`), so without the
+/// target a key reused on `/accounts/2/charge`, or with `?to=bob`, would be
+/// answered with the first request's response. The query is compared as raw
+/// bytes: `?a=1&b=2` and `?b=2&a=1` (or `%41` and `A`) are two targets, since
+/// a handler can tell them apart (repeated parameters, their order) and a
+/// client retrying sends the same bytes; strip a part that must not count
+/// (a tracking parameter) before the layer. When no fingerprint is compared
+/// (`Disabled`, or a manager whose `validate_payload` is off), the record is
+/// scoped by the target instead of the route template, so another target is a
+/// request of its own.
+///
 /// Variants that include the body read it whole before the handler runs, up to
 /// [`IdempotencyLayer::max_request_body`](crate::IdempotencyLayer::max_request_body)
 /// (larger bodies get `413`); the others leave the body streaming.
@@ -21,7 +35,7 @@ pub type FingerprintFn = Arc<dyn Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync>;
 /// ```
 /// use idempotency_http::RequestFingerprint;
 ///
-/// // Only the JSON body counts, with the `Content-Type` header.
+/// // The JSON body with the `Content-Type` header (and, as always, the target).
 /// let fingerprint = RequestFingerprint::custom(|parts, body| {
 ///     let mut material = parts
 ///         .headers
@@ -37,35 +51,67 @@ pub type FingerprintFn = Arc<dyn Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync>;
 #[derive(Clone, Default)]
 #[non_exhaustive]
 pub enum RequestFingerprint {
-    /// Method, path and body (the default). The path is the request's own
-    /// (`/orders/42`), not the route template, so one key on two resources of
-    /// the same route is a mismatch.
+    /// Method, target (path and query string) and body (the default). The
+    /// path is the request's own (`/orders/42`), not the route template, so
+    /// one key on two resources of the same route is a mismatch, and so is one
+    /// key with two query strings. A request without a query string has the
+    /// digest it had before the query counted.
     #[default]
     MethodPathBody,
-    /// Method, path, query string and body.
+    /// The same parts as [`MethodPathBody`](Self::MethodPathBody), which
+    /// covers the query string too; kept so that records written under it
+    /// keep matching (its digests differ from `MethodPathBody`'s).
     MethodPathQueryBody,
-    /// Method, path and the body as JSON means it: for a JSON body
+    /// Method, target and the body as JSON means it: for a JSON body
     /// (`Content-Type` `application/json` or `…+json`) that parses, its
-    /// canonical form (object keys sorted, insignificant whitespace dropped),
-    /// so a retry that serializes the same document differently still matches;
-    /// any other body as bytes. Raw bytes stay the default: they are exact,
+    /// canonical form ([`idempotency_core::canonical_json_text`]: members
+    /// sorted by name, insignificant whitespace dropped, strings unescaped,
+    /// numbers by their exact value), so a retry that serializes the same
+    /// document differently still matches; any other body as bytes, and so a
+    /// body JSON cannot read without loss (a member name repeated in one
+    /// object, which parsers read differently). Two bodies a handler can tell
+    /// apart never match: numbers keep every digit (never rounded through
+    /// `f64`) and whether they are integers (`1` is not `1.0`; `1.0`, `1.00`
+    /// and `1e0` are one number). Raw bytes stay the default: they are exact,
     /// cost no parsing, and a client retrying sends the same bytes.
     MethodPathJsonBody,
-    /// Method and path; the body is not read (for large uploads).
+    /// Method and target; the body is not read (for large uploads).
     MethodPath,
-    /// The body alone.
+    /// The body (and the target).
     Body,
-    /// No fingerprint: a reused key always replays, whatever the request.
+    /// No fingerprint: a reused key always replays, whatever the body. Records
+    /// are then scoped by the target (path and query) instead of the route
+    /// template, so a key reused on another target runs as a request of its
+    /// own rather than replaying another resource's response.
     Disabled,
-    /// The digest of the bytes a function returns.
+    /// The digest of the bytes a function returns (and of the target).
     Custom(FingerprintFn),
 }
 
 impl RequestFingerprint {
     /// A custom fingerprint over the bytes `f` returns for a request's head and
-    /// body.
+    /// body; the request target is added to them.
     pub fn custom(f: impl Fn(&Parts, &[u8]) -> Vec<u8> + Send + Sync + 'static) -> Self {
         RequestFingerprint::Custom(Arc::new(f))
+    }
+
+    /// What scopes a request's record besides its caller, method and key:
+    /// the `route` (template), or the request target (path and query) when
+    /// no fingerprint is compared (`Disabled`, or a manager that does not
+    /// `validate` payloads). Otherwise the fingerprint covers the target, so
+    /// a key reused on another target of the route is a mismatch, never
+    /// another resource's replay.
+    pub(crate) fn record_scope<'a>(
+        &self,
+        validate: bool,
+        parts: &'a Parts,
+        route: &'a str,
+    ) -> &'a str {
+        if validate && !matches!(self, RequestFingerprint::Disabled) {
+            route
+        } else {
+            request_target(parts)
+        }
     }
 
     /// Whether the body must be read to compute it.
@@ -92,28 +138,17 @@ impl RequestFingerprint {
         match self {
             RequestFingerprint::Disabled => return None,
             RequestFingerprint::MethodPathBody => {
-                field(b"method-path-body");
-                field(parts.method.as_str().as_bytes());
-                field(parts.uri.path().as_bytes());
+                method_and_target(&mut field, b"method-path-body", parts);
                 field(body);
             }
             RequestFingerprint::MethodPathQueryBody => {
                 field(b"method-path-query-body");
                 field(parts.method.as_str().as_bytes());
-                field(parts.uri.path().as_bytes());
-                match parts.uri.query() {
-                    None => field(b"-"),
-                    Some(q) => {
-                        field(b"?");
-                        field(q.as_bytes());
-                    }
-                }
+                target(&mut field, parts);
                 field(body);
             }
             RequestFingerprint::MethodPathJsonBody => {
-                field(b"method-path-json-body");
-                field(parts.method.as_str().as_bytes());
-                field(parts.uri.path().as_bytes());
+                method_and_target(&mut field, b"method-path-json-body", parts);
                 match canonical_json_body(parts, body) {
                     Some(canonical) => {
                         field(b"json");
@@ -126,16 +161,16 @@ impl RequestFingerprint {
                 }
             }
             RequestFingerprint::MethodPath => {
-                field(b"method-path");
-                field(parts.method.as_str().as_bytes());
-                field(parts.uri.path().as_bytes());
+                method_and_target(&mut field, b"method-path", parts);
             }
             RequestFingerprint::Body => {
-                field(b"body");
+                field(b"target-body");
+                target(&mut field, parts);
                 field(body);
             }
             RequestFingerprint::Custom(f) => {
-                field(b"custom");
+                field(b"target-custom");
+                target(&mut field, parts);
                 field(&f(parts, body));
             }
         }
@@ -143,7 +178,43 @@ impl RequestFingerprint {
     }
 }
 
-/// The canonical JSON of a JSON body that parses, else `None`.
+/// The path and the query string (`-` for none, else `?` and its raw bytes).
+fn target(field: &mut impl FnMut(&[u8]), parts: &Parts) {
+    field(parts.uri.path().as_bytes());
+    match parts.uri.query() {
+        None => field(b"-"),
+        Some(q) => {
+            field(b"?");
+            field(q.as_bytes());
+        }
+    }
+}
+
+/// The tag, the method and the request target. Without a query string:
+/// `tag`, the method and the path, the fields these variants wrote before the
+/// query counted, so the fingerprints of such requests (and the records that
+/// hold them) are unchanged; with one, `tag` marked, the method and the target.
+fn method_and_target(field: &mut impl FnMut(&[u8]), tag: &[u8], parts: &Parts) {
+    if parts.uri.query().is_none() {
+        field(tag);
+        field(parts.method.as_str().as_bytes());
+        field(parts.uri.path().as_bytes());
+    } else {
+        field(&[tag, b"+query"].concat());
+        field(parts.method.as_str().as_bytes());
+        target(field, parts);
+    }
+}
+
+/// The request target as the layer compares it: path and query, as sent.
+fn request_target(parts: &Parts) -> &str {
+    parts
+        .uri
+        .path_and_query()
+        .map_or_else(|| parts.uri.path(), |target| target.as_str())
+}
+
+/// The canonical JSON of a JSON body that reads without loss, else `None`.
 fn canonical_json_body(parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
     let content_type = parts
         .headers
@@ -154,8 +225,7 @@ fn canonical_json_body(parts: &Parts, body: &[u8]) -> Option<Vec<u8>> {
     if essence != "application/json" && !essence.ends_with("+json") {
         return None;
     }
-    let value: serde_json::Value = serde_json::from_slice(body).ok()?;
-    idempotency_core::canonical_json(&value)
+    idempotency_core::canonical_json_text(body)
         .ok()
         .map(String::into_bytes)
 }
@@ -234,16 +304,15 @@ mod tests {
         let other_path = parts("POST", "/orders/2?x=1");
         let other_query = parts("POST", "/orders/1?x=2");
         let other_method = parts("PATCH", "/orders/1?x=1");
-        let cases: [(F, [bool; 4]); 5] = [
-            // sees: path, query, method, body
-            (F::MethodPathBody, [true, false, true, true]),
+        let cases: [(F, [bool; 4]); 6] = [
+            // sees: path, query, method, body. The target (path and query) in
+            // every mode.
+            (F::MethodPathBody, [true, true, true, true]),
             (F::MethodPathQueryBody, [true, true, true, true]),
-            (F::MethodPath, [true, false, true, false]),
-            (F::Body, [false, false, false, true]),
-            (
-                F::custom(|p, b| [p.uri.path().as_bytes(), b].concat()),
-                [true, false, false, true],
-            ),
+            (F::MethodPathJsonBody, [true, true, true, true]),
+            (F::MethodPath, [true, true, true, false]),
+            (F::Body, [true, true, false, true]),
+            (F::custom(|_, b| b.to_vec()), [true, true, false, true]),
         ];
         for (mode, [path, query, method, body]) in cases {
             let fp = mode.compute(&base, b"{}").unwrap();
@@ -280,6 +349,85 @@ mod tests {
         }
         assert_eq!(F::Disabled.compute(&base, b""), None);
         assert!(!F::Disabled.reads_body());
+    }
+
+    /// The digest these modes gave before the query counted.
+    fn digest_without_query(tag: &[u8], parts: &Parts, rest: &[&[u8]]) -> String {
+        let mut h = Sha256::new();
+        let fields = [
+            tag,
+            parts.method.as_str().as_bytes(),
+            parts.uri.path().as_bytes(),
+        ];
+        for bytes in fields.iter().chain(rest) {
+            h.update((bytes.len() as u64).to_be_bytes());
+            h.update(bytes);
+        }
+        hex::encode(h.finalize())
+    }
+
+    #[test]
+    fn requests_without_a_query_keep_their_digest() {
+        use RequestFingerprint as F;
+        let plain = parts("POST", "/orders/1");
+        let body = b"{}";
+        assert_eq!(
+            F::MethodPathBody.compute(&plain, body).unwrap(),
+            digest_without_query(b"method-path-body", &plain, &[body])
+        );
+        assert_eq!(
+            F::MethodPath.compute(&plain, body).unwrap(),
+            digest_without_query(b"method-path", &plain, &[])
+        );
+        assert_eq!(
+            F::MethodPathJsonBody.compute(&plain, body).unwrap(),
+            digest_without_query(b"method-path-json-body", &plain, &[b"bytes", body])
+        );
+        // With a query string (even an empty one), another digest.
+        for uri in ["/orders/1?", "/orders/1?to=alice"] {
+            assert_ne!(
+                F::MethodPathBody
+                    .compute(&parts("POST", uri), body)
+                    .unwrap(),
+                digest_without_query(b"method-path-body", &plain, &[body])
+            );
+        }
+    }
+
+    #[test]
+    fn the_query_counts_as_raw_bytes() {
+        let f = RequestFingerprint::MethodPathBody;
+        let fp = |uri: &str| f.compute(&parts("POST", uri), b"").unwrap();
+        assert_ne!(fp("/x?to=alice"), fp("/x?to=bob"));
+        assert_ne!(fp("/x?a=1&b=2"), fp("/x?b=2&a=1"));
+        assert_ne!(fp("/x?a=%41"), fp("/x?a=A"));
+        assert_ne!(fp("/x"), fp("/x?"));
+        assert_eq!(fp("/x?a=1&b=2"), fp("/x?a=1&b=2"));
+        // An absolute-form target is compared by its path and query.
+        assert_eq!(fp("http://example.com/x?a=1"), fp("/x?a=1"));
+    }
+
+    #[test]
+    fn json_fingerprints_tell_apart_what_a_handler_can() {
+        let f = RequestFingerprint::MethodPathJsonBody;
+        let json = json_request("application/json");
+        let fp = |body: &[u8]| f.compute(&json, body).unwrap();
+        // Past f64's precision, and past 64 bits.
+        assert_ne!(
+            fp(br#"{"amount": 0.1}"#),
+            fp(br#"{"amount": 0.10000000000000000001}"#)
+        );
+        assert_ne!(fp(b"[18446744073709551616]"), fp(b"[18446744073709551617]"));
+        assert_ne!(fp(b"[9007199254740993.0]"), fp(b"[9007199254740992.0]"));
+        assert_ne!(fp(b"[1]"), fp(b"[1.0]"));
+        // A repeated member name is compared as bytes: never equal to the
+        // object without it, in either order.
+        assert_ne!(fp(br#"{"a":1,"a":2}"#), fp(br#"{"a":2}"#));
+        assert_ne!(fp(br#"{"a":1,"a":2}"#), fp(br#"{"a":1}"#));
+        assert_ne!(fp(br#"{"a":1,"a":2}"#), fp(br#"{"a":2,"a":1}"#));
+        assert_eq!(fp(br#"{"a":1,"a":2}"#), fp(br#"{"a":1,"a":2}"#));
+        // The same number written otherwise still matches.
+        assert_eq!(fp(br#"{"b": 2.50, "a": 1e0}"#), fp(br#"{"a":1.0,"b":2.5}"#));
     }
 
     #[test]

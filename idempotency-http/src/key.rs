@@ -131,7 +131,9 @@ fn unquote(raw: &[u8]) -> Result<String, KeyError> {
 }
 
 /// The record id of a request: caller identity, method, route and key, encoded
-/// injectively.
+/// injectively. The layer passes the route template as `route`, or the request
+/// target (path and query, `/orders/42?x=1`) when it compares no fingerprint
+/// (see [`RequestFingerprint`](crate::RequestFingerprint)).
 ///
 /// Every part but the key is length-prefixed (`<bytes>:<text>`; an absent
 /// caller is `-`), and the key comes last, so two different tuples never give

@@ -559,7 +559,11 @@ impl IdempotencyLayer {
     }
 
     /// Which parts of a request must match when a key is reused (default
-    /// [`RequestFingerprint::MethodPathBody`]).
+    /// [`RequestFingerprint::MethodPathBody`]). Every mode covers the request
+    /// target (path and query string) as well, so a key reused on another
+    /// resource of the same route template, or with another query, is a `422`;
+    /// with [`RequestFingerprint::Disabled`], records are scoped by the target
+    /// instead.
     pub fn fingerprint(self, fingerprint: RequestFingerprint) -> Self {
         self.edit(|s| s.fingerprint = fingerprint)
     }

@@ -64,7 +64,7 @@
 //! | first request with a key | the handler's response | yes |
 //! | retry after a stored response | the stored status, headers (with the handler's sensitive marks, which keep HTTP/2 from indexing them) and body, plus `Idempotency-Replayed: true` | no |
 //! | retry while the first is in flight | `409` + `Retry-After` (or wait, with the manager's `InProgressPolicy::Wait`) | no |
-//! | same key, same route and method, different request (path, body) | `422` | no |
+//! | same key, same route and method, different request (path, query string, body) | `422` | no |
 //! | same key on another route or method | a record of its own (the scope below): the handler's response | yes |
 //! | no key on a route that requires one | `400` | no |
 //! | key empty, over 255 bytes, bad characters, repeated header | `400` | no |
@@ -89,6 +89,10 @@
 //!   encoded injectively, inside the manager's namespace. The route is the
 //!   matched template (`/orders/{id}`, with the `axum` feature or a
 //!   [route extractor](IdempotencyLayer::route_extractor)) or else the path.
+//!   When no fingerprint is compared ([`RequestFingerprint::Disabled`], or
+//!   a manager whose `validate_payload` is off), the request target (path and
+//!   query, `/orders/42?x=1`) takes the route's place, so a key never answers
+//!   one target with another's response.
 //!   The [caller identity](IdempotencyLayer::caller_identity) defaults to a
 //!   digest of the `Authorization` header, so clients that authenticate with
 //!   it never replay one another's responses; requests without it share one
@@ -97,10 +101,15 @@
 //!   the principal, or one client's key can answer another's request.
 //!   [`without_caller_identity`](IdempotencyLayer::without_caller_identity)
 //!   is the explicit opt-out.
-//! - **Fingerprint**: SHA-256 over method, path and body by default
-//!   ([`RequestFingerprint`]; `MethodPathJsonBody` compares JSON bodies by
-//!   their canonical form), stored with the record; a different request under
-//!   the same key is a `422`.
+//! - **Fingerprint**: SHA-256 over method, request target (path and query
+//!   string, as sent) and body by default ([`RequestFingerprint`];
+//!   `MethodPathJsonBody` compares JSON bodies by their lossless canonical
+//!   form), stored with the record; a different request under the same key is
+//!   a `422`. Every mode covers the target, so a key reused on another
+//!   resource of the route (`/accounts/2/charge` after `/accounts/1/charge`)
+//!   or with another query string (`?to=bob` after `?to=alice`) is refused,
+//!   never answered with the first response; `?a=1&b=2` and `?b=2&a=1` are
+//!   two targets (raw bytes: a handler can tell them apart).
 //! - **State machine**: the manager's ([`idempotency_core::IdempotencyManager`]):
 //!   one request acquires the key with a lease, every concurrent duplicate gets
 //!   `409` (or waits), a request whose lease ran out (crashed instance) is taken

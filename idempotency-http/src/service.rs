@@ -253,7 +253,9 @@ where
         }
     }
     let caller = settings.caller_fn.as_ref().and_then(|f| f(&parts));
-    let id = record_id(caller.as_deref(), &parts.method, &route, &key);
+    let validated = settings.manager.config().validate_payload;
+    let scope = settings.fingerprint.record_scope(validated, &parts, &route);
+    let id = record_id(caller.as_deref(), &parts.method, scope, &key);
 
     // Whether the request body, streamed to the inner service unread by the
     // fingerprint, failed (a client that went away mid-upload).

@@ -15,7 +15,7 @@ use actix_web::dev::{Service, ServiceResponse};
 use actix_web::http::StatusCode;
 use actix_web::{test, web, App, HttpMessage, HttpResponse};
 use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
-use idempotency_http::{IdempotencyLayer, Protection};
+use idempotency_http::{IdempotencyLayer, Protection, RequestFingerprint};
 
 /// What the app's authentication middleware establishes.
 #[derive(Clone)]
@@ -149,4 +149,118 @@ async fn unprotected_routes_reach_the_app_untouched() {
         post(&app, "/orders", "alice", None).await.0,
         StatusCode::BAD_REQUEST
     );
+}
+
+/// `POST /accounts/{id}/charge` and `POST /transfers?to=…`, counting their
+/// runs, behind `layer` (records scoped by actix's matched pattern).
+async fn accounts(
+    layer: IdempotencyLayer,
+    runs: Arc<AtomicUsize>,
+) -> impl Service<actix_http::Request, Response = ServiceResponse, Error = actix_web::Error> {
+    test::init_service(
+        App::new()
+            .app_data(web::Data::new(runs))
+            .wrap(layer)
+            .route(
+                "/accounts/{id}/charge",
+                web::post().to(
+                    |runs: web::Data<Arc<AtomicUsize>>, id: web::Path<String>| async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        HttpResponse::Created().body(format!("charge {run} on account {id}"))
+                    },
+                ),
+            )
+            .route(
+                "/transfers",
+                web::post().to(
+                    |runs: web::Data<Arc<AtomicUsize>>,
+                     q: web::Query<std::collections::HashMap<String, String>>| async move {
+                        let run = runs.fetch_add(1, Ordering::SeqCst) + 1;
+                        let to = q.get("to").cloned().unwrap_or_default();
+                        HttpResponse::Created().body(format!("transfer {run} to {to}"))
+                    },
+                ),
+            ),
+    )
+    .await
+}
+
+/// Records are scoped by actix's route pattern (`/accounts/{id}/charge`):
+/// a key reused on another account, or with another query string, is `422`
+/// under every fingerprint that compares, never the first account's replay.
+#[actix_web::test]
+async fn another_resource_or_query_of_a_route_is_a_reused_key() {
+    let body_only = RequestFingerprint::custom(|_, body| body.to_vec());
+    for fingerprint in [
+        RequestFingerprint::default(),
+        RequestFingerprint::Body,
+        body_only,
+    ] {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let layer = IdempotencyLayer::new(manager()).fingerprint(fingerprint.clone());
+        let app = accounts(layer, runs.clone()).await;
+        let first = post(&app, "/accounts/1/charge", "alice", Some("k")).await;
+        assert_eq!(
+            first,
+            (
+                StatusCode::CREATED,
+                false,
+                "charge 1 on account 1".to_owned()
+            )
+        );
+        let other = post(&app, "/accounts/2/charge", "alice", Some("k")).await;
+        assert_eq!(
+            other.0,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{fingerprint:?}: {other:?}"
+        );
+        assert!(other.2.contains("key-reused"), "{other:?}");
+        let alice = post(&app, "/transfers?to=alice", "alice", Some("t")).await;
+        assert_eq!(alice.0, StatusCode::CREATED);
+        let bob = post(&app, "/transfers?to=bob", "alice", Some("t")).await;
+        assert_eq!(bob.0, StatusCode::UNPROCESSABLE_ENTITY, "{bob:?}");
+        assert_eq!(runs.load(Ordering::SeqCst), 2, "{fingerprint:?}");
+        let again = post(&app, "/accounts/1/charge", "alice", Some("k")).await;
+        assert_eq!(
+            again,
+            (
+                StatusCode::CREATED,
+                true,
+                "charge 1 on account 1".to_owned()
+            )
+        );
+    }
+}
+
+/// With no fingerprint compared, records are scoped by the target: another
+/// account runs as a request of its own.
+#[actix_web::test]
+async fn without_a_fingerprint_another_resource_is_its_own_request() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(manager()).fingerprint(RequestFingerprint::Disabled);
+    let app = accounts(layer, runs.clone()).await;
+    post(&app, "/accounts/1/charge", "alice", Some("k")).await;
+    let other = post(&app, "/accounts/2/charge", "alice", Some("k")).await;
+    assert_eq!(
+        other,
+        (
+            StatusCode::CREATED,
+            false,
+            "charge 2 on account 2".to_owned()
+        )
+    );
+    let bob = post(&app, "/transfers?to=bob", "alice", Some("k")).await;
+    assert_eq!(
+        bob,
+        (StatusCode::CREATED, false, "transfer 3 to bob".to_owned())
+    );
+    assert_eq!(
+        post(&app, "/accounts/2/charge", "alice", Some("k")).await,
+        (
+            StatusCode::CREATED,
+            true,
+            "charge 2 on account 2".to_owned()
+        )
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 3);
 }

@@ -1426,7 +1426,8 @@ pub async fn crashed_holder_is_taken_over_and_fenced(repo: SharedRepository) {
 }
 
 /// `RequestFingerprint::Disabled`: a reused key replays whatever the body;
-/// `RequestFingerprint::Body`: only the body counts.
+/// `RequestFingerprint::Body`: the body counts, and the request target (as in
+/// every mode), so another resource of the route is no replay.
 pub async fn fingerprint_modes(repo: SharedRepository) {
     let app = TestApp::with(
         repo.clone(),
@@ -1448,15 +1449,16 @@ pub async fn fingerprint_modes(repo: SharedRepository) {
         },
     );
     let first = app.send(post("/orders/1/items", Some("k"), "same")).await;
-    let other_path = app.send(post("/orders/2/items", Some("k"), "same")).await;
-    assert!(
-        other_path.replayed(),
-        "the path is not part of a Body fingerprint"
-    );
-    assert_eq!(other_path.body, first.body);
+    app.send(post("/orders/2/items", Some("k"), "same"))
+        .await
+        .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
     app.send(post("/orders/1/items", Some("k"), "changed"))
         .await
         .assert_problem(StatusCode::UNPROCESSABLE_ENTITY, "key-reused");
+    let retry = app.send(post("/orders/1/items", Some("k"), "same")).await;
+    assert!(retry.replayed());
+    assert_eq!(retry.body, first.body);
+    assert_eq!(app.runs("items"), 1);
 }
 
 /// One `#[tokio::test]` per scenario over `$repo().await`.
