@@ -78,8 +78,9 @@
 //! | key | `namespace` and `id` as `bytea` (their UTF-8 bytes): injective for every string, NUL included |
 //! | `max_id_bytes` | 1024 (longer ids are digested by the manager); namespaces ≤ 512 bytes (core limit) |
 //! | `max_result_bytes` | 16 MiB per result or stored error (`bytea`; larger → `TooLarge`, the manager completes without caching) |
-//! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) (default 5 s) is a client-side timer around each of this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer): a paused server fails a call after it, not after the outage; on your own connection (transactional mode) only when set explicitly, so a duplicate waits on a transaction's row lock (bound that with `lock_timeout`); the manager's `store_timeout` bounds every call too |
-//! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57Pxx (the server ended the session, `idle_session_timeout` included), 25P03 (`idle_in_transaction_session_timeout`), 40001, 40P01 → `Unavailable` (a pooled connection idle over a second is pinged before use, so one the server ended while idle is replaced, not failed); `57014`, `55P03`, the operation timeout → `Timeout` |
+//! | timeouts | [`operation_timeout`](PgRepositoryBuilder::operation_timeout) (default 5 s) is a client-side timer around each of this crate's statements (never a connection `statement_timeout`, so a transactional handler's own statements may take longer): a paused server fails a call after it, not after the outage; on your own connection (transactional mode) only when set explicitly; the manager's `store_timeout` bounds every call too |
+//! | row locks | [`lock_timeout`](PgRepositoryBuilder::lock_timeout) (default 250 ms, at most half the operation timeout): every statement that may wait for a row lock sets it on the server for itself alone (a batch statement 100 ms), so none keeps a connection waiting behind another transaction after its caller gave up; a reservation past it is `InProgress` (the key is held by a transaction not yet committed: a duplicate of a key the transactional manager holds is answered in progress, never an outage, never run under fail-open), a completion, failure, release, extension or delete `Timeout` |
+//! | outage | I/O, pool timeouts, SQLSTATE 08xxx, 53xxx, 57Pxx (the server ended the session, `idle_session_timeout` included), 25P03 (`idle_in_transaction_session_timeout`), 40001, 40P01 → `Unavailable` (a pooled connection idle over a second is pinged before use, so one the server ended while idle is replaced, not failed); `57014`, `55P03` (outside a reservation), the operation timeout → `Timeout` |
 //! | corrupt rows | wrong-length owner or fingerprint, unknown status, negative instants → `Corrupt` naming the key |
 //!
 //! Round trips — each operation is a single statement, a prepared statement
@@ -132,7 +133,9 @@
 //!    read — nothing is locked or written.
 //! 1. `INSERT … ON CONFLICT (namespace, id) DO NOTHING RETURNING …` — a fresh
 //!    key is reserved and answered here. If another transaction is inserting
-//!    the same key, this waits for it to commit or roll back.
+//!    the same key, this waits for it to commit or roll back, up to the
+//!    repository's [`lock_timeout`](PgRepositoryBuilder::lock_timeout), which
+//!    the call sets for itself in its first argument (then: `InProgress`).
 //! 2. Otherwise `SELECT … FOR UPDATE` locks the newest committed version of the
 //!    row (each PL/pgSQL statement takes a fresh snapshot under READ COMMITTED,
 //!    and a locked row is re-read after the lock holder finishes); if it vanished
@@ -212,7 +215,8 @@
 //!   another transaction (e.g. the transactional mode's) past the statement's
 //!   `lock_timeout` of 100 ms refuses the whole statement with nothing
 //!   applied; its calls are then sent again one by one, so the others are not
-//!   held behind that lock. A call whose caller gives up while it waits in
+//!   held behind that lock (the locked one is answered `InProgress` once its
+//!   own statement's bound passes). A batch's `reserve_many` does the same. A call whose caller gives up while it waits in
 //!   the queue is never sent, and a reservation whose caller gives up while
 //!   its statement waits for a connection is left out of it once the
 //!   connection is there; one that gives up after is in the position of a
@@ -340,8 +344,14 @@
 //! at-most-once handler runs. [`PgTransactionalManager::execute`] begins a
 //! transaction, reserves the key in it, runs the handler with the transaction's
 //! connection, completes the record in it and commits; a handler error rolls
-//! everything back. Duplicates arriving meanwhile wait on the row lock and then
-//! see the committed outcome. For manual control,
+//! everything back. Duplicates arriving meanwhile — transactional or not —
+//! wait on the row lock up to the repository's
+//! [`lock_timeout`](PgRepositoryBuilder::lock_timeout) (250 ms by default) and
+//! then see the committed outcome, or, while the transaction is still open,
+//! get [`Error::InProgress`](idempotency_core::Error::InProgress) as for any
+//! live holder: never a store outage, so never a fail-open run beside the
+//! transaction, and never a pooled connection left waiting behind it. For
+//! manual control,
 //! [`PgRepository::in_transaction`] runs each operation on your own
 //! transaction ([`PgTransactionRepository`]).
 //!
@@ -365,7 +375,7 @@ mod repository;
 mod transaction;
 
 pub use coalesce::DEFAULT_COALESCE_ABOVE;
-pub use names::Statements;
+pub use names::{Statements, DEFAULT_LOCK_TIMEOUT};
 pub use plan::ReservePlan;
 pub use repository::{PgRepository, PgRepositoryBuilder, DEFAULT_OPERATION_TIMEOUT, ENV_URL_VARS};
 pub use transaction::{PgTransactionRepository, PgTransactionalManager};

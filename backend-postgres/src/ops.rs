@@ -9,7 +9,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgConnection, PgExecutor, Row};
 
 use crate::error::map_sqlx;
-use crate::names::Statements;
+use crate::names::{On, Statements};
 use crate::plan::First;
 
 /// The longest id stored verbatim; longer ids are digested by the manager. With a
@@ -72,33 +72,57 @@ pub(crate) fn decode_record(row: &PgRow, at: usize, key: &RecordKey) -> Result<R
 /// function (every case, one round trip), or one of its own two plain
 /// statements, which answers only the case it decides alone (the insert a
 /// fresh key, the read a duplicate or a re-sent reserve); without an answer
-/// from it, the function decides, on the same connection.
+/// from it, the function decides, on the same connection. On a caller's
+/// connection (`on`), always the function.
 pub(crate) async fn reserve(
     sql: &Statements,
     conn: &mut PgConnection,
     req: &ReserveRequest<'_>,
     first: First,
+    on: On,
 ) -> Result<Reservation, Error> {
     check_key(req.key)?;
-    let speculative = match first {
-        First::Function => None,
-        First::Insert => Some(&sql.reserve_insert),
-        First::Read => Some(&sql.reserve_read),
+    let speculative = match (first, on) {
+        (First::Function, _) | (_, On::Caller) => None,
+        (First::Insert, On::Own) => Some(&sql.reserve_insert),
+        (First::Read, On::Own) => Some(&sql.reserve_read),
     };
     if let Some(statement) = speculative {
         let row = reserve_query(statement, req)
             .fetch_optional(&mut *conn)
             .await
-            .map_err(|e| map_sqlx(e, "reserve", Some(req.key), &sql.qualified))?;
+            .map_err(|e| reserve_error(e, req.key, sql))?;
         if let Some(row) = row {
             return reservation_of(&row, req);
         }
     }
-    let row = reserve_query(&sql.reserve, req)
+    let row = reserve_query(&sql.writes(on).reserve, req)
         .fetch_one(conn)
         .await
-        .map_err(|e| map_sqlx(e, "reserve", Some(req.key), &sql.qualified))?;
+        .map_err(|e| reserve_error(e, req.key, sql))?;
     reservation_of(&row, req)
+}
+
+/// The error of a single reservation. Its statement waited for a row lock
+/// past its `lock_timeout` (`55P03`): another transaction holds the key (its
+/// reservation not yet committed, as the transactional mode's until it
+/// ends, or the row locked), and nothing of the statement was applied. The
+/// store answered, and the key is held: [`Error::InProgress`], never an
+/// outage, with the wait as the hint when to try again.
+fn reserve_error(e: sqlx::Error, key: &RecordKey, sql: &Statements) -> Error {
+    if sqlstate(&e).as_deref() == Some("55P03") {
+        tracing::debug!(key = %key, error = %e, "reserve: the key is locked by another transaction; answering in progress");
+        return Error::InProgress {
+            key: key.clone(),
+            retry_after: sql.lock_timeout,
+        };
+    }
+    map_sqlx(e, "reserve", Some(key), &sql.qualified)
+}
+
+/// The SQLSTATE of a server error.
+fn sqlstate(e: &sqlx::Error) -> Option<std::borrow::Cow<'_, str>> {
+    e.as_database_error().and_then(|d| d.code())
 }
 
 /// A reservation statement with the request's parameters, in the order of
@@ -445,8 +469,7 @@ pub(crate) async fn complete_many<'e>(
 /// as a lost write. (Keys an earlier statement of the same call answered,
 /// such as the plan's plain insert, keep their answers.)
 fn batch_error(e: sqlx::Error, operation: &'static str, sql: &Statements) -> Error {
-    let code = e.as_database_error().and_then(|d| d.code());
-    if code.as_deref() == Some("55P03") {
+    if sqlstate(&e).as_deref() == Some("55P03") {
         return Error::Backend {
             backend: crate::error::BACKEND,
             message: format!(
@@ -472,6 +495,7 @@ fn unanswered(operation: &str) -> Error {
 #[allow(clippy::too_many_arguments)]
 pub(crate) async fn finish<'e>(
     sql: &Statements,
+    on: On,
     exec: impl PgExecutor<'e>,
     key: &RecordKey,
     owner: OwnerToken,
@@ -483,8 +507,8 @@ pub(crate) async fn finish<'e>(
 ) -> Result<(), Error> {
     check_key(key)?;
     let (statement, operation, what) = match status {
-        Status::Completed => (&sql.complete, "complete", "result"),
-        _ => (&sql.fail, "fail", "error"),
+        Status::Completed => (&sql.writes(on).complete, "complete", "result"),
+        _ => (&sql.writes(on).fail, "fail", "error"),
     };
     check_size(what, value)?;
     let mut query = sqlx::query(statement)
@@ -507,13 +531,14 @@ pub(crate) async fn finish<'e>(
 /// `release`: one owner-checked `DELETE`.
 pub(crate) async fn release<'e>(
     sql: &Statements,
+    on: On,
     exec: impl PgExecutor<'e>,
     key: &RecordKey,
     owner: OwnerToken,
     now: Timestamp,
 ) -> Result<(), Error> {
     check_key(key)?;
-    let done = sqlx::query(&sql.release)
+    let done = sqlx::query(&sql.writes(on).release)
         .bind(key.namespace().as_bytes())
         .bind(key.id().as_bytes())
         .bind(owner.to_bytes().to_vec())
@@ -525,8 +550,10 @@ pub(crate) async fn release<'e>(
 }
 
 /// `extend`: one owner-checked `UPDATE`.
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn extend<'e>(
     sql: &Statements,
+    on: On,
     exec: impl PgExecutor<'e>,
     key: &RecordKey,
     owner: OwnerToken,
@@ -535,7 +562,7 @@ pub(crate) async fn extend<'e>(
     now: Timestamp,
 ) -> Result<(), Error> {
     check_key(key)?;
-    let done = sqlx::query(&sql.extend)
+    let done = sqlx::query(&sql.writes(on).extend)
         .bind(key.namespace().as_bytes())
         .bind(key.id().as_bytes())
         .bind(owner.to_bytes().to_vec())
@@ -577,11 +604,12 @@ pub(crate) async fn get<'e>(
 /// `delete`: one `DELETE` whatever the state.
 pub(crate) async fn delete<'e>(
     sql: &Statements,
+    on: On,
     exec: impl PgExecutor<'e>,
     key: &RecordKey,
 ) -> Result<bool, Error> {
     check_key(key)?;
-    let done = sqlx::query(&sql.delete)
+    let done = sqlx::query(&sql.writes(on).delete)
         .bind(key.namespace().as_bytes())
         .bind(key.id().as_bytes())
         .execute(exec)

@@ -17,6 +17,7 @@ pub(crate) struct UrlOptions {
     pub(crate) max_connections: Option<u32>,
     pub(crate) acquire_timeout: Option<Duration>,
     pub(crate) operation_timeout: Option<Duration>,
+    pub(crate) lock_timeout: Option<Duration>,
     pub(crate) held_connections: Option<usize>,
     pub(crate) reserve_plan: Option<ReservePlan>,
     pub(crate) coalesce_above: Option<usize>,
@@ -62,6 +63,9 @@ impl UrlOptions {
                     options.operation_timeout =
                         Some(positive_duration("operation_timeout", &value)?);
                 }
+                "lock_timeout" => {
+                    options.lock_timeout = Some(positive_duration("lock_timeout", &value)?);
+                }
                 "held_connections" => {
                     options.held_connections = Some(value.parse::<usize>().map_err(|_| {
                         invalid("held_connections", &value, "a non-negative integer")
@@ -99,7 +103,7 @@ impl UrlOptions {
 
 /// This crate's own URL options, for messages.
 const OWN_OPTIONS: &str = "schema, table, migrate, max_connections, acquire_timeout, \
-     operation_timeout, held_connections, reserve_plan, coalesce_above";
+     operation_timeout, lock_timeout, held_connections, reserve_plan, coalesce_above";
 
 /// The connection options sqlx reads, for messages.
 const SQLX_OPTIONS: &str = "sslmode, sslrootcert, sslcert, sslkey, host, hostaddr, port, \
@@ -170,7 +174,7 @@ mod tests {
     #[test]
     fn strips_own_options_and_keeps_the_rest() {
         let o = UrlOptions::parse(
-            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&held_connections=0&reserve_plan=read-first&coalesce_above=0",
+            "postgresql://u:p@h:5/db?schema=idem&sslmode=disable&table=recs&migrate=false&max_connections=3&acquire_timeout=2s&operation_timeout=500ms&lock_timeout=40ms&held_connections=0&reserve_plan=read-first&coalesce_above=0",
         )
         .unwrap();
         assert_eq!(o.sqlx_url, "postgresql://u:p@h:5/db?sslmode=disable");
@@ -180,6 +184,7 @@ mod tests {
         assert_eq!(o.max_connections, Some(3));
         assert_eq!(o.acquire_timeout, Some(Duration::from_secs(2)));
         assert_eq!(o.operation_timeout, Some(Duration::from_millis(500)));
+        assert_eq!(o.lock_timeout, Some(Duration::from_millis(40)));
         assert_eq!(o.held_connections, Some(0));
         assert_eq!(o.reserve_plan, Some(ReservePlan::ReadFirst));
         assert_eq!(o.coalesce_above, Some(0));
@@ -211,6 +216,7 @@ mod tests {
             ("postgres://h/db?connect_timeout=5", "connect_timeout"),
             ("postgres://h/db?operation_timeout=0s", "operation_timeout"),
             ("postgres://h/db?acquire_timeout=0ms", "acquire_timeout"),
+            ("postgres://h/db?lock_timeout=0s", "lock_timeout"),
             ("postgres://h/db?reserve_plan=guess", "read-first"),
         ] {
             match UrlOptions::parse(url) {

@@ -20,7 +20,7 @@ use crate::coalesce::{
 };
 use crate::error::{map_sqlx, BACKEND};
 use crate::held::{Held, Lent};
-use crate::names::{Statements, DEFAULT_SCHEMA, DEFAULT_TABLE};
+use crate::names::{On, Statements, DEFAULT_LOCK_TIMEOUT, DEFAULT_SCHEMA, DEFAULT_TABLE};
 use crate::ops;
 use crate::options::UrlOptions;
 use crate::plan::{First, Planner, ReservePlan};
@@ -73,6 +73,7 @@ impl fmt::Debug for PgRepository {
             .field("pool_size", &self.pool.size())
             .field("held_connections", &self.held.limit())
             .field("operation_timeout", &self.operation_timeout)
+            .field("lock_timeout", &self.sql.lock_timeout)
             .field("reserve_plan", &self.planner)
             .field("coalesce_above", &self.coalescer.limit())
             .finish_non_exhaustive()
@@ -121,7 +122,9 @@ impl PgRepository {
     /// [`operation_timeout`](PgRepositoryBuilder::operation_timeout). Use
     /// [`PgRepositoryBuilder::build_with_pool`] to choose them.
     pub fn from_pool(pool: PgPool) -> Self {
-        PgRepositoryBuilder::default().assemble(pool, Statements::defaults(), false)
+        let builder = PgRepositoryBuilder::default();
+        let sql = Statements::defaults(builder.effective_lock_timeout());
+        builder.assemble(pool, sql, false)
     }
 
     /// Creates or upgrades the schema, the table, its index and the reservation
@@ -171,7 +174,7 @@ impl PgRepository {
         request: &ReserveRequest<'_>,
     ) -> Result<Reservation, Error> {
         self.ensure_schema(conn).await?;
-        ops::reserve(&self.sql, conn, request, First::Function).await
+        ops::reserve(&self.sql, conn, request, First::Function, On::Caller).await
     }
 
     /// `reserve` on one of the repository's connections (autocommit, READ
@@ -183,7 +186,8 @@ impl PgRepository {
         request: &ReserveRequest<'_>,
     ) -> Result<Reservation, Error> {
         self.ensure_schema(conn).await?;
-        let answer = ops::reserve(&self.sql, conn, request, self.planner.first()).await;
+        let first = self.planner.first();
+        let answer = ops::reserve(&self.sql, conn, request, first, On::Own).await;
         if let Ok(reservation) = &answer {
             self.planner.observe(reservation);
         }
@@ -208,7 +212,16 @@ impl PgRepository {
         self.run("complete", async |c| {
             let status = Status::Completed;
             ops::finish(
-                &self.sql, c, key, owner, status, result, false, expires_at, now,
+                &self.sql,
+                On::Own,
+                c,
+                key,
+                owner,
+                status,
+                result,
+                false,
+                expires_at,
+                now,
             )
             .await
         })
@@ -671,6 +684,9 @@ pub struct PgRepositoryBuilder {
     /// Whether `operation_timeout` was set (builder or URL), which also bounds
     /// operations in a caller's transaction.
     explicit_timeout: bool,
+    /// How long a statement waits for a row lock; by default derived from
+    /// the operation timeout.
+    lock_timeout: Option<Duration>,
     /// How many connections the repository keeps between its operations; by
     /// default the whole pool it creates, half of a pool it is given.
     held_connections: Option<usize>,
@@ -689,6 +705,7 @@ impl Default for PgRepositoryBuilder {
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             operation_timeout: DEFAULT_OPERATION_TIMEOUT,
             explicit_timeout: false,
+            lock_timeout: None,
             held_connections: None,
             reserve_plan: ReservePlan::default(),
             coalesce_above: DEFAULT_COALESCE_ABOVE,
@@ -735,11 +752,10 @@ impl PgRepositoryBuilder {
     ///
     /// Operations on your own connection ([`PgRepository::in_transaction`], the
     /// [`PgTransactionalManager`](crate::PgTransactionalManager)) are bounded
-    /// only when you set this explicitly: the default leaves a duplicate
-    /// waiting on a transactional handler's row lock until that transaction
-    /// ends (bound it server-side with `lock_timeout`), because a timer that
-    /// gives up on a statement still waiting on the server leaves your
-    /// connection busy behind that lock.
+    /// only when you set this explicitly, because a timer that gives up on a
+    /// statement still running on the server leaves your connection busy
+    /// (a reservation's wait for a row lock is bounded there anyway, by
+    /// [`lock_timeout`](Self::lock_timeout)).
     ///
     /// It is a client-side timer around this crate's statements only — never a
     /// connection's `statement_timeout`, which would also cut the business
@@ -750,6 +766,48 @@ impl PgRepositoryBuilder {
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
         self.explicit_timeout = true;
+        self
+    }
+
+    /// How long one of this crate's statements waits for a row lock that
+    /// another transaction holds (default [`DEFAULT_LOCK_TIMEOUT`], 250 ms,
+    /// or half the [`operation_timeout`](Self::operation_timeout) when that
+    /// is shorter; it must be shorter than the operation timeout). Also the
+    /// URL option `lock_timeout=…`.
+    ///
+    /// Each statement sets PostgreSQL's `lock_timeout` for itself alone, so
+    /// the bound is the server's: the statement ends there, with nothing
+    /// applied, and never keeps its connection waiting after the client gave
+    /// up on it. A **reservation** that meets it is answered
+    /// [`Error::InProgress`] (`retry_after` this bound): the key is held by
+    /// a transaction not yet committed — a [`PgTransactionalManager`](crate::PgTransactionalManager)'s
+    /// handler, your own [`in_transaction`](PgRepository::in_transaction)
+    /// work — and the manager answers the duplicate as for any live holder,
+    /// or polls under its wait policy; never an outage, so never a
+    /// fail-open run beside the holder. A holder that commits within the
+    /// bound answers the duplicate with its outcome instead. A completion,
+    /// failure, release, extension or delete that meets it is a retryable
+    /// [`Error::Timeout`] (nothing applied); a batch statement waits at most
+    /// 100 ms (less when this is shorter), then its keys go one by one.
+    ///
+    /// Keep it well below the manager's `store_timeout`: a reservation cut by
+    /// the manager's timer first is an outage. Raise it where transactional
+    /// handlers are short and duplicates should rather wait for their
+    /// outcome than be answered in progress; every waiting duplicate holds a
+    /// connection meanwhile. Lock waits for a whole table (a migration,
+    /// `LOCK TABLE`) happen before the statement can set it and are bounded
+    /// only by the operation timeout (or a `lock_timeout` of your role).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use idempotency_postgres::PgRepository;
+    ///
+    /// // Duplicates wait up to a second for a transactional holder's outcome.
+    /// let builder = PgRepository::builder().lock_timeout(Duration::from_secs(1));
+    /// # let _ = builder;
+    /// ```
+    pub fn lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = Some(timeout);
         self
     }
 
@@ -890,6 +948,9 @@ impl PgRepositoryBuilder {
             self.operation_timeout = timeout;
             self.explicit_timeout = true;
         }
+        if let Some(timeout) = options.lock_timeout {
+            self.lock_timeout = Some(timeout);
+        }
         if let Some(held) = options.held_connections {
             self.held_connections = Some(held);
         }
@@ -927,6 +988,13 @@ impl PgRepositoryBuilder {
         self.explicit_timeout.then_some(self.operation_timeout)
     }
 
+    /// The row-lock bound: as set, else [`DEFAULT_LOCK_TIMEOUT`] or half the
+    /// operation timeout, whichever is shorter.
+    fn effective_lock_timeout(&self) -> Duration {
+        self.lock_timeout
+            .unwrap_or_else(|| DEFAULT_LOCK_TIMEOUT.min(self.operation_timeout / 2))
+    }
+
     /// Refuses settings no repository can work with.
     fn validate(&self) -> Result<Statements, Error> {
         if self.operation_timeout.is_zero() || self.acquire_timeout.is_zero() {
@@ -934,15 +1002,25 @@ impl PgRepositoryBuilder {
                 "PostgreSQL operation_timeout and acquire_timeout must be positive",
             ));
         }
-        Statements::new(&self.schema, &self.table)
+        let lock_timeout = self.effective_lock_timeout();
+        if lock_timeout < Duration::from_millis(1) || lock_timeout >= self.operation_timeout {
+            return Err(Error::config(format!(
+                "PostgreSQL lock_timeout ({lock_timeout:?}) must be at least 1 ms and shorter \
+                 than operation_timeout ({:?}), so that a reservation waiting for a key another \
+                 transaction holds is answered in progress before the client gives up on it",
+                self.operation_timeout
+            )));
+        }
+        Statements::bounded(&self.schema, &self.table, lock_timeout)
     }
 
     /// Connects a new pool to `url` (`postgres://` or `postgresql://`) and checks
     /// that one connection opens.
     ///
     /// The URL's query may carry this crate's options — `schema`, `table`,
-    /// `max_connections`, `acquire_timeout`, `operation_timeout` (durations such
-    /// as `5s` or `500ms`), `held_connections`, `reserve_plan`, `coalesce_above`
+    /// `max_connections`, `acquire_timeout`, `operation_timeout`, `lock_timeout`
+    /// (durations such as `5s` or `500ms`), `held_connections`, `reserve_plan`,
+    /// `coalesce_above`
     /// and `migrate=true` (run [`PgRepository::migrate`]) —
     /// which override the builder's; every other option (`sslmode`,
     /// `application_name`, …) is sqlx's.
@@ -1082,6 +1160,13 @@ impl Repository for PgRepository {
     /// statement (and one round trip) when the reserve plan's first
     /// statement decides every key (fresh keys inserting first, duplicates
     /// reading first), else a second one, the function, for the keys left.
+    ///
+    /// A statement refused as a whole — a key of it locked by another
+    /// transaction past the batch's lock bound, or any other server error
+    /// of the statement (`Backend`: nothing of it applied) — is not the
+    /// answer of every key: each of its keys is sent again on a statement
+    /// of its own, all at once, where a key another transaction holds is
+    /// answered [`Error::InProgress`] and every other key its own answer.
     async fn reserve_many(
         &self,
         requests: Vec<ReserveRequest<'_>>,
@@ -1089,7 +1174,15 @@ impl Repository for PgRepository {
         if requests.len() < 2 {
             return futures::future::join_all(requests.into_iter().map(|r| self.reserve(r))).await;
         }
-        self.reserve_over_arrays(&requests, |_| true).await
+        let mut answers = self.reserve_over_arrays(&requests, |_| true).await;
+        let refused: Vec<usize> = (0..answers.len())
+            .filter(|&i| matches!(answers[i], Err(Error::Backend { .. })))
+            .collect();
+        let alone = refused.iter().map(|&i| self.reserve_alone(&requests[i]));
+        for (i, answer) in refused.iter().zip(futures::future::join_all(alone).await) {
+            answers[*i] = answer;
+        }
+        answers
     }
 
     /// One statement (and one round trip) for the whole batch: an `UPDATE`
@@ -1164,7 +1257,16 @@ impl Repository for PgRepository {
         self.run("fail", async |c| {
             let status = Status::Failed;
             ops::finish(
-                &self.sql, c, key, owner, status, error, retryable, expires_at, now,
+                &self.sql,
+                On::Own,
+                c,
+                key,
+                owner,
+                status,
+                error,
+                retryable,
+                expires_at,
+                now,
             )
             .await
         })
@@ -1178,7 +1280,7 @@ impl Repository for PgRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.run("release", async |c| {
-            ops::release(&self.sql, c, key, owner, now).await
+            ops::release(&self.sql, On::Own, c, key, owner, now).await
         })
         .await
     }
@@ -1192,7 +1294,8 @@ impl Repository for PgRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.run("extend", async |c| {
-            ops::extend(&self.sql, c, key, owner, lease_until, expires_at, now).await
+            let (sql, on) = (&self.sql, On::Own);
+            ops::extend(sql, on, c, key, owner, lease_until, expires_at, now).await
         })
         .await
     }
@@ -1203,8 +1306,10 @@ impl Repository for PgRepository {
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
-        self.run("delete", async |c| ops::delete(&self.sql, c, key).await)
-            .await
+        self.run("delete", async |c| {
+            ops::delete(&self.sql, On::Own, c, key).await
+        })
+        .await
     }
 
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error> {

@@ -18,6 +18,7 @@ use serde::Serialize;
 use sqlx::PgConnection;
 
 use crate::error::map_sqlx;
+use crate::names::On;
 use crate::ops::{self, MAX_RESULT_BYTES};
 use crate::repository::PgRepository;
 
@@ -84,10 +85,17 @@ impl<'a> PgTransactionRepository<'a> {
 
     /// [`Repository::reserve`] on the caller's connection.
     ///
+    /// It waits for another transaction's row lock on the key at most the
+    /// repository's [`lock_timeout`](crate::PgRepositoryBuilder::lock_timeout),
+    /// set for this statement alone: your own `lock_timeout` is as it was
+    /// once it answers.
+    ///
     /// # Errors
-    /// As [`Repository::reserve`]; waiting for another transaction's row lock
-    /// longer than a `lock_timeout`, or an explicitly set operation timeout, is
-    /// [`Error::Timeout`].
+    /// As [`Repository::reserve`]; a key another transaction still holds
+    /// after that wait is [`Error::InProgress`] (retryable; nothing applied,
+    /// and the statement's error aborts your transaction: roll it back, or
+    /// to a savepoint taken before). An explicitly set operation timeout
+    /// bounds the whole call on the client ([`Error::Timeout`]).
     pub async fn reserve(&mut self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         let fut = self.repo.reserve_in_transaction(&mut *self.conn, &request);
         self.repo.timed_in_transaction("reserve", fut).await
@@ -108,6 +116,7 @@ impl<'a> PgTransactionRepository<'a> {
         let sql = self.repo.statements();
         let fut = ops::finish(
             sql,
+            On::Caller,
             &mut *self.conn,
             key,
             owner,
@@ -136,6 +145,7 @@ impl<'a> PgTransactionRepository<'a> {
         let sql = self.repo.statements();
         let fut = ops::finish(
             sql,
+            On::Caller,
             &mut *self.conn,
             key,
             owner,
@@ -159,7 +169,7 @@ impl<'a> PgTransactionRepository<'a> {
         now: Timestamp,
     ) -> Result<(), Error> {
         let sql = self.repo.statements();
-        let fut = ops::release(sql, &mut *self.conn, key, owner, now);
+        let fut = ops::release(sql, On::Caller, &mut *self.conn, key, owner, now);
         self.repo.timed_in_transaction("release", fut).await
     }
 
@@ -178,6 +188,7 @@ impl<'a> PgTransactionRepository<'a> {
         let sql = self.repo.statements();
         let fut = ops::extend(
             sql,
+            On::Caller,
             &mut *self.conn,
             key,
             owner,
@@ -215,7 +226,7 @@ impl<'a> PgTransactionRepository<'a> {
     /// As [`Repository::delete`].
     pub async fn delete(&mut self, key: &RecordKey) -> Result<bool, Error> {
         let sql = self.repo.statements();
-        let fut = ops::delete(sql, &mut *self.conn, key);
+        let fut = ops::delete(sql, On::Caller, &mut *self.conn, key);
         self.repo.timed_in_transaction("delete", fut).await
     }
 }
@@ -229,19 +240,22 @@ impl<'a> PgTransactionRepository<'a> {
 /// and the idempotency record commit together, or, when the handler fails,
 /// vanish together.
 ///
-/// **Duplicates while the transaction is open** wait on the row lock (the
-/// reservation's `INSERT` waits for the uncommitted row, or its
-/// `SELECT … FOR UPDATE` for the lock): when the first transaction commits they
-/// see `Completed` and get [`Outcome::Cached`]; when it rolls back they acquire
-/// the key and run. They never see `Processing` and never get
-/// [`Error::InProgress`] from another transactional attempt. To bound the wait,
-/// set `lock_timeout` for the role or connection (`ALTER ROLE … SET lock_timeout
-/// = '5s'`): an exceeded wait is [`Error::Timeout`], retryable, and the
-/// connection stays clean (an explicitly set
-/// [`operation_timeout`](crate::PgRepositoryBuilder::operation_timeout) bounds it
-/// too, on the client, leaving the connection busy until the lock is released).
-/// Keep handlers short: the transaction holds a pooled connection and the row
-/// lock while it runs.
+/// **Duplicates while the transaction is open** — from another
+/// `PgTransactionalManager`, or an [`IdempotencyManager`](idempotency_core::IdempotencyManager)
+/// over the same table — cannot see the uncommitted record; their
+/// reservation waits on its row lock (the `INSERT` for the uncommitted row,
+/// or `SELECT … FOR UPDATE` for the lock) for at most the repository's
+/// [`lock_timeout`](crate::PgRepositoryBuilder::lock_timeout) (250 ms by
+/// default), which the reservation sets on the server for itself alone. When
+/// the first transaction commits within it they get its outcome
+/// ([`Outcome::Cached`]); when it rolls back, they acquire the key and run;
+/// while it is still open, they get [`Error::InProgress`] (`retry_after` the
+/// wait), as for any live holder: the manager's wait policy polls again, and a
+/// fail-open outage policy never runs the handler beside the transaction (the
+/// store answered; the key is held). The waiting statement ends on the
+/// server, so no duplicate keeps a pooled connection blocked behind the
+/// transaction. Keep handlers short: the transaction holds a pooled
+/// connection and the row lock while it runs.
 ///
 /// It shares the [`Config`] of the [`IdempotencyManager`](idempotency_core::IdempotencyManager)
 /// (namespace from `key_prefix`, `ttl`, `processing_timeout`, `validate_payload`,
@@ -389,7 +403,8 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
     /// [`ExecuteError::Handler`] with the handler's error (the transaction was
     /// rolled back), or [`ExecuteError::Idempotency`]:
     /// [`Error::PayloadMismatch`], [`Error::PreviouslyFailed`],
-    /// [`Error::InProgress`] (a non-transactional attempt holds a live lease),
+    /// [`Error::InProgress`] (a non-transactional attempt holds a live lease,
+    /// or another transaction still holds the key after the lock wait),
     /// [`Error::InvalidKey`], a codec error, or a store error — when `COMMIT`
     /// itself fails the outcome is unknown to the client: a redelivery finds
     /// either the committed record or none.
@@ -423,17 +438,25 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         let now = self.clock.now();
         let owner = OwnerToken::random();
         let request = reserve_request(&self.config, &key, owner, fingerprint, now);
-        let reservation = self.repo.in_transaction(&mut tx).reserve(request).await?;
-        if let Reservation::Existing(record) = reservation {
-            // Only a lock was taken; end the transaction before answering. A
-            // failed rollback means a broken connection, which the server ends
-            // (releasing the lock) anyway.
+        let duplicate = match self.repo.in_transaction(&mut tx).reserve(request).await {
+            Ok(Reservation::Acquired { .. }) => None,
+            Ok(Reservation::Existing(record)) => Some(Ok(record)),
+            // Another transaction holds the key past the lock bound: the
+            // server refused the statement, the connection is sound.
+            Err(e @ Error::InProgress { .. }) => Some(Err(e)),
+            Err(e) => return Err(e.into()),
+        };
+        if let Some(duplicate) = duplicate {
+            // Only a lock was taken, or none; end the transaction before
+            // answering. A failed rollback means a broken connection, which
+            // the server ends (releasing the lock) anyway.
             match tx.rollback().await {
                 Ok(()) => conn.settle(true),
                 Err(e) => {
                     tracing::debug!(key = %key, error = %e, "rollback after a duplicate failed")
                 }
             }
+            let record = duplicate?;
             return self.answer_duplicate(&key, record, fingerprint.as_ref(), now);
         }
 

@@ -64,7 +64,10 @@ impl Setup {
             .coalesced_calls_detach_after(Duration::from_secs(60))
             .reserve_plan(plan)
             .max_connections(4)
-            .operation_timeout(Duration::from_secs(10));
+            .operation_timeout(Duration::from_secs(10))
+            // A single statement blocked on a row lock stays blocked until
+            // the test commits (a batch statement still gives up at 100 ms).
+            .lock_timeout(Duration::from_secs(9));
         let repo = configure(builder).connect(counter.url()).await.unwrap();
         let ns = common::unique("co");
         let mut busy = Vec::new();
@@ -556,6 +559,7 @@ async fn a_call_blocked_on_a_row_lock_does_not_hold_its_slot() {
         .table(TABLE)
         .coalesce_above(1)
         .operation_timeout(Duration::from_secs(30))
+        .lock_timeout(Duration::from_secs(20))
         .connect(&s.url)
         .await
         .unwrap();

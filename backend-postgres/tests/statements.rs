@@ -255,10 +255,12 @@ async fn every_operation_is_one_statement_in_one_round_trip() {
 async fn one_proxied_connection(plan: ReservePlan) -> (PgRepository, WireCounter) {
     let (via, counts) = proxied().await;
     common::repository(TABLE).await; // migrated
+                                     // A reservation blocked on a row lock stays blocked while a test looks.
     let repo = PgRepository::builder()
         .table(TABLE)
         .reserve_plan(plan)
         .max_connections(1)
+        .lock_timeout(Duration::from_secs(4))
         .connect(&via)
         .await
         .unwrap();

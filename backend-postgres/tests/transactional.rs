@@ -25,7 +25,20 @@ struct World {
 
 impl World {
     async fn new() -> World {
-        let repo = common::repository("idem_tx_records").await;
+        World::on(common::repository("idem_tx_records").await).await
+    }
+
+    /// A repository whose reservations wait for another transaction's hold
+    /// on a key up to 4 s (instead of 250 ms): duplicates stay blocked while
+    /// a test looks, and get the holder's outcome.
+    async fn patient() -> World {
+        let builder = PgRepository::builder()
+            .table("idem_tx_records")
+            .lock_timeout(Duration::from_secs(4));
+        World::on(common::repository_from(builder).await).await
+    }
+
+    async fn on(repo: PgRepository) -> World {
         let orders = common::unique("idem_tx_orders");
         sqlx::query(&format!(
             "CREATE TABLE {orders} (id text PRIMARY KEY, amount integer NOT NULL)"
@@ -295,7 +308,7 @@ async fn stored_failure_rolls_back_the_write_and_keeps_the_error() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicate_waits_for_the_open_transaction_then_replays() {
-    let w = World::new().await;
+    let w = World::patient().await;
     let m = w.manager(Config::default());
     let runs = Arc::new(AtomicUsize::new(0));
     let (started_tx, started_rx) = tokio::sync::oneshot::channel::<i32>();
@@ -330,8 +343,9 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
                 .await
         })
     };
-    // The duplicate is blocked on the row lock while the first transaction is open
-    // (it neither runs the handler nor answers InProgress).
+    // The duplicate is blocked on the row lock while the first transaction is
+    // open, within its lock bound (it neither runs the handler nor answers
+    // InProgress yet; past the bound it would: see `held_by_transaction.rs`).
     w.wait_until_blocked_by(holder).await;
     assert!(
         !second.is_finished(),
@@ -358,7 +372,7 @@ async fn duplicate_waits_for_the_open_transaction_then_replays() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn duplicate_runs_after_the_open_transaction_rolls_back() {
-    let w = World::new().await;
+    let w = World::patient().await;
     let m = w.manager(Config::default());
     let (started_tx, started_rx) = tokio::sync::oneshot::channel::<i32>();
     let (finish_tx, finish_rx) = tokio::sync::oneshot::channel::<()>();
@@ -400,7 +414,7 @@ async fn duplicate_runs_after_the_open_transaction_rolls_back() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_deliveries_write_exactly_once() {
-    let w = World::new().await;
+    let w = World::patient().await;
     let m = w.manager(Config::default());
     let runs = Arc::new(AtomicUsize::new(0));
     let tasks: Vec<_> = (0..16)

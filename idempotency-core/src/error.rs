@@ -36,7 +36,10 @@ pub enum Error {
         /// (a running average of how long its executions held a key, from
         /// reserve to recorded outcome, at least 1 ms), never later than the
         /// holder's lease ends; before any execution has finished, and from a
-        /// bare repository, when the lease ends (plus the skew allowance).
+        /// bare repository, when the lease ends (plus the skew allowance). A
+        /// repository's `reserve` that waited for another transaction's lock
+        /// on the key (PostgreSQL) answers this error itself, the holder's
+        /// lease unknown to it: how long it waited.
         retry_after: Duration,
     },
 

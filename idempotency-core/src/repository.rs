@@ -395,7 +395,11 @@ pub enum Reservation {
 ///   fingerprints are both present and differ. A live `Processing` record that
 ///   the request's owner already holds is answered `Acquired` with its attempt,
 ///   unchanged: a `reserve` re-sent after a lost reply is harmless. Otherwise it
-///   returns the record unchanged as [`Reservation::Existing`].
+///   returns the record unchanged as [`Reservation::Existing`]. A store where
+///   a reservation can wait for another transaction's lock on the key (a
+///   record not yet committed, which it cannot read) answers
+///   [`Error::InProgress`] once its bound on that wait is reached, with
+///   nothing applied: the key is held, the store reachable (not an outage).
 /// - **Fencing.** [`complete`](Repository::complete), [`fail`](Repository::fail),
 ///   [`release`](Repository::release) and [`extend`](Repository::extend) apply
 ///   only to a live `Processing` record whose owner equals the given token; the

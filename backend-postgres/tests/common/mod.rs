@@ -43,6 +43,12 @@ pub(crate) async fn repository_not_coalescing(table: &str) -> PgRepository {
     build(PgRepository::builder().table(table).coalesce_above(0)).await
 }
 
+/// A migrated repository from `builder` (its table and settings) on a
+/// fresh small pool.
+pub(crate) async fn repository_from(builder: PgRepositoryBuilder) -> PgRepository {
+    build(builder).await
+}
+
 /// Connects `builder` on a fresh small pool and migrates.
 async fn build(builder: PgRepositoryBuilder) -> PgRepository {
     let repo = builder

@@ -114,8 +114,10 @@ impl Engine {
             })
         })
         .await;
-        self.metrics
-            .operation(op, started.elapsed(), result.is_ok());
+        // A store's answer that another holder has the key (`InProgress`,
+        // see `reserve`) is an answer, not a failed call.
+        let answered = matches!(&result, Ok(_) | Err(Error::InProgress { .. }));
+        self.metrics.operation(op, started.elapsed(), answered);
         result
     }
 

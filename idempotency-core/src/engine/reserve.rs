@@ -5,6 +5,11 @@
 //! re-sent reserve with `Acquired`, so a lost reply never turns into
 //! `InProgress` against ourselves. What is left behind when every attempt fails
 //! is cleaned up by the execution guard (see [`super::guard`]).
+//!
+//! A `reserve` answered [`Error::InProgress`] (a store that waited for another
+//! transaction's lock on the key, until its bound) is a live holder the store
+//! could not show: decided as a `Processing` record is, never retried as an
+//! outage and never run unprotected.
 
 use tokio::time::Instant;
 
@@ -122,22 +127,8 @@ impl Engine {
             let attempt =
                 self.reserve_with_retries(lease, fingerprint, &mut unsettled, retries_spent);
             retries_spent = 0;
-            let (reservation, sent) = match attempt.await {
-                Ok(answer) => answer,
-                Err(e) if e.is_store_outage() => match seen_in_progress {
-                    Some(decision) => {
-                        tracing::debug!(error = %e, "store failed while waiting for a live holder; answering in progress");
-                        return Ok(Reserved::Duplicate {
-                            decision,
-                            unsettled: true,
-                        });
-                    }
-                    None => return Err(e),
-                },
-                Err(e) => return Err(e),
-            };
-            let record = match reservation {
-                Reservation::Acquired { attempt } => {
+            let decision = match attempt.await {
+                Ok((Reservation::Acquired { attempt }, sent)) => {
                     let first = unsettled.unwrap_or(sent);
                     return Ok(Reserved::Acquired {
                         attempt,
@@ -146,15 +137,30 @@ impl Engine {
                         sent: first.sent,
                     });
                 }
-                Reservation::Existing(record) => record,
+                Ok((Reservation::Existing(record), sent)) => {
+                    self.remember_record(&lease.key, &record, sent.sent_at);
+                    decide_duplicate(
+                        record,
+                        fingerprint.as_ref(),
+                        self.now(),
+                        self.config.clock_skew,
+                    )
+                }
+                Err(e) => match held_elsewhere(&e) {
+                    Some(decision) => decision,
+                    None if e.is_store_outage() => match seen_in_progress {
+                        Some(decision) => {
+                            tracing::debug!(error = %e, "store failed while waiting for a live holder; answering in progress");
+                            return Ok(Reserved::Duplicate {
+                                decision,
+                                unsettled: true,
+                            });
+                        }
+                        None => return Err(e),
+                    },
+                    None => return Err(e),
+                },
             };
-            self.remember_record(&lease.key, &record, sent.sent_at);
-            let decision = decide_duplicate(
-                record,
-                fingerprint.as_ref(),
-                self.now(),
-                self.config.clock_skew,
-            );
             if let (DuplicateDecision::InProgress { .. }, Some(until)) = (&decision, wait_until) {
                 if let InProgressPolicy::Wait { poll_interval, .. } = self.config.in_progress {
                     let remaining = until.saturating_duration_since(Instant::now());
@@ -207,6 +213,10 @@ impl Engine {
                 Err(e) => e,
             };
             if !e.is_store_outage() {
+                if held_elsewhere(&e).is_some() {
+                    // Answered: nothing of this attempt is on its way.
+                    lease.note_answered();
+                }
                 return Err(e);
             }
             unsettled.get_or_insert(sent);
@@ -219,6 +229,21 @@ impl Engine {
             super::pause(backoff(retry)).await;
             retry += 1;
         }
+    }
+}
+
+/// A reservation the store answered [`Error::InProgress`]: the key is held by
+/// a holder it could not show — a PostgreSQL transaction not yet committed,
+/// whose row the reservation waited for until its lock bound — and nothing
+/// was applied. The store is reachable and the key live: what a live
+/// `Processing` record gets (the wait policy polls again), never an outage,
+/// so never a fail-open run beside the holder.
+fn held_elsewhere(e: &Error) -> Option<DuplicateDecision> {
+    match e {
+        Error::InProgress { retry_after, .. } => Some(DuplicateDecision::InProgress {
+            retry_after: *retry_after,
+        }),
+        _ => None,
     }
 }
 
@@ -307,7 +332,7 @@ impl Engine {
                 .into_iter()
                 .zip(items)
                 .map(|(answer, (lease, fingerprint))| {
-                    if answer.is_ok() {
+                    if matches!(answer, Ok(_) | Err(Error::InProgress { .. })) {
                         lease.note_answered();
                     }
                     self.batch_answer(answer, lease, fingerprint.as_ref(), sent)
@@ -336,7 +361,7 @@ impl Engine {
         fingerprint: Option<&Fingerprint>,
         sent: Sent,
     ) -> BatchReserved {
-        let record = match answer {
+        let decision = match answer {
             Ok(Reservation::Acquired { attempt }) => {
                 return BatchReserved::Done(Ok(Reserved::Acquired {
                     attempt,
@@ -345,20 +370,25 @@ impl Engine {
                     sent: sent.sent,
                 }))
             }
-            Ok(Reservation::Existing(record)) => record,
-            Err(e) if e.is_store_outage() => return BatchReserved::unsettled(sent),
-            Err(e) => {
-                // Maybe the batch's error rather than this key's (a statement
-                // refused as a whole): the single path gives the key's own.
-                // Counted as possibly applied (a reply that failed to decode
-                // after the write): the lease from the batch's send, and what
-                // it may have created released should the key end in error.
-                tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
-                return BatchReserved::refused(sent);
+            Ok(Reservation::Existing(record)) => {
+                self.remember_record(&lease.key, &record, sent.sent_at);
+                decide_duplicate(record, fingerprint, self.now(), self.config.clock_skew)
             }
+            Err(e) => match held_elsewhere(&e) {
+                Some(decision) => decision,
+                None if e.is_store_outage() => return BatchReserved::unsettled(sent),
+                None => {
+                    // Maybe the batch's error rather than this key's (a
+                    // statement refused as a whole): the single path gives
+                    // the key's own. Counted as possibly applied (a reply
+                    // that failed to decode after the write): the lease from
+                    // the batch's send, and what it may have created released
+                    // should the key end in error.
+                    tracing::debug!(error = %e, "a batch's reservation failed; reserving on its own");
+                    return BatchReserved::refused(sent);
+                }
+            },
         };
-        self.remember_record(&lease.key, &record, sent.sent_at);
-        let decision = decide_duplicate(record, fingerprint, self.now(), self.config.clock_skew);
         let waits = matches!(self.config.in_progress, InProgressPolicy::Wait { .. });
         if waits && matches!(decision, DuplicateDecision::InProgress { .. }) {
             return BatchReserved::Again(Earlier {
