@@ -171,9 +171,12 @@ impl PgRepositoryBuilder {
     /// the manager's timer first is an outage. Raise it where transactional
     /// handlers are short and duplicates should rather wait for their
     /// outcome than be answered in progress; every waiting duplicate holds a
-    /// connection meanwhile. Lock waits for a whole table (a migration,
-    /// `LOCK TABLE`) happen before the statement can set it and are bounded
-    /// only by the operation timeout (or a `lock_timeout` of your role).
+    /// connection meanwhile. A lock on the whole table (a migration,
+    /// `LOCK TABLE`) is waited for before a plain statement can set the
+    /// bound (only the operation timeout, or a `lock_timeout` of your role,
+    /// ends that wait), or inside the reservation function after it did:
+    /// then the reservation is answered `InProgress` too — nothing runs, and
+    /// the delivery is tried again later.
     ///
     /// ```
     /// use std::time::Duration;
