@@ -644,7 +644,8 @@ impl Alone for CompleteCall {
 #[async_trait]
 impl Repository for PgRepository {
     fn capabilities(&self) -> Capabilities {
-        ops::capabilities()
+        // A reservation waits at most `lock_timeout` on another holder's row.
+        ops::capabilities().with_max_lock_wait(Some(self.sql.lock_timeout))
     }
 
     fn admin(&self) -> Option<&dyn idempotency_core::admin::Admin> {

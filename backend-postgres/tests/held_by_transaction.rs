@@ -270,6 +270,28 @@ async fn a_key_held_by_a_transaction_is_in_progress_under_fail_closed() {
 /// key: past its wait it gets `InProgress` (never an outage, never run
 /// beside the holder); one still waiting when the transaction commits gets
 /// its result.
+/// A `store_timeout` the lock wait could outlast (150 ms against the default
+/// 250 ms): the manager's own timer would fire first, the reservation would
+/// be a `Timeout` (an outage), and fail-open would run the handler beside
+/// the holder. Refused when the manager is built; twice the wait is taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_timeout_the_lock_wait_could_outlast_is_refused() {
+    let world = World::new(OutagePolicy::FailOpen, InProgressPolicy::FailFast).await;
+    let wait = world.repo.statements().lock_timeout();
+    let store: idempotency_core::SharedRepository = Arc::new(world.repo.clone());
+    assert_eq!(store.capabilities().max_lock_wait, Some(wait));
+    let with = |store_timeout| Config {
+        store_timeout,
+        ..world.config.clone()
+    };
+    let short = IdempotencyManager::new(store.clone(), with(Duration::from_millis(150)));
+    assert!(
+        matches!(&short, Err(idempotency_core::Error::Config { message }) if message.contains("lock wait")),
+        "{short:?}"
+    );
+    IdempotencyManager::new(store, with(wait * 2)).unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn waiting_duplicates_poll_a_key_held_by_a_transaction() {
     for policy in [OutagePolicy::FailOpen, OutagePolicy::FailClosed] {

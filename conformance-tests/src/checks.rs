@@ -1368,10 +1368,7 @@ pub async fn check_concurrent_reserve_single_winner(repo: SharedRepository) -> C
             let (cx, key) = (cx.clone(), key.clone());
             tokio::spawn(async move {
                 let owner = OwnerToken::random();
-                cx.repo
-                    .reserve(cx.req(&key, owner))
-                    .await
-                    .map(|r| (owner, r))
+                cx.reserve_answered(&key, owner).await.map(|r| (owner, r))
             })
         });
         let results = join_all(tasks).await;
@@ -1410,7 +1407,7 @@ pub async fn check_concurrent_many_keys(repo: SharedRepository) -> CheckResult {
             let (cx, key, wins) = (cx.clone(), key.clone(), wins.clone());
             tasks.push(tokio::spawn(async move {
                 let owner = OwnerToken::random();
-                if let Reservation::Acquired { .. } = cx.repo.reserve(cx.req(&key, owner)).await? {
+                if let Reservation::Acquired { .. } = cx.reserve_answered(&key, owner).await? {
                     wins.fetch_add(1, Ordering::SeqCst);
                     let result = key.id().as_bytes().to_vec();
                     cx.repo
@@ -1448,10 +1445,7 @@ pub async fn check_concurrent_takeover_single_winner(repo: SharedRepository) -> 
             let (cx, key) = (cx.clone(), key.clone());
             tokio::spawn(async move {
                 let owner = OwnerToken::random();
-                cx.repo
-                    .reserve(cx.req(&key, owner))
-                    .await
-                    .map(|r| (owner, r))
+                cx.reserve_answered(&key, owner).await.map(|r| (owner, r))
             })
         });
         let mut winners = Vec::new();

@@ -115,6 +115,26 @@ impl Ctx {
         Ok(self.repo.reserve(self.req(key, owner)).await?)
     }
 
+    /// A reservation sent again while the store answers `InProgress`: its
+    /// wait on a racer's lock ran out (PostgreSQL's `lock_timeout`, under a
+    /// loaded server), nothing was applied, and the contract's answer to it
+    /// is "ask again", as the manager does. The race's outcome is what the
+    /// next answer says. Bounded: a store that answers `InProgress` for ever
+    /// fails the check with that error.
+    pub(crate) async fn reserve_answered(
+        &self,
+        key: &RecordKey,
+        owner: OwnerToken,
+    ) -> Result<Reservation, Error> {
+        let mut tries = 0;
+        loop {
+            match self.repo.reserve(self.req(key, owner)).await {
+                Err(Error::InProgress { .. }) if tries < 20 => tries += 1,
+                answer => return answer,
+            }
+        }
+    }
+
     /// Reserves a fresh key and insists on `Acquired { attempt: 1 }`.
     pub(crate) async fn acquire(&self, key: &RecordKey) -> Result<OwnerToken, CheckFailure> {
         let owner = OwnerToken::random();

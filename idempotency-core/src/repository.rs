@@ -115,6 +115,14 @@ pub struct Capabilities {
     /// Whether the store removes expired records by itself (Redis key TTLs,
     /// DynamoDB TTL). When `false`, run [`Repository::purge_expired`] periodically.
     pub native_expiry: bool,
+    /// The longest a `reserve` may wait on the server for another holder's
+    /// lock before it answers [`Error::InProgress`] (PostgreSQL's
+    /// `lock_timeout`); `None` for a store whose reservations never wait on
+    /// one. A manager refuses a `store_timeout` that is not at least twice
+    /// this: its own timer would fire first, and a key held by a live
+    /// transaction would look like an outage (retried, then run under
+    /// fail-open beside the holder).
+    pub max_lock_wait: Option<Duration>,
 }
 
 impl Capabilities {
@@ -126,7 +134,14 @@ impl Capabilities {
             max_result_bytes: None,
             max_id_bytes: 1024,
             native_expiry: false,
+            max_lock_wait: None,
         }
+    }
+
+    /// Sets [`Capabilities::max_lock_wait`].
+    pub fn with_max_lock_wait(mut self, wait: Option<Duration>) -> Self {
+        self.max_lock_wait = wait;
+        self
     }
 
     /// Sets [`Capabilities::max_result_bytes`].

@@ -27,6 +27,11 @@ const WAITED: Duration = Duration::from_millis(250);
 struct HeldElsewhere {
     inner: MemoryRepository,
     held: Mutex<HashSet<String>>,
+    /// Ids whose first reservation is applied but commits late: its reply is
+    /// lost, and the next reservation waits on its row (`InProgress`).
+    late: Mutex<HashSet<String>>,
+    /// Held ids that commit while the next `InProgress` is on its way.
+    committing: Mutex<HashSet<String>>,
     reserves: AtomicUsize,
 }
 
@@ -55,12 +60,25 @@ impl HeldElsewhere {
 #[async_trait]
 impl Repository for HeldElsewhere {
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        self.inner.capabilities().with_max_lock_wait(Some(WAITED))
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
         self.reserves.fetch_add(1, Ordering::SeqCst);
-        if self.held.lock().unwrap().contains(request.key.id()) {
+        let id = request.key.id().to_owned();
+        if self.late.lock().unwrap().remove(&id) {
+            self.inner.reserve(request).await?;
+            self.hold(&id);
+            self.committing.lock().unwrap().insert(id);
+            return Err(Error::Timeout {
+                backend: "memory",
+                operation: "reserve",
+            });
+        }
+        if self.held.lock().unwrap().contains(&id) {
+            if self.committing.lock().unwrap().remove(&id) {
+                self.held.lock().unwrap().remove(&id);
+            }
             return Err(Error::InProgress {
                 key: request.key.clone(),
                 retry_after: WAITED,
@@ -250,4 +268,53 @@ async fn a_batch_answers_the_held_key_alone() {
         "{answers:?}"
     );
     assert_eq!(runs.load(Ordering::SeqCst), 2);
+}
+
+/// A reservation whose first attempt was applied but whose reply was lost,
+/// and whose transaction commits late: the re-sent reservation (same owner)
+/// waits on our own uncommitted row and is answered `InProgress`. That is no
+/// other holder: asked once more, the store answers `Acquired`, and the
+/// delivery runs instead of answering "in progress" against itself.
+#[tokio::test(start_paused = true)]
+async fn in_progress_while_our_own_attempt_may_be_on_its_way_is_asked_again() {
+    let (store, clock) = (
+        Arc::new(HeldElsewhere::default()),
+        TokioClock::starting_now(),
+    );
+    store.late.lock().unwrap().insert("k".to_owned());
+    let m = manager(&store, InProgressPolicy::FailFast, &clock);
+    let runs = AtomicUsize::new(0);
+    let answer = deliver(&m, "k", &runs).await;
+    assert!(
+        matches!(&answer, Ok(Outcome::Executed(v)) if v == "k ran"),
+        "{answer:?}"
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    assert_eq!(store.reserves.load(Ordering::SeqCst), 3);
+}
+
+/// A manager whose own timer would outlast the store's lock wait would call
+/// a key held by a live transaction an outage: refused when it is built.
+#[test]
+fn a_store_timeout_the_lock_wait_could_outlast_is_refused() {
+    let store: Arc<dyn Repository> = Arc::new(HeldElsewhere::default());
+    for (store_timeout, ok) in [
+        (WAITED / 2, false),
+        (WAITED, false),
+        (WAITED * 2 - Duration::from_millis(1), false),
+        (WAITED * 2, true),
+    ] {
+        let config = Config {
+            store_timeout,
+            ..Config::default()
+        };
+        let built = IdempotencyManager::new(store.clone(), config);
+        match (built, ok) {
+            (Ok(_), true) => {}
+            (Err(Error::Config { message }), false) => {
+                assert!(message.contains("lock wait"), "{message}")
+            }
+            (other, _) => panic!("store_timeout {store_timeout:?}: {other:?}"),
+        }
+    }
 }

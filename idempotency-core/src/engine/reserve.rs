@@ -212,17 +212,25 @@ impl Engine {
                 }
                 Err(e) => e,
             };
-            if !e.is_store_outage() {
-                if held_elsewhere(&e).is_some() {
-                    // Answered: nothing of this attempt is on its way.
-                    lease.note_answered();
+            if held_elsewhere(&e).is_some() {
+                // Answered: nothing of this attempt is on its way. But while
+                // an earlier attempt of ours may be (its reply lost), the
+                // holder may be that attempt, its transaction not yet
+                // committed: asked again with the same owner, the store
+                // answers `Acquired` once it has. Never `InProgress`
+                // against ourselves while a retry is left.
+                lease.note_answered();
+                if unsettled.is_none() || retry >= RESERVE_RETRIES {
+                    return Err(e);
                 }
+            } else if !e.is_store_outage() {
                 return Err(e);
-            }
-            unsettled.get_or_insert(sent);
-            lease.note_unsettled();
-            if retry >= RESERVE_RETRIES {
-                return Err(e);
+            } else {
+                unsettled.get_or_insert(sent);
+                lease.note_unsettled();
+                if retry >= RESERVE_RETRIES {
+                    return Err(e);
+                }
             }
             tracing::debug!(error = %e, retry, "reserve failed ambiguously; sending it again with the same owner token");
             drop(e);

@@ -102,6 +102,22 @@ impl<C: Codec> fmt::Debug for IdempotencyManager<C> {
     }
 }
 
+/// Refuses a `store_timeout` the store's lock wait could outlast (see
+/// [`Capabilities::max_lock_wait`]): a reservation waiting on a live holder
+/// must be answered `InProgress` by the store before the manager's own timer
+/// calls it a timeout, an outage.
+fn check_lock_wait(config: &Config, caps: &crate::Capabilities) -> Result<(), Error> {
+    match caps.max_lock_wait {
+        Some(wait) if config.store_timeout < wait.saturating_mul(2) => Err(Error::config(format!(
+            "store_timeout ({:?}) must be at least twice the {} store's lock wait ({wait:?}): \
+             a reservation waiting on a key another transaction holds would time out as an \
+             outage first; raise store_timeout or lower the store's lock_timeout",
+            config.store_timeout, caps.backend
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl IdempotencyManager<JsonCodec> {
     /// A manager over `repo` with the system clock and JSON results.
     ///
@@ -116,7 +132,9 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// A manager with an explicit clock and codec.
     ///
     /// # Errors
-    /// [`Error::Config`] when `config` does not validate.
+    /// [`Error::Config`] when `config` does not validate, or its
+    /// `store_timeout` is not at least twice the store's
+    /// [`max_lock_wait`](crate::Capabilities::max_lock_wait).
     pub fn with_parts(
         repo: SharedRepository,
         config: Config,
@@ -124,6 +142,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         codec: C,
     ) -> Result<Self, Error> {
         config.validate()?;
+        check_lock_wait(&config, &repo.capabilities())?;
         let namespace = escape_part(&config.key_prefix).into();
         Ok(IdempotencyManager {
             engine: Arc::new(Engine::new(repo, config, clock)),
