@@ -11,6 +11,7 @@ use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, 
 use idempotency_core::{Error, Record, RecordKey, Timestamp};
 
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use aws_sdk_dynamodb::config::interceptors::BeforeDeserializationInterceptorContextRef;
 use aws_sdk_dynamodb::config::{ConfigBag, Intercept, RuntimeComponents};
@@ -273,12 +274,12 @@ impl Admin for DynamoDbRepository {
 
     /// Counts from up to 10,000 items; labelled as a sample when there are
     /// more (a full `Scan` reads, and bills, the whole table).
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let mut stats = Stats::default();
         let mut seen = 0usize;
         let complete = self
             .scan(|key, record| {
-                stats.count(key.namespace(), &record, now);
+                stats.count(key.namespace(), &record, now, clock_skew);
                 seen += 1;
                 seen < STATS_SAMPLE
             })

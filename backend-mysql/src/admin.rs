@@ -2,10 +2,13 @@
 //! exact counts, migrations with a dry run, and a check of the server's
 //! settings the library relies on.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use idempotency_core::admin::{
     prefix_upper_bound, Admin, Check, DoctorOptions, ListFilter, Listing, Stats,
 };
+use idempotency_core::decision::skew_cutoff;
 use idempotency_core::{Clock, Error, Status, SystemClock, Timestamp};
 use sqlx::Row;
 
@@ -122,7 +125,7 @@ impl Admin for MySqlRepository {
             .bind(status)
             .bind(status)
             .bind(filter.stuck)
-            .bind(ts(now))
+            .bind(ts(filter.stuck_cutoff(now)))
             .bind(u64::try_from(filter.limit.saturating_add(1)).unwrap_or(u64::MAX))
             .fetch_all(self.pool())
             .await
@@ -137,14 +140,14 @@ impl Admin for MySqlRepository {
     }
 
     /// Exact counts, by one `GROUP BY` scan of the table.
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let rows = sqlx::query(&format!(
             "SELECT namespace, CAST(status AS BINARY), \
              CAST(status = 'processing' AND lease_until <= ? AS SIGNED), \
              CAST(COUNT(*) AS UNSIGNED) FROM `{}` WHERE expires_at > ? GROUP BY 1, 2, 3",
             self.table()
         ))
-        .bind(ts(now))
+        .bind(ts(skew_cutoff(now, clock_skew)))
         .bind(ts(now))
         .fetch_all(self.pool())
         .await

@@ -2,10 +2,13 @@
 //! listing, exact counts, migrations with a dry run, and a check of the
 //! server's settings the library relies on.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use idempotency_core::admin::{
     prefix_upper_bound, Admin, Check, DoctorOptions, ListFilter, Listing, Stats,
 };
+use idempotency_core::decision::skew_cutoff;
 use idempotency_core::{Clock, Error, Status, SystemClock, Timestamp};
 use sqlx::Row;
 
@@ -209,7 +212,7 @@ impl Admin for PgRepository {
             "SELECT {RECORD_COLUMNS}, namespace, id FROM {} \
              WHERE expires_at > $1 AND namespace >= $2 AND ($3::bytea IS NULL OR namespace < $3) \
              AND ($4::text IS NULL OR status = $4) \
-             AND (NOT $5 OR (status = 'processing' AND lease_until <= $1)) \
+             AND (NOT $5 OR (status = 'processing' AND lease_until <= $7)) \
              ORDER BY namespace, id LIMIT $6",
             self.statements().qualified
         );
@@ -220,6 +223,7 @@ impl Admin for PgRepository {
             .bind(filter.status.map(Status::as_str))
             .bind(filter.stuck)
             .bind(i64::try_from(filter.limit.saturating_add(1)).unwrap_or(i64::MAX))
+            .bind(ts(filter.stuck_cutoff(now)))
             .fetch_all(self.pool())
             .await
             .map_err(self.map())?;
@@ -235,13 +239,14 @@ impl Admin for PgRepository {
     }
 
     /// Exact counts, by one `GROUP BY` scan of the table.
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let rows = sqlx::query(&format!(
-            "SELECT namespace, status, status = 'processing' AND lease_until <= $1, count(*) \
+            "SELECT namespace, status, status = 'processing' AND lease_until <= $2, count(*) \
              FROM {} WHERE expires_at > $1 GROUP BY 1, 2, 3",
             self.statements().qualified
         ))
         .bind(ts(now))
+        .bind(ts(skew_cutoff(now, clock_skew)))
         .fetch_all(self.pool())
         .await
         .map_err(self.map())?;

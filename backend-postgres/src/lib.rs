@@ -277,17 +277,20 @@
 //! `FOR UPDATE SKIP LOCKED` so several processes can purge at once without
 //! waiting on each other or on reservations.
 //! [`RepositoryExt::purge_all_expired`](idempotency_core::RepositoryExt::purge_all_expired)
-//! loops until a batch comes back short. Schedule it, for example:
+//! loops until a batch comes back short, keeping the consumers' `clock_skew`
+//! as a margin (it removes records expired by `now - clock_skew`). Schedule
+//! it, for example:
 //!
 //! ```no_run
 //! use std::time::Duration;
 //! use idempotency_core::{Clock, RepositoryExt, SystemClock};
 //!
 //! # async fn demo(repo: idempotency_postgres::PgRepository) {
+//! let clock_skew = Duration::from_secs(2); // the consumers' Config::clock_skew
 //! let mut every = tokio::time::interval(Duration::from_secs(60));
 //! loop {
 //!     every.tick().await;
-//!     match repo.purge_all_expired(SystemClock.now(), 1_000).await {
+//!     match repo.purge_all_expired(SystemClock.now(), clock_skew, 1_000).await {
 //!         Ok(n) => tracing::debug!(purged = n, "idempotency purge"),
 //!         Err(e) => tracing::warn!(error = %e, "idempotency purge failed; retrying next tick"),
 //!     }
@@ -295,20 +298,22 @@
 //! # }
 //! ```
 //!
-//! or from the database itself with `pg_cron` (same statement, server clock):
+//! or from the database itself with `pg_cron` (same statement, server clock,
+//! here with a margin of 2000 ms: the consumers' `clock_skew`):
 //!
 //! ```sql
 //! SELECT cron.schedule('idempotency-purge', '* * * * *', $$
 //!   DELETE FROM "public"."idempotency_records" WHERE (namespace, id) IN (
 //!     SELECT namespace, id FROM "public"."idempotency_records"
-//!     WHERE purge_after <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
-//!       AND expires_at <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+//!     WHERE purge_after <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint - 2000
+//!       AND expires_at <= (extract(epoch FROM clock_timestamp()) * 1000)::bigint - 2000
 //!     ORDER BY purge_after LIMIT 10000 FOR UPDATE SKIP LOCKED)
 //! $$);
 //! ```
 //!
-//! Purge with a trustworthy clock: a purger whose clock runs ahead deletes
-//! records that other processes still consider live.
+//! Purge with a trustworthy clock: a purger whose clock runs ahead of the
+//! consumers' by more than the margin deletes records they still consider
+//! live.
 //!
 //! The table churns (an insert, an update or two and a delete per key), so let
 //! autovacuum keep up: on busy tables lower its thresholds, e.g.

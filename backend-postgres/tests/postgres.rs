@@ -159,7 +159,7 @@ async fn several_processes_purge_concurrently_without_double_counting() {
                     .connect(&url)
                     .await
                     .unwrap();
-                repo.purge_all_expired(purge_at, 25).await
+                repo.purge_all_expired(purge_at, Duration::ZERO, 25).await
             })
         })
         .collect();

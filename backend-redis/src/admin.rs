@@ -4,6 +4,7 @@
 //! replication, cluster slots, the clock).
 
 use std::collections::{HashMap, HashSet};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats, Verdict};
@@ -317,7 +318,7 @@ impl Admin for RedisRepository {
 
     /// Counts from up to 10,000 records found by `SCAN`; labelled as a sample
     /// when there are more.
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         self.standalone_only("stats")?;
         let mut stats = Stats::default();
         // `SCAN` may return a key twice: each counted once (at most the
@@ -328,7 +329,7 @@ impl Admin for RedisRepository {
                 if seen.contains(&key) {
                     return true;
                 }
-                stats.count(key.namespace(), &record, now);
+                stats.count(key.namespace(), &record, now, clock_skew);
                 seen.insert(key);
                 seen.len() < STATS_SAMPLE
             })

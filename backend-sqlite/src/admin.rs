@@ -2,10 +2,13 @@
 //! exact counts, migrations with a dry run, and a check of the connection's
 //! settings.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 use idempotency_core::admin::{
     prefix_upper_bound, Admin, Check, DoctorOptions, ListFilter, Listing, Stats,
 };
+use idempotency_core::decision::skew_cutoff;
 use idempotency_core::{Error, Status, Timestamp};
 use sqlx::Row;
 
@@ -26,7 +29,7 @@ impl Admin for SqliteRepository {
             "SELECT {COLUMNS}, namespace, id FROM idempotency_records \
              WHERE expires_at > ?1 AND namespace >= ?2 AND (?3 IS NULL OR namespace < ?3) \
              AND (?4 IS NULL OR status = ?4) \
-             AND (?5 = 0 OR (status = 'processing' AND lease_until <= ?1)) \
+             AND (?5 = 0 OR (status = 'processing' AND lease_until <= ?7)) \
              ORDER BY namespace, id LIMIT ?6"
         );
         let rows = sqlx::query(&sql)
@@ -36,6 +39,7 @@ impl Admin for SqliteRepository {
             .bind(filter.status.map(Status::as_str))
             .bind(filter.stuck)
             .bind(i64::try_from(filter.limit.saturating_add(1)).unwrap_or(i64::MAX))
+            .bind(ts(filter.stuck_cutoff(now)))
             .fetch_all(self.pool())
             .await
             .map_err(map)?;
@@ -49,12 +53,13 @@ impl Admin for SqliteRepository {
     }
 
     /// Exact counts (SQLite is local: a scan loads no server).
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let rows = sqlx::query(
-            "SELECT namespace, status, status = 'processing' AND lease_until <= ?1, COUNT(*) \
+            "SELECT namespace, status, status = 'processing' AND lease_until <= ?2, COUNT(*) \
              FROM idempotency_records WHERE expires_at > ?1 GROUP BY 1, 2, 3",
         )
         .bind(ts(now))
+        .bind(ts(skew_cutoff(now, clock_skew)))
         .fetch_all(self.pool())
         .await
         .map_err(map)?;

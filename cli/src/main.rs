@@ -5,8 +5,17 @@
 //! ```text
 //! idempotency --url redis://127.0.0.1:6379 get idempotency:payments evt-42
 //! IDEMPOTENCY_STORE_URL=postgres://… idempotency list --stuck --format json
+//! IDEMPOTENCY_CLOCK_SKEW=2s idempotency --url sqlite://app.db evict orders o-1 --only-if-stuck
 //! idempotency --url mysql://… doctor
 //! ```
+//!
+//! Stuck records and purges are judged as consumers judge them
+//! (`idempotency::decision`): a lease is over only `--clock-skew` after it
+//! ended on this machine's clock, and `purge` removes only records expired
+//! at least that long ago. Give the consumers' `clock_skew` (flag, or
+//! `IDEMPOTENCY_CLOCK_SKEW`); without it the tool assumes
+//! `idempotency::admin::default_clock_skew()`: the library's default or
+//! 400 ms, whichever is larger.
 //!
 //! Exit status: 0 on success, 1 when a command fails (the store's error, or a
 //! refusal such as evicting a live record without `--force`), 2 for a usage
@@ -19,7 +28,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
-use idempotency::admin::{Admin, DoctorOptions, ListFilter, Verdict};
+use idempotency::admin::{default_clock_skew, Admin, DoctorOptions, ListFilter, Verdict};
+use idempotency::decision::{skew_cutoff, stuck};
 use idempotency::{Clock, Error, RecordKey, SharedRepository, Status, SystemClock};
 use serde_json::json;
 
@@ -48,6 +58,22 @@ struct Cli {
     /// store (`list`, `stats`, `migrate`, `doctor`) only when given.
     #[arg(long, value_parser = parse_timeout, global = true)]
     timeout: Option<Duration>,
+
+    /// The consumers' `clock_skew` (their `Config::clock_skew`). A lease
+    /// counts as ended, its record stuck (`list --stuck`, `stats`, `evict`),
+    /// only this long after `lease_until` on this machine's clock, as
+    /// consumers take over; `purge` removes only records expired at least
+    /// this long ago; `doctor` judges the clock offset against it. The
+    /// default is conservative: the library's default `clock_skew` or 400 ms,
+    /// whichever is larger; give the consumers' value when they set one.
+    #[arg(
+        long,
+        env = "IDEMPOTENCY_CLOCK_SKEW",
+        value_parser = parse_skew,
+        default_value_t = Skew(default_clock_skew()),
+        global = true
+    )]
+    clock_skew: Skew,
 
     #[command(subcommand)]
     command: Command,
@@ -103,27 +129,31 @@ enum Command {
         /// Only records in this status.
         #[arg(long, value_enum)]
         status: Option<StatusArg>,
-        /// Only `processing` records whose lease has ended.
+        /// Only stuck records: `processing`, the lease ended at least
+        /// `--clock-skew` ago.
         #[arg(long)]
         stuck: bool,
         /// At most this many.
         #[arg(long, default_value_t = 100)]
         limit: usize,
     },
-    /// Removes one record. A live `processing` record is refused unless
+    /// Removes one record. A `processing` record that is not stuck (its
+    /// lease ended less than `--clock-skew` ago, or runs on) is refused unless
     /// `--force`: its handler may still be running, and the next delivery
     /// runs it again.
     Evict {
         #[command(flatten)]
         key: KeyArgs,
-        /// Only if the record is `processing` with its lease ended.
+        /// Only if the record is stuck: `processing`, the lease ended at
+        /// least `--clock-skew` ago.
         #[arg(long)]
         only_if_stuck: bool,
         /// Remove a live `processing` record too.
         #[arg(long)]
         force: bool,
     },
-    /// Removes expired records (the store's `purge_expired`), with progress.
+    /// Removes records expired at least `--clock-skew` ago (the store's
+    /// `purge_expired` at now less the skew), with progress.
     Purge {
         /// At most this many (default: all).
         #[arg(long)]
@@ -142,12 +172,9 @@ enum Command {
     /// expensive, and labelled so).
     Stats,
     /// Checks the store's settings against what the library relies on; exit
-    /// status 3 when a check fails.
-    Doctor {
-        /// The managers' `clock_skew`, for the clock-offset check.
-        #[arg(long, default_value = "400ms", value_parser = parse_duration)]
-        clock_skew: Duration,
-    },
+    /// status 3 when a check fails. The clock offset is judged against
+    /// `--clock-skew`.
+    Doctor,
     /// Shell completions, to standard output.
     Completions {
         /// The shell.
@@ -164,6 +191,20 @@ fn parse_timeout(s: &str) -> Result<Duration, String> {
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
     idempotency::parse_duration(s).ok_or_else(|| format!("{s:?} is not a duration such as 400ms"))
+}
+
+/// The consumers' clock skew, shown as a duration (`2s`, `400ms`) in `--help`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Skew(Duration);
+
+impl std::fmt::Display for Skew {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", humantime::format_duration(self.0))
+    }
+}
+
+fn parse_skew(s: &str) -> Result<Skew, String> {
+    parse_duration(s).map(Skew)
 }
 
 /// A failed command: the message, and the exit status.
@@ -275,8 +316,9 @@ async fn run(cli: Cli) -> Result<String, Failure> {
     let whole = cli.timeout;
     let store = within(limit, idempotency::connect(&without_migration(&url))).await?;
     let json = cli.format == Format::Json;
+    let Skew(skew) = cli.clock_skew;
     match cli.command {
-        Command::Get(key) => get(&store, &key, limit, json).await,
+        Command::Get(key) => get(&store, &key, skew, limit, json).await,
         Command::List {
             namespace,
             status,
@@ -287,6 +329,7 @@ async fn run(cli: Cli) -> Result<String, Failure> {
                 namespace_prefix: namespace,
                 status: status.map(Status::from),
                 stuck,
+                clock_skew: skew,
                 limit: most,
             };
             list(admin(&store, "list")?, &filter, whole, json).await
@@ -299,17 +342,19 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             let evicting = Evicting {
                 only_if_stuck,
                 force,
+                skew,
             };
             evict(&store, &key, evicting, limit, json).await
         }
-        Command::Purge { limit: most, batch } => purge(&store, most, batch, limit, json).await,
+        Command::Purge { limit: most, batch } => {
+            let purging = Purging { most, batch, skew };
+            purge(&store, purging, limit, json).await
+        }
         Command::Migrate { dry_run } => {
             migrate(admin(&store, "migrate")?, dry_run, whole, json).await
         }
-        Command::Stats => stats(admin(&store, "stats")?, whole, json).await,
-        Command::Doctor { clock_skew } => {
-            doctor(admin(&store, "doctor")?, clock_skew, whole, json).await
-        }
+        Command::Stats => stats(admin(&store, "stats")?, skew, whole, json).await,
+        Command::Doctor => doctor(admin(&store, "doctor")?, skew, whole, json).await,
         Command::Completions { .. } => Ok(String::new()),
     }
 }
@@ -341,19 +386,20 @@ fn record_key(store: &SharedRepository, args: &KeyArgs) -> Result<RecordKey, Fai
 async fn get(
     store: &SharedRepository,
     args: &KeyArgs,
+    skew: Duration,
     limit: Duration,
     json: bool,
 ) -> Result<String, Failure> {
     let key = record_key(store, args)?;
-    let now = SystemClock.now();
-    let record = within(limit, store.get(&key, now)).await?;
+    let at = view::At::now(skew);
+    let record = within(limit, store.get(&key, at.now)).await?;
     Ok(match (record, json) {
         (Some(r), true) => {
-            let mut value = view::record_json(key.namespace(), key.id(), &r, now);
+            let mut value = view::record_json(key.namespace(), key.id(), &r, at);
             value["found"] = json!(true);
             value.to_string()
         }
-        (Some(r), false) => view::record_table(key.namespace(), key.id(), &r, now),
+        (Some(r), false) => view::record_table(key.namespace(), key.id(), &r, at),
         (None, true) => {
             json!({"found": false, "namespace": key.namespace(), "id": key.id()}).to_string()
         }
@@ -367,17 +413,17 @@ async fn list(
     limit: Option<Duration>,
     json: bool,
 ) -> Result<String, Failure> {
-    let now = SystemClock.now();
-    let listing = within(limit, admin.list(filter, now)).await?;
+    let at = view::At::now(filter.clock_skew);
+    let listing = within(limit, admin.list(filter, at.now)).await?;
     if json {
         let records: Vec<_> = listing
             .records
             .iter()
-            .map(|l| view::record_json(&l.namespace, &l.id, &l.record, now))
+            .map(|l| view::record_json(&l.namespace, &l.id, &l.record, at))
             .collect();
         return Ok(json!({"records": records, "truncated": listing.truncated}).to_string());
     }
-    let mut out = view::listing_table(&listing.records, now);
+    let mut out = view::listing_table(&listing.records, at);
     out.push_str(&format!("\n{} record(s)", listing.records.len()));
     if listing.truncated {
         out.push_str(&format!(
@@ -393,6 +439,8 @@ async fn list(
 struct Evicting {
     only_if_stuck: bool,
     force: bool,
+    /// The consumers' clock skew: stuck is `decision::stuck` under it.
+    skew: Duration,
 }
 
 async fn evict(
@@ -401,12 +449,14 @@ async fn evict(
     Evicting {
         only_if_stuck,
         force,
+        skew,
     }: Evicting,
     limit: Duration,
     json: bool,
 ) -> Result<String, Failure> {
     let key = record_key(store, args)?;
-    let now = SystemClock.now();
+    let at = view::At::now(skew);
+    let now = at.now;
     let Some(record) = within(limit, store.get(&key, now)).await? else {
         return Ok(if json {
             json!({"removed": false, "reason": "no live record"}).to_string()
@@ -415,11 +465,15 @@ async fn evict(
         });
     };
     let processing = record.status == Status::Processing;
-    let stuck = processing && record.lease_until <= now;
+    let stuck = stuck(&record, now, skew);
     if only_if_stuck && !stuck {
+        let why = match processing {
+            true => format!("its {}", view::lease_text(&record, at)),
+            false => format!("{} records are never stuck", record.status),
+        };
         return Err(Failure(
             format!(
-                "{key} is {} and not stuck: left in place (--only-if-stuck)",
+                "{key} is {} and not stuck ({why}): left in place (--only-if-stuck)",
                 record.status
             ),
             1,
@@ -428,17 +482,17 @@ async fn evict(
     if processing && !stuck && !force {
         return Err(Failure(
             format!(
-                "{key} is processing and its lease runs {}: its handler may still be running, \
+                "{key} is processing and not stuck: its {}. Its handler may still be running, \
                  and removing the record lets the next delivery run the handler again. Add \
                  --force to remove it anyway",
-                view::relative(record.lease_until, now)
+                view::lease_text(&record, at)
             ),
             1,
         ));
     }
     let removed = remove(store, &key, &record, now, limit).await?;
     Ok(if json {
-        json!({"removed": removed, "was": view::record_json(key.namespace(), key.id(), &record, now)})
+        json!({"removed": removed, "was": view::record_json(key.namespace(), key.id(), &record, at)})
             .to_string()
     } else if removed {
         format!(
@@ -485,16 +539,28 @@ async fn remove(
     }
 }
 
+/// What `purge` removes.
+#[derive(Debug, Clone, Copy)]
+struct Purging {
+    /// At most this many records (none: all).
+    most: Option<usize>,
+    /// Records per call to the store.
+    batch: usize,
+    /// The consumers' clock skew: the margin kept (`decision::skew_cutoff`).
+    skew: Duration,
+}
+
 async fn purge(
     store: &SharedRepository,
-    most: Option<usize>,
-    batch: usize,
+    Purging { most, batch, skew }: Purging,
     limit: Duration,
     json: bool,
 ) -> Result<String, Failure> {
     let batch = batch.max(1);
     let most = most.unwrap_or(usize::MAX);
-    let now = SystemClock.now();
+    // Expired for every consumer: a consumer whose clock is behind this one's
+    // (by up to the skew) still reads a record expired more recently.
+    let before = skew_cutoff(SystemClock.now(), skew);
     let bar = if json {
         indicatif::ProgressBar::hidden()
     } else {
@@ -506,7 +572,7 @@ async fn purge(
         if want == 0 {
             break;
         }
-        let n = within(limit, store.purge_expired(now, want)).await?;
+        let n = within(limit, store.purge_expired(before, want)).await?;
         total += n;
         bar.set_position(total as u64);
         if n < want {
@@ -516,11 +582,20 @@ async fn purge(
     bar.finish_and_clear();
     let native = store.capabilities().native_expiry;
     Ok(if json {
-        json!({"purged": total, "native_expiry": native}).to_string()
+        json!({
+            "purged": total,
+            "native_expiry": native,
+            "expired_before": view::instant(before),
+        })
+        .to_string()
     } else if native && total == 0 {
         "purged 0 records (this store removes expired records itself)".to_owned()
     } else {
-        format!("purged {total} expired record(s)")
+        format!(
+            "purged {total} record(s) expired by {} (now less --clock-skew {})",
+            view::instant(before),
+            humantime::format_duration(skew)
+        )
     })
 }
 
@@ -541,12 +616,17 @@ async fn migrate(
     })
 }
 
-async fn stats(admin: &dyn Admin, limit: Option<Duration>, json: bool) -> Result<String, Failure> {
-    let stats = within(limit, admin.stats(SystemClock.now())).await?;
+async fn stats(
+    admin: &dyn Admin,
+    skew: Duration,
+    limit: Option<Duration>,
+    json: bool,
+) -> Result<String, Failure> {
+    let stats = within(limit, admin.stats(SystemClock.now(), skew)).await?;
     Ok(if json {
         serde_json::to_string(&stats).unwrap_or_default()
     } else {
-        view::stats_table(&stats)
+        view::stats_table(&stats, skew)
     })
 }
 

@@ -6,11 +6,55 @@ use std::time::Duration;
 
 use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
 use idempotency::admin::{Check, Listed, Stats, Verdict};
-use idempotency::{Record, Status, Timestamp};
+use idempotency::decision::{lease_ended, stuck};
+use idempotency::{Clock, Record, Status, SystemClock, Timestamp};
 use serde_json::{json, Value};
 
 /// How much of a result or stored error a table shows.
 const PREVIEW_BYTES: usize = 2048;
+
+/// The instant records are shown at, and the consumers' clock skew that
+/// says whether a lease has ended for all of them (`decision::lease_ended`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct At {
+    /// This machine's clock.
+    pub(crate) now: Timestamp,
+    /// The consumers' clock skew (`--clock-skew`).
+    pub(crate) skew: Duration,
+}
+
+impl At {
+    /// The system clock's now, judged with `skew`.
+    pub(crate) fn now(skew: Duration) -> At {
+        At {
+            now: SystemClock.now(),
+            skew,
+        }
+    }
+
+    /// Whether `r` is stuck: processing, its lease over for every consumer.
+    fn stuck(self, r: &Record) -> bool {
+        stuck(r, self.now, self.skew)
+    }
+}
+
+/// A processing record's lease for a person, as the stuck rule sees it:
+/// "lease runs in 4s", "lease ended 1s ago, within the clock skew (2s)",
+/// "lease ended 3s ago".
+pub(crate) fn lease_text(r: &Record, at: At) -> String {
+    let when = relative(r.lease_until, at.now);
+    if r.lease_until > at.now {
+        format!("lease runs {when}")
+    } else if !lease_ended(r.lease_until, at.now, at.skew) {
+        format!(
+            "lease ended {when}, within the clock skew ({}): a consumer whose clock is behind \
+             may still hold it",
+            humantime::format_duration(at.skew)
+        )
+    } else {
+        format!("lease ended {when}")
+    }
+}
 
 /// `t` as an RFC 3339 instant, to the millisecond.
 pub(crate) fn instant(t: Timestamp) -> String {
@@ -63,8 +107,11 @@ fn truncate(text: &str, limit: Option<usize>) -> String {
     }
 }
 
-/// The whole record as JSON (values in full).
-pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, now: Timestamp) -> Value {
+/// The whole record as JSON (values in full). `lease_ended`: the lease is
+/// over for every consumer (ended at least the clock skew ago); `stuck`:
+/// that, and processing.
+pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, at: At) -> Value {
+    let now = at.now;
     json!({
         "namespace": namespace,
         "id": id,
@@ -73,7 +120,8 @@ pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, now: Timestamp)
         "attempt": r.attempt,
         "lease_until": instant(r.lease_until),
         "lease": relative(r.lease_until, now),
-        "lease_ended": r.lease_until <= now,
+        "lease_ended": lease_ended(r.lease_until, now, at.skew),
+        "stuck": at.stuck(r),
         "expires_at": instant(r.expires_at),
         "expires": relative(r.expires_at, now),
         "created_at": instant(r.created_at),
@@ -87,13 +135,14 @@ pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, now: Timestamp)
 }
 
 /// One record for a person: a two-column table.
-pub(crate) fn record_table(namespace: &str, id: &str, r: &Record, now: Timestamp) -> String {
+pub(crate) fn record_table(namespace: &str, id: &str, r: &Record, at: At) -> String {
+    let now = at.now;
     let mut table = table();
     let mut row = |k: &str, v: String| {
         table.add_row(vec![Cell::new(k), Cell::new(v)]);
     };
     row("key", format!("{namespace} : {id}"));
-    row("status", status_text(r, now));
+    row("status", status_text(r, at));
     row("owner", r.owner.to_string());
     row("attempt", r.attempt.to_string());
     row(
@@ -138,15 +187,19 @@ fn preview(bytes: &[u8]) -> String {
     }
 }
 
-fn status_text(r: &Record, now: Timestamp) -> String {
+fn status_text(r: &Record, at: At) -> String {
     match r.status {
-        Status::Processing if r.lease_until <= now => "processing (lease ended: stuck)".to_owned(),
+        Status::Processing if at.stuck(r) => "processing (lease ended: stuck)".to_owned(),
+        Status::Processing if r.lease_until <= at.now => {
+            "processing (lease ended within the clock skew: not stuck yet)".to_owned()
+        }
         status => status.as_str().to_owned(),
     }
 }
 
 /// A listing for a person.
-pub(crate) fn listing_table(records: &[Listed], now: Timestamp) -> String {
+pub(crate) fn listing_table(records: &[Listed], at: At) -> String {
+    let now = at.now;
     let mut table = table();
     table.set_header(vec![
         "namespace",
@@ -162,7 +215,7 @@ pub(crate) fn listing_table(records: &[Listed], now: Timestamp) -> String {
         table.add_row(vec![
             Cell::new(&l.namespace),
             Cell::new(&l.id),
-            status_cell(r, now),
+            status_cell(r, at),
             Cell::new(r.attempt),
             Cell::new(relative(r.lease_until, now)),
             Cell::new(relative(r.expires_at, now)),
@@ -176,17 +229,17 @@ pub(crate) fn listing_table(records: &[Listed], now: Timestamp) -> String {
     table.to_string()
 }
 
-fn status_cell(r: &Record, now: Timestamp) -> Cell {
-    let cell = Cell::new(status_text(r, now));
+fn status_cell(r: &Record, at: At) -> Cell {
+    let cell = Cell::new(status_text(r, at));
     match r.status {
-        Status::Processing if r.lease_until <= now => colour(cell, Color::Yellow),
+        Status::Processing if at.stuck(r) => colour(cell, Color::Yellow),
         Status::Failed => colour(cell, Color::Red),
         _ => cell,
     }
 }
 
-/// Counts for a person.
-pub(crate) fn stats_table(stats: &Stats) -> String {
+/// Counts for a person; `skew` is the clock skew stuck leases were judged with.
+pub(crate) fn stats_table(stats: &Stats, skew: Duration) -> String {
     let mut table = table();
     table.set_header(vec![
         "namespace",
@@ -205,6 +258,10 @@ pub(crate) fn stats_table(stats: &Stats) -> String {
         ]);
     }
     let mut out = table.to_string();
+    out.push_str(&format!(
+        "\nstuck: processing, the lease ended at least {} (--clock-skew) ago",
+        humantime::format_duration(skew)
+    ));
     out.push_str(&format!("\nexpired, not yet purged: {}", stats.expired));
     if let Some(n) = stats.sampled {
         out.push_str(&format!(

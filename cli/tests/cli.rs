@@ -18,10 +18,17 @@ use serde_json::Value;
 /// Runs the tool with `args` against `url`: exit status and parsed JSON
 /// standard output (`Value::Null` when it is not JSON).
 fn tool(url: &str, args: &[&str]) -> (i32, Value, String) {
+    tool_with(url, args, &[])
+}
+
+/// [`tool`] with these environment variables set.
+fn tool_with(url: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, Value, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_idempotency"))
         .args(["--format", "json", "--url", url])
         .args(args)
         .env_remove("IDEMPOTENCY_STORE_URL")
+        .env_remove("IDEMPOTENCY_CLOCK_SKEW")
+        .envs(env.iter().copied())
         .output()
         .expect("the tool runs");
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -167,6 +174,213 @@ fn sqlite_url() -> String {
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join(format!("{}.db", containers::unique_namespace("cli")));
     format!("sqlite://{}", file.display())
+}
+
+/// The lease of issue #42's scenario.
+const LEASE: Duration = Duration::from_secs(3);
+/// The consumers' clock skew of the scenario, as the operator gives it.
+const SKEW: [(&str, &str); 1] = [("IDEMPOTENCY_CLOCK_SKEW", "2s")];
+
+/// A `Processing` record at `key` with a lease of [`LEASE`] that ended `ago`
+/// before now on this machine's clock; its owner.
+async fn hold(store: &dyn Repository, key: &RecordKey, ago: Duration) -> OwnerToken {
+    let now = SystemClock.now();
+    let req = request(key, now - LEASE - ago, LEASE, Duration::from_secs(3600));
+    let owner = req.owner;
+    let reserved = store.reserve(req).await.unwrap();
+    assert!(
+        matches!(reserved, Reservation::Acquired { .. }),
+        "{reserved:?}"
+    );
+    owner
+}
+
+/// Issue #42's scenario, by the tool: consumers allow a clock skew of 2 s
+/// (`IDEMPOTENCY_CLOCK_SKEW=2s`, or `--clock-skew 2s`). A lease that ended
+/// 0.3 s ago on the operator's clock may still run on the holder's: `list
+/// --stuck`, `stats` and `evict --only-if-stuck` leave it alone (and its
+/// holder completes); one that ended 2.5 s ago is stuck for all three. Each
+/// command gets a namespace of its own and a record written just before it,
+/// so the 1.7 s left of the skew is the command's alone.
+async fn stuck_only_past_the_clock_skew(url: &str, ns: &str) {
+    let store = idempotency::connect(url).await.unwrap();
+    let store = store.as_ref();
+    let key = |ns: &str, id: &str| RecordKey::new(ns, id, 256).unwrap();
+    let recent = Duration::from_millis(300);
+    let past = Duration::from_millis(2500);
+    let ids = |listed: &Value| -> Vec<String> {
+        let mut ids: Vec<String> = listed["records"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{listed}"))
+            .iter()
+            .map(|r| r["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        ids
+    };
+
+    let listing = format!("{ns}:list");
+    hold(store, &key(&listing, "past"), past).await;
+    hold(store, &key(&listing, "recent"), recent).await;
+    let (code, listed, err) = tool_with(url, &["list", "--namespace", &listing, "--stuck"], &SKEW);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(ids(&listed), ["past"], "list --stuck: {listed}");
+    let (_, all, _) = tool_with(url, &["list", "--namespace", &listing], &SKEW);
+    let recent_json = all["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["id"] == "recent")
+        .unwrap_or_else(|| panic!("{all}"));
+    assert_eq!(
+        (&recent_json["lease_ended"], &recent_json["stuck"]),
+        (&Value::Bool(false), &Value::Bool(false)),
+        "{recent_json}"
+    );
+    // Without the skew, both leases have ended: the skew makes the difference.
+    let (_, unskewed, _) = tool(
+        url,
+        &[
+            "list",
+            "--namespace",
+            &listing,
+            "--stuck",
+            "--clock-skew",
+            "0s",
+        ],
+    );
+    assert_eq!(ids(&unskewed), ["past", "recent"], "{unskewed}");
+
+    let counting = format!("{ns}:stats");
+    hold(store, &key(&counting, "past"), past).await;
+    hold(store, &key(&counting, "recent"), recent).await;
+    let (code, stats, err) = tool_with(url, &["stats"], &SKEW);
+    assert_eq!(code, 0, "{err}");
+    let mine = stats["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["namespace"] == counting.as_str())
+        .unwrap_or_else(|| panic!("{counting} in {stats}"));
+    assert_eq!(
+        (&mine["processing"], &mine["stuck"]),
+        (&2.into(), &1.into()),
+        "stats: {mine}"
+    );
+
+    let evicting = format!("{ns}:evict");
+    let held = key(&evicting, "recent");
+    let owner = hold(store, &held, recent).await;
+    let (code, _, err) = tool_with(
+        url,
+        &["evict", &evicting, "recent", "--only-if-stuck"],
+        &SKEW,
+    );
+    assert_eq!(
+        code, 1,
+        "evict --only-if-stuck released a lease within the skew: {err}"
+    );
+    assert!(
+        err.contains("not stuck") && err.contains("clock skew"),
+        "{err}"
+    );
+    // The flag wins over the environment.
+    let args = [
+        "evict",
+        &evicting,
+        "recent",
+        "--only-if-stuck",
+        "--clock-skew",
+        "2s",
+    ];
+    let (code, _, err) = tool_with(url, &args, &[("IDEMPOTENCY_CLOCK_SKEW", "0s")]);
+    assert_eq!(
+        code, 1,
+        "--clock-skew 2s released a lease within the skew: {err}"
+    );
+    let now = SystemClock.now();
+    store
+        .complete(
+            &held,
+            owner,
+            Some(b"done"),
+            now + Duration::from_secs(3600),
+            now,
+        )
+        .await
+        .expect("the holder still holds its lease and completes");
+    hold(store, &key(&evicting, "past"), past).await;
+    let (code, evicted, err) =
+        tool_with(url, &["evict", &evicting, "past", "--only-if-stuck"], &SKEW);
+    assert_eq!(
+        (code, &evicted["removed"]),
+        (0, &Value::Bool(true)),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_stuck_and_purge_keep_the_clock_skew() {
+    let url = sqlite_url();
+    let ns = containers::unique_namespace("cli");
+    stuck_only_past_the_clock_skew(&url, &ns).await;
+
+    // `purge` keeps the skew as a margin: a record that expired 0.3 s ago on
+    // this clock may be live on a consumer's clock behind it.
+    let store = idempotency::connect(&url).await.unwrap();
+    let expired = |id: &str, ago: Duration| {
+        let store = &store;
+        let key = RecordKey::new(&ns, id, 256).unwrap();
+        async move {
+            let now = SystemClock.now();
+            let req = request(&key, now - LEASE - ago, LEASE, LEASE);
+            let expires_at = req.expires_at;
+            store.reserve(req).await.unwrap();
+            (key, expires_at)
+        }
+    };
+    let (old, old_expiry) = expired("old", Duration::from_secs(3600)).await;
+    let (recent, recent_expiry) = expired("recent", Duration::from_millis(300)).await;
+    let (code, purged, err) = tool_with(&url, &["purge"], &SKEW);
+    assert_eq!(
+        (code, &purged["purged"]),
+        (0, &Value::from(1)),
+        "{purged} {err}"
+    );
+    let ms = Duration::from_millis(1);
+    assert!(
+        store
+            .get(&recent, recent_expiry - ms)
+            .await
+            .unwrap()
+            .is_some(),
+        "purge removed a record expired less than the clock skew ago"
+    );
+    assert!(store.get(&old, old_expiry - ms).await.unwrap().is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_stuck_keeps_the_clock_skew() {
+    let shared = containers::redis().await.expect("a Redis server");
+    let ns = containers::unique_namespace("cli");
+    stuck_only_past_the_clock_skew(shared.url(), &ns).await;
+}
+
+#[test]
+fn the_clock_skew_is_documented_in_help() {
+    let out = Command::new(env!("CARGO_BIN_EXE_idempotency"))
+        .arg("--help")
+        .env_remove("IDEMPOTENCY_CLOCK_SKEW")
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let default = humantime::format_duration(idempotency::admin::default_clock_skew());
+    assert!(
+        help.contains("--clock-skew")
+            && help.contains("IDEMPOTENCY_CLOCK_SKEW")
+            && help.contains(&format!("[default: {default}]")),
+        "{help}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

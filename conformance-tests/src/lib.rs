@@ -49,12 +49,13 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 139 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 141 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
 //! and expiry boundaries, collations and truncated keys or namespaces,
 //! takeovers that forget a field, extension that does not move expiry, batch
 //! paths that drift from the single operations, an attempt counter in a
-//! narrow column, operator listings and counts that misfilter, corrupt
+//! narrow column, operator listings and counts that misfilter (stuck leases
+//! judged without the clock skew among them), corrupt
 //! records or outages misreported, a clock-skew allowance cut to whole seconds,
 //! a listing prefix read as a `LIKE` or glob pattern, a store's own TTL that
 //! later writes do not move, a result limit with no room for the largest key,

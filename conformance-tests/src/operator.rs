@@ -13,10 +13,14 @@ use idempotency_core::{
 use crate::support::{ensure, ensure_eq, failure, random_namespace, Ctx, LEASE, TTL};
 use crate::CheckResult;
 
-/// A filter of the records under `prefix`.
+/// The consumers' clock skew the listing check judges stuck leases with.
+const SKEW: Duration = Duration::from_secs(2);
+
+/// A filter of the records under `prefix`, stuck leases judged with [`SKEW`].
 fn under(prefix: &str) -> ListFilter {
     ListFilter {
         namespace_prefix: Some(prefix.to_owned()),
+        clock_skew: SKEW,
         ..ListFilter::default()
     }
 }
@@ -42,14 +46,16 @@ fn pairs(keys: &[&RecordKey]) -> Vec<(String, String)> {
     pairs
 }
 
-/// Records in every status, a lease that ended exactly now (stuck), one
-/// expired exactly now, one in a namespace under the check's and one outside
-/// it: `admin().list` under the check's namespace lists exactly the live
-/// records there and below (each as `get` reads it), filtered by status, by
-/// stuck lease (`lease_until <= now`), cut at its limit and saying so only
-/// when more match; `admin().stats` (unless it says it sampled) counts them
-/// per namespace and status, stuck leases apart; and none of this changes a
-/// record.
+/// Records in every status, a lease that ended exactly the clock skew ago
+/// (stuck), one that ended within the skew (not stuck: a consumer whose clock
+/// is behind may still hold it), one expired exactly now, one in a namespace
+/// under the check's and one outside it: `admin().list` under the check's
+/// namespace lists exactly the live records there and below (each as `get`
+/// reads it), filtered by status, by stuck lease (`lease_until <= now -
+/// clock_skew`, with the filter's skew, not a fixed one), cut at its limit and
+/// saying so only when more match; `admin().stats` (unless it says it
+/// sampled) counts them per namespace and status, stuck leases apart under
+/// the skew it is given; and none of this changes a record.
 pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult {
     let cx = Ctx::new(repo.clone());
     let Some(admin) = repo.admin() else {
@@ -75,7 +81,10 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
         }
     };
     let (live, _) = put(cx.key("live"), t + LEASE, t + TTL).await?;
-    let (stuck, _) = put(cx.key("stuck"), t, t + TTL).await?;
+    let (stuck, _) = put(cx.key("stuck"), t - SKEW, t + TTL).await?;
+    // Ended on the caller's clock, not on every consumer's.
+    let ending = t - SKEW + Duration::from_millis(1);
+    let (ending, _) = put(cx.key("ending"), ending, t + TTL).await?;
     let (gone, _) = put(cx.key("gone"), t - Duration::from_secs(5), t).await?;
     let (done, owner) = put(cx.key("done"), t + LEASE, t + TTL).await?;
     cx.repo
@@ -91,7 +100,9 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
         .await?;
     let (outside, _) = put(cx.key_in(&outside_ns, "outside"), t + LEASE, t + TTL).await?;
     let mut before: Vec<(&RecordKey, Option<Record>)> = Vec::new();
-    for key in [&live, &stuck, &gone, &done, &failed, &child, &outside] {
+    for key in [
+        &live, &stuck, &ending, &gone, &done, &failed, &child, &outside,
+    ] {
         before.push((key, cx.repo.get(key, t).await?));
     }
 
@@ -101,7 +112,7 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
         Err(Error::Config { .. } | Error::Unsupported { .. }) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
-    let everything = [&live, &stuck, &done, &failed, &child];
+    let everything = [&live, &stuck, &ending, &done, &failed, &child];
     ensure_eq!(
         listed(&all),
         pairs(&everything),
@@ -132,7 +143,7 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
                 status: Some(Status::Processing),
                 ..under(&cx.ns)
             },
-            vec![&live, &stuck],
+            vec![&live, &stuck, &ending],
             "processing",
         ),
         (
@@ -149,7 +160,16 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
                 ..under(&cx.ns)
             },
             vec![&stuck],
-            "stuck (a lease that ended exactly now)",
+            "stuck (a lease that ended exactly the clock skew ago; not one that ended within it)",
+        ),
+        (
+            ListFilter {
+                stuck: true,
+                clock_skew: Duration::ZERO,
+                ..under(&cx.ns)
+            },
+            vec![&stuck, &ending],
+            "stuck without a clock skew (every lease that ended)",
         ),
         (under(&child_ns), vec![&child], "under the longer prefix"),
         (
@@ -182,8 +202,11 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
         "the limit keeps to the filter: {cut:?}"
     );
 
-    let stats = admin.stats(t).await?;
-    if stats.sampled.is_none() {
+    for (skew, stuck_count) in [(SKEW, 1), (Duration::ZERO, 2)] {
+        let stats = admin.stats(t, skew).await?;
+        if stats.sampled.is_some() {
+            continue;
+        }
         let counts = |ns: &str| {
             stats
                 .namespaces
@@ -194,8 +217,9 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
         };
         ensure_eq!(
             counts(&cx.ns)?,
-            (2, 1, 1, 1),
-            "(processing, stuck, completed, failed) live under the check's namespace"
+            (3, stuck_count, 1, 1),
+            "(processing, stuck, completed, failed) live under the check's namespace, stuck \
+             leases judged with a clock skew of {skew:?}"
         );
         ensure_eq!(
             counts(&child_ns)?,

@@ -29,7 +29,7 @@ use idempotency_core::admin::{
     Admin, Check as AdminCheck, DoctorOptions, ListFilter, Listed, Listing, Stats,
 };
 use idempotency_core::decision::{
-    fingerprints_conflict, reserve_transition, reserved_record, ReserveTransition,
+    fingerprints_conflict, reserve_transition, reserved_record, stuck, ReserveTransition,
 };
 use idempotency_core::{
     Capabilities, Completion, Error, Fingerprint, OwnerToken, Record, RecordKey, Repository,
@@ -333,6 +333,10 @@ flaws! {
     NativeTtlKeptByWrites,
     /// The store's item limit counts the key and fingerprint too, and the declared result limit leaves room for a short key only (DynamoDB's 400 KB item).
     ItemLimitCountsTheKey,
+    /// `admin().list`'s stuck filter ignores the clock-skew allowance (`lease_until <= now`): a lease that ended within the skew, which consumers still honour, is listed stuck.
+    ListStuckIgnoresSkew,
+    /// `admin().stats` counts stuck leases without the clock-skew allowance (`lease_until <= now`).
+    StatsStuckIgnoresSkew,
 }
 
 #[derive(Debug)]
@@ -1388,13 +1392,17 @@ impl Admin for Fixture {
             let Ok(key) = RecordKey::decode(k, usize::MAX) else {
                 continue;
             };
-            let stuck = r.status == Status::Processing
-                && (r.lease_until <= now || self.is(Flaw::ListStuckIgnoresLease));
+            let skew = match self.flaw {
+                Flaw::ListStuckIgnoresSkew => Duration::ZERO,
+                _ => filter.clock_skew,
+            };
+            let is_stuck = stuck(r, now, skew)
+                || (r.status == Status::Processing && self.is(Flaw::ListStuckIgnoresLease));
             let admitted = (!r.is_expired(now) || self.is(Flaw::ListShowsExpired))
                 && prefix.is_none_or(|p| self.prefix_matches(p, key.namespace()))
                 && (filter.status.is_none_or(|s| r.status == s)
                     || self.is(Flaw::ListIgnoresStatus))
-                && (!filter.stuck || stuck);
+                && (!filter.stuck || is_stuck);
             if !admitted {
                 continue;
             }
@@ -1416,7 +1424,7 @@ impl Admin for Fixture {
         Ok(listing)
     }
 
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let mut stats = Stats::default();
         for (k, r) in self.map.lock().iter() {
             let Ok(key) = RecordKey::decode(k, usize::MAX) else {
@@ -1424,14 +1432,15 @@ impl Admin for Fixture {
             };
             match self.flaw {
                 Flaw::StatsCountsExpired => {
-                    let stuck = r.status == Status::Processing && r.lease_until <= now;
-                    stats.add(key.namespace(), r.status, stuck, 1);
+                    let is_stuck = stuck(r, now, clock_skew);
+                    stats.add(key.namespace(), r.status, is_stuck, 1);
                 }
                 Flaw::StatsEveryLeaseStuck if !r.is_expired(now) => {
                     let stuck = r.status == Status::Processing;
                     stats.add(key.namespace(), r.status, stuck, 1);
                 }
-                _ => stats.count(key.namespace(), r, now),
+                Flaw::StatsStuckIgnoresSkew => stats.count(key.namespace(), r, now, Duration::ZERO),
+                _ => stats.count(key.namespace(), r, now, clock_skew),
             }
         }
         Ok(stats)

@@ -23,6 +23,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::Serialize;
 
+use crate::decision;
 use crate::error::Error;
 use crate::key::RecordKey;
 use crate::record::{Record, Status};
@@ -36,9 +37,16 @@ pub struct ListFilter {
     pub namespace_prefix: Option<String>,
     /// Only records in this status.
     pub status: Option<Status>,
-    /// Only `Processing` records whose lease has ended (a consumer that
-    /// stopped without recording an outcome; the next delivery takes over).
+    /// Only stuck records: `Processing` with the lease ended for every
+    /// consumer (a consumer that stopped without recording an outcome; the
+    /// next delivery takes over), by [`decision::stuck`] under
+    /// [`clock_skew`](Self::clock_skew).
     pub stuck: bool,
+    /// The consumers' [`Config::clock_skew`](crate::Config::clock_skew): a
+    /// lease counts as ended only this long after `lease_until` on the
+    /// caller's clock, as consumers take over (default
+    /// [`default_clock_skew`]).
+    pub clock_skew: Duration,
     /// At most this many records.
     pub limit: usize,
 }
@@ -49,6 +57,7 @@ impl Default for ListFilter {
             namespace_prefix: None,
             status: None,
             stuck: false,
+            clock_skew: default_clock_skew(),
             limit: 100,
         }
     }
@@ -63,8 +72,37 @@ impl ListFilter {
                 .as_deref()
                 .is_none_or(|p| namespace.starts_with(p))
             && self.status.is_none_or(|s| record.status == s)
-            && (!self.stuck || (record.status == Status::Processing && record.lease_until <= now))
+            && (!self.stuck || decision::stuck(record, now, self.clock_skew))
     }
+
+    /// The instant a stuck record's lease ended by, for a store that filters
+    /// in a query: `status = 'processing' AND lease_until <= stuck_cutoff(now)`
+    /// is [`admits`](Self::admits)' stuck rule.
+    pub fn stuck_cutoff(&self, now: Timestamp) -> Timestamp {
+        decision::skew_cutoff(now, self.clock_skew)
+    }
+}
+
+/// The `clock_skew` operator operations assume when not told the consumers'
+/// own: the library's default ([`Config::clock_skew`](crate::Config::clock_skew))
+/// or 400 ms, whichever is larger.
+///
+/// Conservative on purpose: a larger skew calls a lease stuck, and lets a
+/// purge remove a record, only later, which costs an operator a moment; a
+/// smaller one than the consumers' lets an operator release a lease a
+/// consumer still holds, and its handler run twice. Pass the consumers'
+/// value when they set one.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::admin::default_clock_skew;
+/// assert!(default_clock_skew() >= Duration::from_millis(400));
+/// assert!(default_clock_skew() >= idempotency_core::Config::default().clock_skew);
+/// ```
+pub fn default_clock_skew() -> Duration {
+    crate::Config::default()
+        .clock_skew
+        .max(Duration::from_millis(400))
 }
 
 /// One record of a [`Listing`], with its key.
@@ -152,7 +190,8 @@ pub struct NamespaceCounts {
     pub namespace: String,
     /// `Processing` records (leases live or ended).
     pub processing: u64,
-    /// Of those, leases ended: stuck until the next delivery takes over.
+    /// Of those, stuck ([`decision::stuck`]: the lease ended for every
+    /// consumer): until the next delivery takes over.
     pub stuck: u64,
     /// `Completed` records.
     pub completed: u64,
@@ -174,18 +213,26 @@ pub struct Stats {
 }
 
 impl Stats {
-    /// Adds `record` of `namespace` to the counts at `now`.
-    pub fn count(&mut self, namespace: &str, record: &Record, now: Timestamp) {
+    /// Adds `record` of `namespace` to the counts at `now`, stuck by
+    /// [`decision::stuck`] under the consumers' `clock_skew`.
+    pub fn count(
+        &mut self,
+        namespace: &str,
+        record: &Record,
+        now: Timestamp,
+        clock_skew: Duration,
+    ) {
         if record.is_expired(now) {
             self.expired += 1;
             return;
         }
-        let stuck = record.status == Status::Processing && record.lease_until <= now;
+        let stuck = decision::stuck(record, now, clock_skew);
         self.add(namespace, record.status, stuck, 1);
     }
 
     /// Adds `n` live records of `namespace` in `status` (`stuck`: processing
-    /// with the lease ended), as a `GROUP BY` returns them.
+    /// with the lease ended by [`decision::skew_cutoff`]`(now, clock_skew)`),
+    /// as a `GROUP BY` returns them.
     pub fn add(&mut self, namespace: &str, status: Status, stuck: bool, n: u64) {
         let at = match self
             .namespaces
@@ -396,7 +443,7 @@ pub struct DoctorOptions {
 impl Default for DoctorOptions {
     fn default() -> Self {
         DoctorOptions {
-            clock_skew: crate::Config::default().clock_skew,
+            clock_skew: default_clock_skew(),
         }
     }
 }
@@ -407,11 +454,16 @@ impl Default for DoctorOptions {
 /// query, a paginated scan, a sample), and say when they sampled.
 #[async_trait]
 pub trait Admin: Send + Sync {
-    /// Records that pass `filter` at `now`, up to its limit.
+    /// Records that pass `filter` at `now`, up to its limit: stuck ones by
+    /// [`ListFilter::admits`]' rule (in a query, `lease_until <=`
+    /// [`ListFilter::stuck_cutoff`], never `<= now`).
     async fn list(&self, filter: &ListFilter, now: Timestamp) -> Result<Listing, Error>;
 
-    /// Live records by namespace and status at `now`, and expired ones.
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error>;
+    /// Live records by namespace and status at `now`, stuck ones apart by
+    /// [`decision::stuck`] under the consumers' `clock_skew` (in a query,
+    /// `lease_until <=` [`decision::skew_cutoff`]`(now, clock_skew)`), and
+    /// expired ones.
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error>;
 
     /// Creates or upgrades what the store needs (tables, functions, TTL
     /// settings); idempotent. With `dry_run`, changes nothing. Returns the
@@ -425,6 +477,50 @@ pub trait Admin: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::key::OwnerToken;
+
+    fn processing(lease_until: u64) -> Record {
+        Record {
+            status: Status::Processing,
+            owner: OwnerToken::from_u128(1),
+            attempt: 1,
+            fingerprint: None,
+            result: None,
+            error: None,
+            retryable: false,
+            lease_until: Timestamp::from_millis(lease_until),
+            expires_at: Timestamp::from_millis(60_000),
+            created_at: Timestamp::EPOCH,
+            updated_at: Timestamp::EPOCH,
+        }
+    }
+
+    /// Issue #42's scenario: a lease of 3 s, a skew of 2 s, the operator at
+    /// 3.3 s. The lease ended on the operator's clock, not for every
+    /// consumer: neither listed nor counted as stuck; 2 s after it, both.
+    #[test]
+    fn stuck_records_are_judged_with_the_consumers_skew() {
+        let stuck = ListFilter {
+            stuck: true,
+            clock_skew: Duration::from_secs(2),
+            ..ListFilter::default()
+        };
+        let record = processing(3_000);
+        let at = Timestamp::from_millis;
+        assert!(!stuck.admits("ns", &record, at(3_300)));
+        assert!(!stuck.admits("ns", &record, at(4_999)));
+        assert!(stuck.admits("ns", &record, at(5_000)));
+        assert_eq!(stuck.stuck_cutoff(at(5_000)), at(3_000));
+        let counted = |now| {
+            let mut stats = Stats::default();
+            stats.count("ns", &record, at(now), Duration::from_secs(2));
+            (stats.namespaces[0].processing, stats.namespaces[0].stuck)
+        };
+        assert_eq!(counted(3_300), (1, 0));
+        assert_eq!(counted(5_000), (1, 1));
+        assert_eq!(ListFilter::default().clock_skew, default_clock_skew());
+        assert_eq!(DoctorOptions::default().clock_skew, default_clock_skew());
+    }
 
     #[test]
     fn clock_offsets_are_judged_against_the_skew() {

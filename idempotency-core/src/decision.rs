@@ -39,6 +39,83 @@ pub fn fingerprints_conflict(stored: Option<&Fingerprint>, request: Option<&Fing
     matches!((stored, request), (Some(a), Some(b)) if a != b)
 }
 
+/// The latest instant that has passed on every clock within `clock_skew` of
+/// this one: `now - clock_skew` (saturating at the epoch).
+///
+/// The one margin of the skew: a lease that ended by then is over for every
+/// consumer ([`lease_ended`]), and a record that expired by then is gone for
+/// every consumer (purges remove records expired by then, not by `now`).
+/// SQL stores are given this instant, computed here, rather than the skew.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::decision::skew_cutoff;
+/// use idempotency_core::Timestamp;
+///
+/// let now = Timestamp::from_millis(10_000);
+/// assert_eq!(skew_cutoff(now, Duration::from_secs(2)), Timestamp::from_millis(8_000));
+/// assert_eq!(skew_cutoff(now, Duration::from_secs(60)), Timestamp::EPOCH);
+/// ```
+pub fn skew_cutoff(now: Timestamp, clock_skew: Duration) -> Timestamp {
+    now.saturating_sub(clock_skew)
+}
+
+/// Whether a lease running until `lease_until` has ended for every consumer
+/// at `now` (this clock) under `clock_skew`: `lease_until <= now - clock_skew`.
+///
+/// The rule by which a consumer takes a `Processing` record over
+/// ([`reserve_transition`]) and by which an operator calls it stuck
+/// ([`stuck`]): a lease that ended on this clock less than `clock_skew` ago
+/// may still be running on the holder's.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::decision::lease_ended;
+/// use idempotency_core::Timestamp;
+///
+/// let (lease_until, skew) = (Timestamp::from_millis(3_000), Duration::from_secs(2));
+/// // 0.3 s after the lease on this clock: still live within the skew.
+/// assert!(!lease_ended(lease_until, Timestamp::from_millis(3_300), skew));
+/// assert!(lease_ended(lease_until, Timestamp::from_millis(5_000), skew));
+/// ```
+pub fn lease_ended(lease_until: Timestamp, now: Timestamp, clock_skew: Duration) -> bool {
+    lease_until <= skew_cutoff(now, clock_skew)
+}
+
+/// Whether `record` is stuck at `now` under `clock_skew`: `Processing` with
+/// its lease [ended](lease_ended) — a consumer that stopped without recording
+/// an outcome, which the next delivery takes over. Operator tools (listing,
+/// counting, `evict --only-if-stuck`) use this, so they call stuck exactly
+/// what consumers would take over.
+///
+/// ```
+/// use std::time::Duration;
+/// use idempotency_core::decision::stuck;
+/// use idempotency_core::{OwnerToken, Record, Status, Timestamp};
+///
+/// let t = Timestamp::from_millis;
+/// let record = Record {
+///     status: Status::Processing,
+///     owner: OwnerToken::random(),
+///     attempt: 1,
+///     fingerprint: None,
+///     result: None,
+///     error: None,
+///     retryable: false,
+///     lease_until: t(3_000),
+///     expires_at: t(60_000),
+///     created_at: t(0),
+///     updated_at: t(0),
+/// };
+/// let skew = Duration::from_secs(2);
+/// assert!(!stuck(&record, t(3_300), skew));
+/// assert!(stuck(&record, t(5_000), skew));
+/// assert!(!stuck(&Record { status: Status::Completed, ..record }, t(5_000), skew));
+/// ```
+pub fn stuck(record: &Record, now: Timestamp, clock_skew: Duration) -> bool {
+    record.status == Status::Processing && lease_ended(record.lease_until, now, clock_skew)
+}
+
 /// The reservation rule of the repository contract, over the record currently
 /// stored (expired or not).
 pub fn reserve_transition(
@@ -57,7 +134,7 @@ pub fn reserve_transition(
         return ReserveTransition::Existing;
     }
     let takeover = match record.status {
-        Status::Processing => record.lease_until <= req.lease_cutoff(),
+        Status::Processing => lease_ended(record.lease_until, req.now, req.clock_skew),
         Status::Failed => req.retry_failed && record.retryable,
         Status::Completed => false,
     };

@@ -2,6 +2,7 @@
 
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use hashbrown::hash_table::Entry;
@@ -369,11 +370,11 @@ impl Admin for MemoryRepository {
         Ok(listing)
     }
 
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let mut stats = Stats::default();
         for shard in self.shards.iter() {
             for slot in shard.lock().0.iter() {
-                stats.count(slot.key.namespace(), &slot.record, now);
+                stats.count(slot.key.namespace(), &slot.record, now, clock_skew);
             }
         }
         Ok(stats)

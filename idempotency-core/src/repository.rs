@@ -354,9 +354,10 @@ impl<'a> ReserveRequest<'a> {
     }
 
     /// The instant a lease must have ended by to be taken over:
-    /// `now - clock_skew` (a lease is stale when `lease_until <= lease_cutoff()`).
+    /// `now - clock_skew` (a lease is stale when `lease_until <= lease_cutoff()`),
+    /// as [`decision::skew_cutoff`](crate::decision::skew_cutoff) computes it.
     pub fn lease_cutoff(&self) -> Timestamp {
-        self.now.saturating_sub(self.clock_skew)
+        crate::decision::skew_cutoff(self.now, self.clock_skew)
     }
 }
 
@@ -542,6 +543,12 @@ pub trait Repository: Send + Sync + Debug + 'static {
 
     /// Physically removes up to `limit` records expired at `now`; returns how many.
     /// Backends with native expiry may return `Ok(0)`.
+    ///
+    /// Exact at the instant it is given: callers keep the consumers' clock
+    /// skew as a margin by passing
+    /// [`decision::skew_cutoff`](crate::decision::skew_cutoff)`(now, clock_skew)`
+    /// ([`RepositoryExt::purge_all_expired`] and the `idempotency purge`
+    /// command do).
     async fn purge_expired(&self, now: Timestamp, limit: usize) -> Result<usize, Error>;
 
     /// The store's operator operations (listing, counting, migrations, a
@@ -676,13 +683,50 @@ forward_repository!(Box<R>);
 /// never have to forward them).
 #[async_trait]
 pub trait RepositoryExt: Repository {
-    /// Calls [`Repository::purge_expired`] in batches of `batch` until a batch
-    /// comes back short; returns the total removed.
-    async fn purge_all_expired(&self, now: Timestamp, batch: usize) -> Result<usize, Error> {
+    /// Removes the records expired for every consumer at `now`: calls
+    /// [`Repository::purge_expired`] at
+    /// [`decision::skew_cutoff`](crate::decision::skew_cutoff)`(now, clock_skew)`
+    /// in batches of `batch` until a batch comes back short; returns the
+    /// total removed.
+    ///
+    /// Pass the consumers' `clock_skew`: a record that expired on this clock
+    /// less than that ago may still be live on a consumer's clock that runs
+    /// behind, which would otherwise find it gone and run its handler again.
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+    /// use std::time::Duration;
+    /// use idempotency_core::{
+    ///     MemoryRepository, OwnerToken, RecordKey, Repository, RepositoryExt, ReserveRequest,
+    ///     Timestamp,
+    /// };
+    ///
+    /// let store = MemoryRepository::new();
+    /// let key = RecordKey::new("orders", "order-1", 1024)?;
+    /// let t = Timestamp::from_millis(1_000_000);
+    /// let lease = Duration::from_secs(1);
+    /// store.reserve(ReserveRequest::new(&key, OwnerToken::random(), t, lease, lease)).await?;
+    /// let skew = Duration::from_secs(2);
+    /// // Expired 0.3 s ago on this clock: kept, within the skew.
+    /// let expired_at = t + lease;
+    /// let soon = expired_at + Duration::from_millis(300);
+    /// assert_eq!(store.purge_all_expired(soon, skew, 100).await?, 0);
+    /// assert_eq!(store.purge_all_expired(expired_at + skew, skew, 100).await?, 1);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # })?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    async fn purge_all_expired(
+        &self,
+        now: Timestamp,
+        clock_skew: Duration,
+        batch: usize,
+    ) -> Result<usize, Error> {
         let batch = batch.max(1);
+        let before = crate::decision::skew_cutoff(now, clock_skew);
         let mut total = 0;
         loop {
-            let n = self.purge_expired(now, batch).await?;
+            let n = self.purge_expired(before, batch).await?;
             total += n;
             if n < batch {
                 return Ok(total);

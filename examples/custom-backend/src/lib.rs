@@ -21,6 +21,7 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use idempotency_core::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
@@ -305,10 +306,10 @@ impl Admin for CasRepository {
         Ok(listing)
     }
 
-    async fn stats(&self, now: Timestamp) -> Result<Stats, Error> {
+    async fn stats(&self, now: Timestamp, clock_skew: Duration) -> Result<Stats, Error> {
         let mut stats = Stats::default();
         for (key, record) in self.records() {
-            stats.count(key.namespace(), &record, now);
+            stats.count(key.namespace(), &record, now, clock_skew);
         }
         Ok(stats)
     }

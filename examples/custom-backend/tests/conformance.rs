@@ -35,6 +35,6 @@ async fn admin_lists_and_counts_records() {
     let admin = repo.admin().expect("the example offers admin operations");
     let listing = admin.list(&ListFilter::default(), now).await.unwrap();
     assert_eq!(listing.records.len(), 2);
-    let stats = admin.stats(now).await.unwrap();
+    let stats = admin.stats(now, Duration::ZERO).await.unwrap();
     assert_eq!(stats.namespaces[0].processing, 2);
 }
