@@ -12,7 +12,12 @@ async fn memory_urls_connect() {
 
 #[tokio::test]
 async fn memory_urls_with_options_are_refused() {
-    for url in ["memory:?shards=4", "memory:/tmp/x", "mem://host/db", "memory:x"] {
+    for url in [
+        "memory:?shards=4",
+        "memory:/tmp/x",
+        "mem://host/db",
+        "memory:x",
+    ] {
         match connect(url).await {
             Err(e @ Error::Config { .. }) => assert!(!e.is_retryable()),
             other => panic!("{url}: expected a configuration error, got {other:?}"),

@@ -84,8 +84,14 @@ async fn refuse_another_service(endpoint: &str) -> Result<(), Error> {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let hello = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
     let speaks_http = |reply: &[u8]| reply.starts_with(b"HTTP/");
-    match idempotency_core::probe::foreign_service(host, port, hello.as_bytes(), CONNECT_TIMEOUT, speaks_http)
-        .await
+    match idempotency_core::probe::foreign_service(
+        host,
+        port,
+        hello.as_bytes(),
+        CONNECT_TIMEOUT,
+        speaks_http,
+    )
+    .await
     {
         Some(seen) => Err(Error::config(format!(
             "the DynamoDB endpoint {endpoint} accepts connections but is not an HTTP server \

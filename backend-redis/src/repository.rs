@@ -241,14 +241,14 @@ impl RedisRepository {
         options: &RedisOptions,
     ) -> Result<Self, Error> {
         let addr = client.get_connection_info().addr().clone();
-        let manager = match ConnectionManager::new_with_config(client, manager_config(options)).await
-        {
-            Ok(manager) => manager,
-            Err(e) => {
-                let err = map_redis_error(e, None, "connect");
-                return Err(unless_another_service(err, &addr, options.connect_timeout).await);
-            }
-        };
+        let manager =
+            match ConnectionManager::new_with_config(client, manager_config(options)).await {
+                Ok(manager) => manager,
+                Err(e) => {
+                    let err = map_redis_error(e, None, "connect");
+                    return Err(unless_another_service(err, &addr, options.connect_timeout).await);
+                }
+            };
         Ok(Self::from_connection_manager(manager).with_options(options))
     }
 
@@ -1105,7 +1105,11 @@ fn owned_reply(reply: Value, key: &RecordKey, operation: &'static str) -> Result
 /// closed the connection without a reply: PostgreSQL does, and so does a
 /// TLS-only port asked in plain text): asks the address whether it speaks
 /// Redis's protocol at all, and makes that a [`Error::Config`].
-async fn unless_another_service(err: Error, addr: &redis::ConnectionAddr, timeout: Duration) -> Error {
+async fn unless_another_service(
+    err: Error,
+    addr: &redis::ConnectionAddr,
+    timeout: Duration,
+) -> Error {
     let redis::ConnectionAddr::Tcp(host, port) = addr else {
         return err;
     };
@@ -1113,8 +1117,19 @@ async fn unless_another_service(err: Error, addr: &redis::ConnectionAddr, timeou
         return err;
     }
     // Every RESP2 and RESP3 reply starts with one of these type bytes.
-    let speaks_resp = |reply: &[u8]| reply.first().is_some_and(|b| b"+-:$*_,#!=(%~|>".contains(b));
-    match idempotency_core::probe::foreign_service(host, *port, b"*1\r\n$4\r\nPING\r\n", timeout, speaks_resp).await
+    let speaks_resp = |reply: &[u8]| {
+        reply
+            .first()
+            .is_some_and(|b| b"+-:$*_,#!=(%~|>".contains(b))
+    };
+    match idempotency_core::probe::foreign_service(
+        host,
+        *port,
+        b"*1\r\n$4\r\nPING\r\n",
+        timeout,
+        speaks_resp,
+    )
+    .await
     {
         Some(seen) => Error::config(format!(
             "{host}:{port} accepts connections but is not a Redis server ({seen}): another \

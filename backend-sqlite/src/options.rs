@@ -158,7 +158,11 @@ mod tests {
             "sqlite:idem.db"
         );
         // In memory, shared between the pool's connections.
-        for url in ["sqlite::memory:", "sqlite://:memory:", "sqlite://db?mode=memory"] {
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite://db?mode=memory",
+        ] {
             UrlOptions::parse(url).unwrap();
         }
     }

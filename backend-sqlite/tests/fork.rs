@@ -107,11 +107,18 @@ fn forked_copies_delivering_one_key_run_its_handler_once() -> Result<(), Failed>
         repo.pool().close().await;
     });
     let effects = dir.join("effects");
-    in_both_copies(|child| deliver_every_key(&db, &effects, if child { "child" } else { "parent" }))?;
+    in_both_copies(|child| {
+        deliver_every_key(&db, &effects, if child { "child" } else { "parent" })
+    })?;
     let mut runs: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for line in std::fs::read_to_string(&effects).unwrap_or_default().lines() {
+    for line in std::fs::read_to_string(&effects)
+        .unwrap_or_default()
+        .lines()
+    {
         let (copy, key) = line.split_once(' ').unwrap();
-        runs.entry(key.to_owned()).or_default().push(copy.to_owned());
+        runs.entry(key.to_owned())
+            .or_default()
+            .push(copy.to_owned());
     }
     for key in KEYS {
         match runs.get(key).map(Vec::as_slice) {

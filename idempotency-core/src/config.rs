@@ -491,9 +491,15 @@ mod tests {
         };
         let cases: Vec<(&str, Box<dyn Fn(&mut Config)>)> = vec![
             ("ttl", Box::new(|c| c.ttl = Duration::MAX)),
-            ("processing_timeout", Box::new(|c| c.processing_timeout = Duration::MAX)),
+            (
+                "processing_timeout",
+                Box::new(|c| c.processing_timeout = Duration::MAX),
+            ),
             ("clock_skew", Box::new(|c| c.clock_skew = Duration::MAX)),
-            ("store_timeout", Box::new(|c| c.store_timeout = Duration::MAX)),
+            (
+                "store_timeout",
+                Box::new(|c| c.store_timeout = Duration::MAX),
+            ),
             (
                 "lease_extension_interval",
                 Box::new(|c| c.lease_extension_interval = Some(Duration::MAX)),
@@ -530,7 +536,9 @@ mod tests {
             ..Config::default()
         };
         assert!(at(MAX_DURATION).validate().is_ok());
-        assert!(at(MAX_DURATION + Duration::from_millis(1)).validate().is_err());
+        assert!(at(MAX_DURATION + Duration::from_millis(1))
+            .validate()
+            .is_err());
     }
 
     #[test]

@@ -177,7 +177,13 @@ mod tests {
         })
         .await;
         let t = Duration::from_millis(300);
-        assert_eq!(foreign_service("127.0.0.1", redis, b"PING\r\n", t, resp).await, None);
-        assert_eq!(foreign_service("127.0.0.1", mute, b"PING\r\n", t, resp).await, None);
+        assert_eq!(
+            foreign_service("127.0.0.1", redis, b"PING\r\n", t, resp).await,
+            None
+        );
+        assert_eq!(
+            foreign_service("127.0.0.1", mute, b"PING\r\n", t, resp).await,
+            None
+        );
     }
 }

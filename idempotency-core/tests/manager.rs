@@ -517,7 +517,11 @@ async fn a_completion_refused_as_too_large_keeps_the_recording_bound() {
     // Three completions time out; the fourth reaches the store late in the
     // phase and is refused as too large; whatever is sent after that hangs.
     repo.inject(Operation::Complete, Fault::Hang, 3)
-        .inject(Operation::Complete, Fault::Delay(Duration::from_millis(950)), 1)
+        .inject(
+            Operation::Complete,
+            Fault::Delay(Duration::from_millis(950)),
+            1,
+        )
         .inject(Operation::Complete, Fault::Hang, usize::MAX);
     let started = tokio::time::Instant::now();
     let r = m
@@ -533,5 +537,8 @@ async fn a_completion_refused_as_too_large_keeps_the_recording_bound() {
     // at most.
     let bound = processing - Duration::from_secs(1) + store_timeout;
     let took = started.elapsed();
-    assert!(took <= bound, "recording ran {took:?}, past the bound {bound:?}");
+    assert!(
+        took <= bound,
+        "recording ran {took:?}, past the bound {bound:?}"
+    );
 }

@@ -107,7 +107,10 @@ impl idempotency_core::Repository for SmallerThanDeclared {
     ) -> Result<Option<idempotency_core::Record>, idempotency_core::Error> {
         self.0.get(key, now).await
     }
-    async fn delete(&self, key: &idempotency_core::RecordKey) -> Result<bool, idempotency_core::Error> {
+    async fn delete(
+        &self,
+        key: &idempotency_core::RecordKey,
+    ) -> Result<bool, idempotency_core::Error> {
         self.0.delete(key).await
     }
     async fn purge_expired(
