@@ -30,12 +30,13 @@ fn main() {
     // Every trial on this thread: a fork must happen with no other thread.
     args.test_threads = Some(1);
     let trials = vec![
-        Trial::test("forked_copies_draw_different_owner_tokens", || {
-            forked_copies_draw_different_owner_tokens()
-        }),
+        Trial::test(
+            "forked_copies_draw_different_owner_tokens",
+            forked_copies_draw_different_owner_tokens,
+        ),
         Trial::test(
             "forked_copies_delivering_one_key_run_its_handler_once",
-            || forked_copies_delivering_one_key_run_its_handler_once(),
+            forked_copies_delivering_one_key_run_its_handler_once,
         ),
     ];
     libtest_mimic::run(&args, trials).exit();

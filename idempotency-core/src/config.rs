@@ -489,7 +489,8 @@ mod tests {
             poll_interval,
             timeout,
         };
-        let cases: Vec<(&str, Box<dyn Fn(&mut Config)>)> = vec![
+        type Setter = Box<dyn Fn(&mut Config)>;
+        let cases: Vec<(&str, Setter)> = vec![
             ("ttl", Box::new(|c| c.ttl = Duration::MAX)),
             (
                 "processing_timeout",

@@ -298,43 +298,48 @@ mod tests {
     /// Every status × lease (live, at cutoff, stale) × expiry × fingerprint pair ×
     /// retry_failed × skew, checked against the contract's rule written out
     /// independently.
+    /// Every (retry_failed, retryable, ours).
+    const BOOLS3: [(bool, bool, bool); 8] = [
+        (false, false, false),
+        (false, false, true),
+        (false, true, false),
+        (false, true, true),
+        (true, false, false),
+        (true, false, true),
+        (true, true, false),
+        (true, true, true),
+    ];
+
     #[test]
     fn reserve_transition_exhaustive() {
         let key = RecordKey::new("ns", "id", 256).unwrap();
         let now = 1_000;
-        let cases = STATUSES.iter().flat_map(|&status| {
-            [now - 500, now - 100, now, now + 100]
-                .into_iter()
-                .flat_map(move |lease| {
-                    [now - 1, now, now + 1, now + 10_000]
-                        .into_iter()
-                        .flat_map(move |expires| {
-                            FPS.into_iter().flat_map(move |stored_fp| {
-                                FPS.into_iter().flat_map(move |req_fp| {
-                                    [false, true].into_iter().flat_map(move |retry_failed| {
-                                        [false, true].into_iter().flat_map(move |retryable| {
-                                            [false, true].into_iter().flat_map(move |ours| {
-                                                [0, 100, 400].into_iter().map(move |skew| {
-                                                    (
-                                                        status,
-                                                        lease,
-                                                        expires,
-                                                        stored_fp,
-                                                        req_fp,
-                                                        retry_failed,
-                                                        retryable,
-                                                        ours,
-                                                        skew,
-                                                    )
-                                                })
-                                            })
-                                        })
-                                    })
-                                })
-                            })
-                        })
-                })
-        });
+        // Every combination, built with plain loops (nested closures nine deep
+        // take rustfmt minutes).
+        let mut cases = Vec::new();
+        for &status in STATUSES.iter() {
+            for lease in [now - 500, now - 100, now, now + 100] {
+                for expires in [now - 1, now, now + 1, now + 10_000] {
+                    for (stored_fp, req_fp) in FPS.into_iter().flat_map(|s| FPS.map(|r| (s, r))) {
+                        for (retry_failed, retryable, ours) in BOOLS3 {
+                            for skew in [0, 100, 400] {
+                                cases.push((
+                                    status,
+                                    lease,
+                                    expires,
+                                    stored_fp,
+                                    req_fp,
+                                    retry_failed,
+                                    retryable,
+                                    ours,
+                                    skew,
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
         for (status, lease, expires, stored_fp, req_fp, retry_failed, retryable, ours, skew) in
             cases
         {

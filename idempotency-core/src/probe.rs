@@ -53,7 +53,7 @@ enum Seen {
 }
 
 /// Whether `host:port` is a service that does not speak the expected
-/// protocol: on [`TRIES`] fresh connections, each sends `hello` and the peer
+/// protocol: on two fresh connections 200 ms apart, each sends `hello` and the peer
 /// either closes without a byte or answers bytes `speaks` rejects. Returns
 /// what was seen, for the error message; `None` when the peer could not be
 /// reached, did not answer within `timeout`, or answered as expected (an
