@@ -77,10 +77,12 @@ build_binaries() {
 
 status=0
 say "building the test binaries (cargo test --workspace --all-features --no-run)"
-if ! build_binaries "$WORK/workspace.tsv" --workspace --all-features 2>>"$LOG"; then
-    say "building the workspace's tests failed (see $LOG)"
+if ! build_binaries "$WORK/workspace.tsv" --workspace --all-features 2>"$WORK/build.log"; then
+    say "building the workspace's tests failed:"
+    grep -E -A 12 '^error' "$WORK/build.log" | head -n 80 | sed 's/^/    /'
     status=1
 fi
+cat "$WORK/build.log" >>"$LOG"
 if [ -f examples/custom-backend/Cargo.toml ]; then
     say "building examples/custom-backend's tests"
     if ! build_binaries "$WORK/custom.tsv" --manifest-path examples/custom-backend/Cargo.toml \
