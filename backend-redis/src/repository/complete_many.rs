@@ -7,14 +7,17 @@
 //! decides it alone, and answered alone: one key's lost lease or foreign
 //! value never touches another's answer.
 
-use idempotency_core::{Completion, Error, RecordKey, Timestamp};
+use std::sync::atomic::Ordering;
+
+use idempotency_core::{Completion, Error, RecordKey, Repository, Timestamp};
 use redis::aio::ConnectionManager;
 use redis::{Cmd, RedisResult, Value};
 
-use super::{fill, key_len, map_redis_error, owned_reply, replies_missing, unexpected};
-use super::{KeyArg, Ready, RedisRepository};
+use super::commands::{fill, key_len, owned_reply, replies_missing, unexpected, KeyArg};
+use super::finish::Ready;
+use super::{Conn, RedisRepository};
 use crate::codec::ts_bytes;
-use crate::error::{is_cross_slot, is_noscript};
+use crate::error::{is_cross_slot, is_noscript, map_redis_error};
 
 /// The most keys one `complete_many` call carries.
 pub(crate) const KEYS_PER_CALL: usize = 100;
@@ -25,6 +28,42 @@ pub(crate) const KEYS_PER_CALL: usize = 100;
 pub(crate) const VALUE_BYTES_PER_CALL: usize = 256 * 1024;
 
 impl RedisRepository {
+    /// [`Repository::complete_many`]: the script, or pipelined `finish`
+    /// per key, where the connection allows.
+    pub(super) async fn complete_batch(
+        &self,
+        completions: Vec<Completion<'_>>,
+        now: Timestamp,
+    ) -> Vec<Result<(), Error>> {
+        match &self.conn {
+            Conn::Standalone(conn) if completions.len() > 1 => {
+                if self.multi_key_scripts.load(Ordering::Relaxed) {
+                    self.complete_scripted(conn.clone(), completions, now).await
+                } else {
+                    self.complete_pipelined(conn.clone(), completions, now)
+                        .await
+                }
+            }
+            #[cfg(feature = "cluster")]
+            Conn::Cluster(_) if completions.len() > 1 && self.nodes.is_some() => {
+                let batch = |link, group| self.complete_pipelined(link, group, now);
+                self.per_primary(
+                    completions,
+                    |c| c.key,
+                    batch,
+                    |c| self.complete(c.key, c.owner, c.result, c.expires_at, now),
+                )
+                .await
+            }
+            _ => {
+                let each = completions
+                    .into_iter()
+                    .map(|c| self.complete(c.key, c.owner, c.result, c.expires_at, now));
+                futures::future::join_all(each).await
+            }
+        }
+    }
+
     /// Every completion through `complete_many` calls, pipelined: one round
     /// trip. A call the server's script cache lost (`NOSCRIPT`) is sent again
     /// with its source.
@@ -252,7 +291,7 @@ fn key_answer(item: &Value, key: &RecordKey) -> Result<(), Error> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::FinishArgs;
+    use super::super::finish::FinishArgs;
     use super::*;
     use idempotency_core::OwnerToken;
 

@@ -19,7 +19,8 @@ use idempotency_core::{Error, Reservation, ReserveRequest};
 use redis::aio::ConnectionLike;
 use redis::{RedisError, Value};
 
-use super::{KeyArg, RedisRepository};
+use super::commands::KeyArg;
+use super::RedisRepository;
 use crate::error::map_redis_error;
 
 /// Whether a batch's reservations read their records first.
@@ -115,7 +116,7 @@ impl RedisRepository {
             // Not an outage (nothing was written, and the server answered):
             // something between us and it answers reads otherwise, so
             // batches write first from then on.
-            return Err(super::unexpected(
+            return Err(super::commands::unexpected(
                 "reserve",
                 "a read with a reply per key missing",
             ));
