@@ -190,6 +190,11 @@ read -r passed failed ignored < <(
         }
     } END { printf "%d %d %d\n", p, f, g }'
 )
+if [ "$passed" = 0 ]; then
+    # A run that executed no test is a broken run, never a green one.
+    say "no test passed: the test runner ran nothing (see $LOG)"
+    status=1
+fi
 if [ "$status" != 0 ] && [ "$failed" = 0 ]; then
     # cargo failed without a failing test: a build error or a crashed test binary.
     say "cargo test failed $failed_runs time(s) without a failing test (build error? see $LOG)"
