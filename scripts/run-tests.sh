@@ -161,7 +161,11 @@ while IFS=$'\t' read -r key _ _; do
     else
         status=1
         printf 'FAIL  %4s s  %s  %s\n' "$secs" "$key" "$summary"
-        grep -E -- '^---- |panicked|^failures:|FAILED|error' "$WORK/logs/$safe.log" | head -n 60 | sed 's/^/    /'
+        # The failures, without backtraces and the panics a suite provokes.
+        grep -E -A 6 -- '^---- |panicked at|^error' "$WORK/logs/$safe.log" |
+            grep -v -E -e '\(expected by the conformance suite\)|^ *[0-9]+: |^ +at |^stack backtrace:' \
+                -e '^note: Some details|^--$|^$|panicked at conformance-tests/src/checks.rs:1958' |
+            head -n 60 | sed 's/^/    /'
     fi
 done <"$WORK/order.tsv"
 mv "$WORK/durations.tsv" "$DURATIONS"
