@@ -968,10 +968,11 @@ mod tests {
         assert_ne!(to_vec(&f64::MAX).unwrap(), to_vec(&()).unwrap());
     }
 
-    struct Rng(u64);
+    /// xorshift64*, seeded (also for `canonical::text`'s tests).
+    pub(super) struct Rng(pub(super) u64);
 
     impl Rng {
-        fn next(&mut self) -> u64 {
+        pub(super) fn next(&mut self) -> u64 {
             // xorshift64*
             self.0 ^= self.0 >> 12;
             self.0 ^= self.0 << 25;
@@ -979,11 +980,11 @@ mod tests {
             self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
         }
 
-        fn below(&mut self, n: usize) -> usize {
+        pub(super) fn below(&mut self, n: usize) -> usize {
             (self.next() % n as u64) as usize
         }
 
-        fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        pub(super) fn pick<T: Copy>(&mut self, items: &[T]) -> T {
             items[self.below(items.len())]
         }
     }

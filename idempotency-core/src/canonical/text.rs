@@ -594,25 +594,9 @@ mod tests {
         assert!(refused(too_deep.as_bytes()).contains("deeper"));
     }
 
-    /// xorshift64*, seeded: reproducible random documents.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-
-        fn pick<'a>(&mut self, items: &[&'a str]) -> &'a str {
-            items[self.below(items.len())]
-        }
-    }
+    // xorshift64*, seeded: reproducible random documents (the one the
+    // typed canonicalizer's tests use).
+    use crate::canonical::tests::Rng;
 
     /// Numbers a `Value` holds without loss, in several spellings.
     const NUMBERS: &[&str] = &[
