@@ -89,6 +89,13 @@ pub use idempotency_mysql as mysql;
 #[doc(inline)]
 pub use idempotency_dynamodb as dynamodb;
 
+/// Broker consumers (Kafka, SQS, RabbitMQ): acknowledgement tied to the
+/// recorded outcome.
+#[cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq"))))]
+#[doc(inline)]
+pub use idempotency_consumers as consumers;
+
 /// The URL schemes of the Redis backend, exactly those
 /// `idempotency_redis::connect` parses (`idempotency_redis::URL_SCHEMES`; a
 /// test keeps the two equal). Listed here so that a URL is recognised — and a

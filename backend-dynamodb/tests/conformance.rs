@@ -8,8 +8,18 @@ use std::sync::Arc;
 
 use idempotency_core::SharedRepository;
 
+/// The suite checks what the store answers, not how fast: the emulator is one
+/// Python process that, on a machine busy with the other test binaries, can
+/// take longer than the default 5 s operation timeout to answer the suite's
+/// concurrent checks. The timeout itself is checked by `store_faults` below.
+const SUITE_TIMEOUT: &str = "30s";
+
 async fn repository() -> SharedRepository {
-    Arc::new(common::repository().await)
+    let url = format!("{}&timeout={SUITE_TIMEOUT}", common::url(common::TABLE).await);
+    let repo = idempotency_dynamodb::connect(&url)
+        .await
+        .unwrap_or_else(|e| panic!("connecting to the test DynamoDB server: {e}"));
+    Arc::new(repo)
 }
 
 idempotency_conformance::conformance_tests!(repository);

@@ -1,0 +1,1 @@
+//! The kafka consumer (being written).

@@ -1,0 +1,1 @@
+//! The rabbitmq consumer (being written).

@@ -1,0 +1,1 @@
+//! The sqs consumer (being written).
