@@ -6,16 +6,17 @@ use std::sync::Arc;
 
 use idempotency_core::decision::decide_duplicate;
 use idempotency_core::stages::{
-    answer_duplicate, cacheable_result, failure_record, reserve_request, FailureRecord,
+    answer_duplicate, cacheable_result, failure_record, reserve_request, FailureRecord, Front,
 };
 use idempotency_core::{
-    escape_part, BoxFuture, Clock, Codec, Config, Error, ExecuteError, Fingerprint, HandlerError,
-    JsonCodec, Outcome, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest,
-    Status, SystemClock, Timestamp,
+    BoxFuture, Clock, Codec, Config, Error, ExecuteError, Fingerprint, HandlerError, JsonCodec,
+    Outcome, OwnerToken, Record, RecordKey, Repository, Reservation, ReserveRequest, Status,
+    SystemClock, Timestamp,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use sqlx::PgConnection;
+use tracing::Instrument;
 
 use crate::error::map_sqlx;
 use crate::names::On;
@@ -298,7 +299,7 @@ impl<'a> PgTransactionRepository<'a> {
 pub struct PgTransactionalManager<C: Codec = JsonCodec> {
     repo: PgRepository,
     config: Arc<Config>,
-    namespace: Arc<str>,
+    front: Front,
     clock: Arc<dyn Clock>,
     codec: C,
 }
@@ -308,7 +309,7 @@ impl<C: Codec + Clone> Clone for PgTransactionalManager<C> {
         PgTransactionalManager {
             repo: self.repo.clone(),
             config: self.config.clone(),
-            namespace: self.namespace.clone(),
+            front: self.front.clone(),
             clock: self.clock.clone(),
             codec: self.codec.clone(),
         }
@@ -319,7 +320,7 @@ impl<C: Codec> fmt::Debug for PgTransactionalManager<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgTransactionalManager")
             .field("repo", &self.repo)
-            .field("namespace", &self.namespace)
+            .field("namespace", &self.front.namespace())
             .field("config", &self.config)
             .field("codec", &self.codec)
             .finish_non_exhaustive()
@@ -334,8 +335,8 @@ impl PgTransactionalManager<JsonCodec> {
     pub fn new(repo: PgRepository, config: Config) -> Result<Self, Error> {
         config.validate()?;
         Ok(PgTransactionalManager {
+            front: Front::new(&config, &repo.capabilities()),
             repo,
-            namespace: escape_part(&config.key_prefix).into(),
             config: Arc::new(config),
             clock: Arc::new(SystemClock),
             codec: JsonCodec,
@@ -357,24 +358,30 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         PgTransactionalManager {
             repo: self.repo,
             config: self.config,
-            namespace: self.namespace,
+            front: self.front,
             clock: self.clock,
             codec,
         }
     }
 
-    /// A manager whose keys live in the sub-namespace `scope`, like
-    /// [`IdempotencyManager::scoped`](idempotency_core::IdempotencyManager::scoped).
-    pub fn scoped(&self, scope: &str) -> Self {
-        PgTransactionalManager {
-            namespace: format!("{}:{}", self.namespace, escape_part(scope)).into(),
+    /// A manager whose keys live in the sub-namespace `scope`, by the same
+    /// rules as
+    /// [`IdempotencyManager::scoped`](idempotency_core::IdempotencyManager::scoped)
+    /// (both use [`Front`]): the same scope names the same records in both.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] when the namespace with the scope would be longer
+    /// than [`MAX_NAMESPACE_BYTES`](idempotency_core::MAX_NAMESPACE_BYTES).
+    pub fn scoped(&self, scope: &str) -> Result<Self, Error> {
+        Ok(PgTransactionalManager {
+            front: self.front.scoped(scope)?,
             ..self.clone()
-        }
+        })
     }
 
     /// The namespace of this manager's keys.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        self.front.namespace()
     }
 
     /// The repository.
@@ -387,7 +394,7 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
     /// # Errors
     /// [`Error::InvalidKey`].
     pub fn record_key(&self, id: &str) -> Result<RecordKey, Error> {
-        RecordKey::new(&*self.namespace, id, self.repo.capabilities().max_id_bytes)
+        self.front.record_key(id)
     }
 
     /// Runs `handler` once per key, in one transaction with the record (see the
@@ -420,12 +427,30 @@ impl<C: Codec + Clone> PgTransactionalManager<C> {
         E: fmt::Display,
         F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, HandlerError<E>>>,
     {
-        let key = self.record_key(key)?;
-        let fingerprint = if self.config.validate_payload {
-            Some(Fingerprint::of_json(payload)?)
-        } else {
-            None
-        };
+        let (key, fingerprint) = self.front.prepare(key, payload)?;
+        let span = self.front.span(&key);
+        async {
+            let answer = self.run(key, fingerprint, handler).await;
+            self.front.observe(&answer);
+            answer
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// The transaction: reserve, run, complete, commit (or answer the
+    /// duplicate, or roll back and record the failure).
+    async fn run<T, E, F>(
+        &self,
+        key: RecordKey,
+        fingerprint: Option<Fingerprint>,
+        handler: F,
+    ) -> Result<Outcome<T>, ExecuteError<E>>
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        F: for<'c> FnOnce(&'c mut PgConnection) -> BoxFuture<'c, Result<T, HandlerError<E>>>,
+    {
         let sql = self.repo.statements();
         let map = |e| map_sqlx(e, "transaction", Some(&key), &sql.qualified);
 

@@ -651,3 +651,79 @@ fn slow_order(
         })
     }
 }
+
+/// The transactional manager shares the manager's front: scopes follow the
+/// same rules (one too long is refused when it is made, not at every call)
+/// and name the same records, and executions are counted in the same metrics.
+#[test]
+fn shares_the_managers_front() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async {
+            let world = World::new().await;
+            let tx = world.manager(Config::default());
+            let long = "s".repeat(600);
+            assert!(
+                matches!(tx.scoped(&long), Err(Error::InvalidKey { .. })),
+                "a scope longer than the namespace allows is refused"
+            );
+            let tx = tx.scoped("orders").unwrap();
+            let config = Config {
+                key_prefix: world.ns.clone(),
+                ..Config::default()
+            };
+            let plain = IdempotencyManager::new(Arc::new(world.repo.clone()), config)
+                .unwrap()
+                .scoped("orders")
+                .unwrap();
+            assert_eq!(tx.namespace(), plain.namespace());
+
+            let runs = Arc::new(AtomicUsize::new(0));
+            for expect_run in [true, false] {
+                let handler = insert_order(world.orders.clone(), "o-1", 5, runs.clone());
+                let answer = tx.execute("o-1", &5, handler).await.unwrap();
+                assert_eq!(answer.handler_ran(), expect_run, "{answer:?}");
+            }
+            let replay = plain
+                .execute("o-1", &5, || async {
+                    Err::<String, _>(HandlerError::permanent("ran again".to_owned()))
+                })
+                .await
+                .unwrap();
+            assert!(matches!(replay, Outcome::Cached(_)), "{replay:?}");
+            assert_eq!(runs.load(Ordering::SeqCst), 1);
+            world.drop_orders().await;
+        });
+    });
+    let counters: std::collections::HashMap<String, u64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            DebugValue::Counter(n) => Some((key.key().name().to_owned(), n)),
+            _ => None,
+        })
+        .collect();
+    // One run (the transactional one), two replays (one from each manager).
+    assert_eq!(
+        counters.get("idempotency_cache_misses"),
+        Some(&1),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idempotency_cache_hits"),
+        Some(&2),
+        "{counters:?}"
+    );
+    assert_eq!(
+        counters.get("idempotency_duplicates_blocked"),
+        Some(&2),
+        "{counters:?}"
+    );
+}

@@ -37,6 +37,7 @@ use crate::key::RecordKey;
 use crate::manager::{ExecuteError, Outcome};
 
 pub use crate::engine::reserve_request;
+pub use crate::manager::front::Front;
 
 /// What a duplicate delivery gets for `decision` (contract §4, stage 1): the
 /// cached result decoded with `codec`, `Duplicate`, or the matching error. A

@@ -39,7 +39,7 @@ pub(crate) struct Engine {
     pub(crate) config: Config,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) caps: Capabilities,
-    pub(crate) metrics: Metrics,
+    pub(crate) metrics: Arc<Metrics>,
     /// How long executions of this manager hold a key, for `retry_after` hints.
     pub(crate) hold_time: HoldTime,
     /// The local answer cache, when configured.
@@ -61,7 +61,7 @@ impl Engine {
     pub(crate) fn new(repo: SharedRepository, config: Config, clock: Arc<dyn Clock>) -> Self {
         let caps = repo.capabilities();
         Engine {
-            metrics: Metrics::new(caps.backend),
+            metrics: Arc::new(Metrics::new(caps.backend)),
             hold_time: HoldTime::default(),
             answers: config
                 .answer_cache

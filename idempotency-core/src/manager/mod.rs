@@ -5,6 +5,7 @@
 //! outcome; a guard decides what a dropped execution leaves behind.
 
 mod batch;
+pub(crate) mod front;
 mod outcome;
 
 use std::any::Any;
@@ -29,11 +30,12 @@ use crate::engine::lease::{ExecutionContext, Lease};
 use crate::engine::reserve::Reserved;
 use crate::engine::Engine;
 use crate::error::Error;
-use crate::key::{compose_parts, escape_part, Fingerprint, OwnerToken, RecordKey};
+use crate::key::{compose_parts, Fingerprint, OwnerToken, RecordKey};
 use crate::metrics::Counter;
 use crate::repository::SharedRepository;
 use crate::stages::{answer_duplicate, failure_record, FailureRecord};
 use crate::time::{Clock, SystemClock, Timestamp};
+use front::{record_outcome, Front};
 
 pub use outcome::{ExecuteError, HandlerError, HandlerResult, Outcome};
 
@@ -78,7 +80,7 @@ type Panic = Box<dyn Any + Send>;
 /// ```
 pub struct IdempotencyManager<C: Codec = JsonCodec> {
     engine: Arc<Engine>,
-    namespace: Arc<str>,
+    front: Front,
     codec: C,
 }
 
@@ -86,7 +88,7 @@ impl<C: Codec + Clone> Clone for IdempotencyManager<C> {
     fn clone(&self) -> Self {
         IdempotencyManager {
             engine: self.engine.clone(),
-            namespace: self.namespace.clone(),
+            front: self.front.clone(),
             codec: self.codec.clone(),
         }
     }
@@ -95,7 +97,7 @@ impl<C: Codec + Clone> Clone for IdempotencyManager<C> {
 impl<C: Codec> fmt::Debug for IdempotencyManager<C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyManager")
-            .field("namespace", &self.namespace)
+            .field("namespace", &self.front.namespace())
             .field("engine", &self.engine)
             .field("codec", &self.codec)
             .finish()
@@ -143,10 +145,11 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     ) -> Result<Self, Error> {
         config.validate()?;
         check_lock_wait(&config, &repo.capabilities())?;
-        let namespace = escape_part(&config.key_prefix).into();
+        let engine = Arc::new(Engine::new(repo, config, clock));
+        let front = Front::with_metrics(&engine.config, &engine.caps, engine.metrics.clone());
         Ok(IdempotencyManager {
-            engine: Arc::new(Engine::new(repo, config, clock)),
-            namespace,
+            engine,
+            front,
             codec,
         })
     }
@@ -154,10 +157,15 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// The same manager with another clock (tests use a
     /// [`ManualClock`](crate::ManualClock)).
     pub fn with_clock(self, clock: Arc<dyn Clock>) -> Self {
-        let engine = Engine::new(self.engine.repo.clone(), self.engine.config.clone(), clock);
+        let engine = Arc::new(Engine::new(
+            self.engine.repo.clone(),
+            self.engine.config.clone(),
+            clock,
+        ));
         IdempotencyManager {
-            engine: Arc::new(engine),
-            namespace: self.namespace,
+            engine,
+            // The same namespace; its metric keys are the same backend's.
+            front: self.front,
             codec: self.codec,
         }
     }
@@ -166,7 +174,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     pub fn with_codec<C2: Codec + Clone>(self, codec: C2) -> IdempotencyManager<C2> {
         IdempotencyManager {
             engine: self.engine,
-            namespace: self.namespace,
+            front: self.front,
             codec,
         }
     }
@@ -191,28 +199,16 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// [`Error::InvalidKey`] when the namespace with the scope would be longer
     /// than [`MAX_NAMESPACE_BYTES`](crate::MAX_NAMESPACE_BYTES).
     pub fn scoped(&self, scope: &str) -> Result<Self, Error> {
-        let namespace: Arc<str> = format!("{}:{}", self.namespace, escape_part(scope)).into();
-        if namespace.len() > crate::MAX_NAMESPACE_BYTES {
-            return Err(Error::InvalidKey {
-                reason: format!(
-                    "the scope `{}` makes the namespace {} bytes long; at most {} are allowed \
-                     (shorten the scope or the key prefix)",
-                    scope.escape_debug(),
-                    namespace.len(),
-                    crate::MAX_NAMESPACE_BYTES
-                ),
-            });
-        }
         Ok(IdempotencyManager {
             engine: self.engine.clone(),
-            namespace,
+            front: self.front.scoped(scope)?,
             codec: self.codec.clone(),
         })
     }
 
     /// The namespace of this manager's keys.
     pub fn namespace(&self) -> &str {
-        &self.namespace
+        self.front.namespace()
     }
 
     /// The configuration.
@@ -256,7 +252,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
     /// # Errors
     /// [`Error::InvalidKey`].
     pub fn record_key(&self, id: &str) -> Result<RecordKey, Error> {
-        RecordKey::in_namespace(&self.namespace, id, self.engine.caps.max_id_bytes)
+        self.front.record_key(id)
     }
 
     /// Runs `handler` once per key (contract §4).
@@ -507,13 +503,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         key: &str,
         payload: &P,
     ) -> Result<(RecordKey, Option<Fingerprint>), Error> {
-        let record_key = self.record_key(key)?;
-        let fingerprint = if self.engine.config.validate_payload {
-            Some(Fingerprint::of_json(payload)?)
-        } else {
-            None
-        };
-        Ok((record_key, fingerprint))
+        self.front.prepare(key, payload)
     }
 
     async fn run_instrumented<T, E, F, Fut>(
@@ -528,12 +518,7 @@ impl<C: Codec + Clone> IdempotencyManager<C> {
         F: FnOnce(ExecutionContext) -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        let span = tracing::debug_span!(
-            EXECUTE_SPAN,
-            key = %key,
-            backend = self.engine.caps.backend,
-            outcome = tracing::field::Empty,
-        );
+        let span = self.front.span(&key);
         if span.is_disabled() {
             // No subscriber wants the span: skip entering and leaving it on every
             // poll (with `tracing`'s `log` feature on, each of those is a call).
@@ -878,17 +863,4 @@ fn panic_message(panic: &Panic) -> &str {
         .map(String::as_str)
         .or_else(|| panic.downcast_ref::<&str>().copied())
         .unwrap_or("non-string panic")
-}
-
-/// The name of the span around each execution.
-const EXECUTE_SPAN: &str = "idempotency.execute";
-
-/// Records the execution's outcome on its span. Only on its own span: when a
-/// filter disables it, the current span is the caller's, not ours to write to
-/// (and with no subscriber at all this is one check).
-fn record_outcome(outcome: &'static str) {
-    let span = tracing::Span::current();
-    if span.metadata().is_some_and(|m| m.name() == EXECUTE_SPAN) {
-        span.record("outcome", outcome);
-    }
 }
