@@ -64,7 +64,7 @@ impl Answering {
             .iter()
             .zip(&keys)
             .map(|(message, key)| Delivery {
-                key: key.as_ref().map(String::clone).unwrap_or_default(),
+                key: key.as_ref().ok().cloned().unwrap_or_default(),
                 payload: message.body.as_str(),
                 attempt: message.receive_count,
                 redelivered: message.redelivered(),
