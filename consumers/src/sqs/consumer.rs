@@ -320,7 +320,8 @@ impl<C: Codec + Clone> SqsConsumer<C> {
     /// taken messages: they reappear when the queue's visibility timeout ends.
     ///
     /// A failed receive is logged and retried after the [`Backoff`] (by the
-    /// number of failures in a row).
+    /// number of failures in a row); with short polling (a wait time under a
+    /// second), an empty receive is followed by the backoff's initial delay.
     pub async fn run<T, E, F, Fut, S>(&self, shutdown: S, handler: F) -> RunStats
     where
         T: Serialize + DeserializeOwned,
@@ -346,6 +347,13 @@ impl<C: Codec + Clone> SqsConsumer<C> {
                     if !messages.is_empty() {
                         let report = self.handle(messages, &handler).await;
                         stats.add(&report.settled);
+                    } else if self.wait_time < Duration::from_secs(1) {
+                        // Short polling an empty queue: not in a hot loop.
+                        tokio::select! {
+                            biased;
+                            () = &mut shutdown => break,
+                            () = tokio::time::sleep(self.answering.backoff.initial) => {}
+                        }
                     }
                 }
                 Err(error) => {
