@@ -388,3 +388,48 @@ async fn a_message_without_a_key_is_rejected_as_invalid_key() {
     assert_eq!((report.settled.delayed, report.settled.deleted), (1, 0));
     assert_eq!(counts(&client, &url).await, (0, 1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_delete_is_counted_and_the_redelivery_is_a_duplicate() {
+    let client = client().await;
+    let url = queue(&client, "undeleted", 30).await;
+    let repo = Arc::new(MemoryRepository::new());
+    let consumer = consumer(
+        &client,
+        &url,
+        manager_on(&repo, config(Duration::from_secs(10), None)),
+    )
+    .await;
+    send(&client, &url, "charge 40", Some("order-4")).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    // The queue is purged while the handler runs: the receipt handle is no
+    // longer valid, so SQS refuses the delete entry.
+    let purging = {
+        let (client, url, runs) = (client.clone(), url.clone(), runs.clone());
+        move |message: SqsMessage, _ctx: ExecutionContext| {
+            let (client, url) = (client.clone(), url.clone());
+            runs.fetch_add(1, Ordering::SeqCst);
+            async move {
+                client.purge_queue().queue_url(url).send().await.unwrap();
+                Ok::<_, HandlerError<String>>(message.body)
+            }
+        }
+    };
+    let report = poll_until_some(&consumer, &purging, Duration::from_secs(10)).await;
+    assert_eq!(
+        report.messages[0].disposition,
+        Disposition::Ack(Answer::Executed)
+    );
+    assert_eq!((report.settled.deleted, report.settled.failures), (0, 1));
+
+    // The message delivered again (here: sent again) is answered from the
+    // record and deleted; the handler does not run twice.
+    send(&client, &url, "charge 40", Some("order-4")).await;
+    let report = poll_until_some(&consumer, &purging, Duration::from_secs(10)).await;
+    assert_eq!(
+        report.messages[0].disposition,
+        Disposition::Ack(Answer::Duplicate)
+    );
+    assert_eq!((report.settled.deleted, report.settled.failures), (1, 0));
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
