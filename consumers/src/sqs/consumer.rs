@@ -17,11 +17,13 @@ use tracing::Instrument;
 use super::answer::{Answering, Handled};
 use super::heartbeat::{keep_invisible, Heartbeat};
 use super::message::{KeySource, SqsMessage};
-use super::settle::{sdk_error, Settled, Settler, MAX_VISIBILITY};
+use super::settle::{bounded, sdk_error, Settled, Settler, MAX_VISIBILITY};
 use crate::disposition::Backoff;
 
 /// SQS's longest long-polling wait.
 const MAX_WAIT: Duration = Duration::from_secs(20);
+/// The longest one SQS call takes by default.
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Builds an [`SqsConsumer`]; see [`SqsConsumer::builder`].
 #[derive(Debug)]
@@ -33,6 +35,7 @@ pub struct SqsConsumerBuilder<C: Codec + Clone = JsonCodec> {
     answering: Answering,
     wait_time: Duration,
     max_messages: u8,
+    call_timeout: Duration,
 }
 
 /// An SQS consumer that runs each message's handler once per idempotency key
@@ -46,6 +49,7 @@ pub struct SqsConsumer<C: Codec + Clone = JsonCodec> {
     answering: Answering,
     wait_time: Duration,
     max_messages: u8,
+    call_timeout: Duration,
     queue_visibility: Duration,
     heartbeat: Option<Heartbeat>,
 }
@@ -86,7 +90,7 @@ impl<C: Codec + Clone> SqsConsumer<C> {
     /// Defaults: keys from the message attribute `idempotency-key`
     /// ([`KeySource::default`]), no dead-letter queue (rejected messages are
     /// left to the queue's redrive policy), 20 s long polling, 10 messages a
-    /// receive, 10 handlers at once, [`Backoff::default`].
+    /// receive, 10 handlers at once, [`Backoff::default`], 10 s per SQS call.
     pub fn builder(
         client: Client,
         manager: IdempotencyManager<C>,
@@ -104,6 +108,7 @@ impl<C: Codec + Clone> SqsConsumer<C> {
             },
             wait_time: MAX_WAIT,
             max_messages: 10,
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 }
@@ -141,6 +146,14 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
         self
     }
 
+    /// The longest one SQS call may take (default 10 s; a receive may take
+    /// its wait time longer). A call past it is abandoned: a settling call's
+    /// messages reappear when their visibility ends, a receive is retried.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
     /// The delays before a failed message is delivered again.
     pub fn backoff(mut self, backoff: Backoff) -> Self {
         self.answering.backoff = backoff;
@@ -162,9 +175,10 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
     /// `GetQueueAttributes` when SQS cannot be asked.
     pub async fn build(self) -> Result<SqsConsumer<C>, Error> {
         self.check_settings()?;
-        let queue_visibility = visibility_timeout(&self.client, &self.queue_url).await?;
+        let timeout = self.call_timeout;
+        let queue_visibility = visibility_timeout(&self.client, &self.queue_url, timeout).await?;
         if let Some(dlq) = &self.dead_letter_queue_url {
-            visibility_timeout(&self.client, dlq).await?;
+            visibility_timeout(&self.client, dlq, timeout).await?;
         }
         let heartbeat = heartbeat_for(self.manager.config(), &self.queue_url, queue_visibility)?;
         Ok(SqsConsumer {
@@ -175,6 +189,7 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
             answering: self.answering,
             wait_time: self.wait_time,
             max_messages: self.max_messages,
+            call_timeout: self.call_timeout,
             queue_visibility,
             heartbeat,
         })
@@ -196,6 +211,9 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
                 self.max_messages
             )));
         }
+        if self.call_timeout.is_zero() {
+            return Err(Error::config("the SQS call timeout must be positive"));
+        }
         if self.answering.concurrency == 0 {
             return Err(Error::config(
                 "the SQS consumer's concurrency must be at least 1",
@@ -211,13 +229,22 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
 }
 
 /// The queue's `VisibilityTimeout`; a missing queue is a configuration error.
-async fn visibility_timeout(client: &Client, queue_url: &str) -> Result<Duration, Error> {
-    let output = client
+async fn visibility_timeout(
+    client: &Client,
+    queue_url: &str,
+    timeout: Duration,
+) -> Result<Duration, Error> {
+    let request = client
         .get_queue_attributes()
         .queue_url(queue_url)
         .attribute_names(QueueAttributeName::VisibilityTimeout)
-        .send()
+        .send();
+    let output = tokio::time::timeout(timeout, request)
         .await
+        .map_err(|_| Error::Timeout {
+            backend: "sqs",
+            operation: "GetQueueAttributes",
+        })?
         .map_err(|error| {
             if error
                 .as_service_error()
@@ -374,7 +401,7 @@ impl<C: Codec + Clone> SqsConsumer<C> {
 
     async fn receive(&self) -> Result<Vec<SqsMessage>, Error> {
         let wait = i32::try_from(self.wait_time.as_secs()).unwrap_or(20);
-        let output = self
+        let request = self
             .client
             .receive_message()
             .queue_url(&self.queue_url)
@@ -384,9 +411,9 @@ impl<C: Codec + Clone> SqsConsumer<C> {
             .message_system_attribute_names(MessageSystemAttributeName::MessageDeduplicationId)
             .message_system_attribute_names(MessageSystemAttributeName::MessageGroupId)
             .message_attribute_names("All")
-            .send()
-            .await
-            .map_err(|e| sdk_error("ReceiveMessage", e))?;
+            .send();
+        let timeout = self.wait_time + self.call_timeout;
+        let output = bounded("ReceiveMessage", timeout, request).await?;
         Ok(output.messages().iter().map(SqsMessage::from_sdk).collect())
     }
 
@@ -406,6 +433,7 @@ impl<C: Codec + Clone> SqsConsumer<C> {
             queue_url: &self.queue_url,
             dead_letter_queue_url: self.dead_letter_queue_url.as_deref(),
             backoff: &self.answering.backoff,
+            timeout: self.call_timeout,
         };
         async {
             let answering = self.answering.answer(&self.manager, &messages, handler);

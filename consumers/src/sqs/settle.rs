@@ -2,6 +2,7 @@
 //! answered, one `ChangeMessageVisibilityBatch` for what is delivered again
 //! later, `SendMessageBatch` to the dead-letter queue for what is rejected.
 
+use std::future::Future;
 use std::time::Duration;
 
 use aws_sdk_sqs::error::{DisplayErrorContext, SdkError};
@@ -46,6 +47,8 @@ pub(crate) struct Settler<'a> {
     pub(crate) queue_url: &'a str,
     pub(crate) dead_letter_queue_url: Option<&'a str>,
     pub(crate) backoff: &'a Backoff,
+    /// The longest one batch call may take.
+    pub(crate) timeout: Duration,
 }
 
 /// `after` in whole seconds, rounded up, within SQS's limits.
@@ -121,13 +124,13 @@ impl Settler<'_> {
         if entries.is_empty() {
             return unbuilt;
         }
-        let result = self
+        let request = self
             .client
             .delete_message_batch()
             .queue_url(self.queue_url)
             .set_entries(Some(entries))
-            .send()
-            .await;
+            .send();
+        let result = bounded("DeleteMessageBatch", self.timeout, request).await;
         unbuilt
             + match result {
                 Ok(output) => entry_failures("delete", messages, output.failed()),
@@ -158,13 +161,13 @@ impl Settler<'_> {
         if entries.is_empty() {
             return unbuilt;
         }
-        let result = self
+        let request = self
             .client
             .change_message_visibility_batch()
             .queue_url(self.queue_url)
             .set_entries(Some(entries))
-            .send()
-            .await;
+            .send();
+        let result = bounded("ChangeMessageVisibilityBatch", self.timeout, request).await;
         let only: Vec<&SqsMessage> = messages.iter().map(|(m, _)| *m).collect();
         unbuilt
             + match result {
@@ -191,13 +194,13 @@ impl Settler<'_> {
                 .filter_map(|(i, m)| dead_letter_entry(i, m, fifo))
                 .collect();
             let built: Vec<String> = entries.iter().map(|e| e.id().to_owned()).collect();
-            let result = self
+            let request = self
                 .client
                 .send_message_batch()
                 .queue_url(dlq)
                 .set_entries(Some(entries))
-                .send()
-                .await;
+                .send();
+            let result = bounded("SendMessageBatch", self.timeout, request).await;
             let failed: Vec<String> = match &result {
                 Ok(output) => {
                     entry_failures("dead_letter", chunk, output.failed());
@@ -272,19 +275,11 @@ fn entry_failures(
 
 /// Logs and counts a batch call that failed as a whole; returns how many
 /// messages it held.
-fn call_failed<E, R>(
-    operation: &'static str,
-    messages: &[&SqsMessage],
-    error: &SdkError<E, R>,
-) -> usize
-where
-    E: std::error::Error + 'static,
-    R: std::fmt::Debug,
-{
+fn call_failed(operation: &'static str, messages: &[&SqsMessage], error: &Error) -> usize {
     tracing::warn!(
         operation,
         messages = messages.len(),
-        error = %DisplayErrorContext(error),
+        %error,
         "an SQS batch call failed; its messages reappear when their visibility ends"
     );
     count(operation, messages.len());
@@ -294,6 +289,26 @@ where
 fn count(operation: &'static str, failures: usize) {
     if failures > 0 {
         metrics::counter!(SETTLE_FAILURES, "operation" => operation).increment(failures as u64);
+    }
+}
+
+/// One SQS call, bounded by `timeout`: a call past it is abandoned (its
+/// effect unknown) and answered [`Error::Timeout`].
+pub(crate) async fn bounded<T, E, R>(
+    operation: &'static str,
+    timeout: Duration,
+    call: impl Future<Output = Result<T, SdkError<E, R>>>,
+) -> Result<T, Error>
+where
+    E: std::error::Error + Send + Sync + 'static,
+    R: std::fmt::Debug + Send + Sync + 'static,
+{
+    match tokio::time::timeout(timeout, call).await {
+        Ok(result) => result.map_err(|e| sdk_error(operation, e)),
+        Err(_) => Err(Error::Timeout {
+            backend: "sqs",
+            operation,
+        }),
     }
 }
 
