@@ -90,12 +90,12 @@ impl Settler<'_> {
         }
         for chunk in delete.chunks(BATCH) {
             let failed = self.delete(chunk).await;
-            settled.deleted += chunk.len() - failed;
+            settled.deleted += chunk.len().saturating_sub(failed);
             settled.failures += failed;
         }
         for chunk in delay.chunks(BATCH) {
             let failed = self.change_visibility(chunk, "change_visibility").await;
-            settled.delayed += chunk.len() - failed;
+            settled.delayed += chunk.len().saturating_sub(failed);
             settled.failures += failed;
         }
         settled
@@ -131,11 +131,11 @@ impl Settler<'_> {
             .set_entries(Some(entries))
             .send();
         let result = bounded("DeleteMessageBatch", self.timeout, request).await;
-        unbuilt
-            + match result {
-                Ok(output) => entry_failures("delete", messages, output.failed()),
-                Err(error) => call_failed("delete", messages, &error),
-            }
+        let failed = match result {
+            Ok(output) => entry_failures("delete", messages, output.failed()),
+            Err(error) => call_failed("delete", messages, &error),
+        };
+        (unbuilt + failed).min(messages.len())
     }
 
     /// Sets the visibility of each message to its delay; returns how many
@@ -169,11 +169,11 @@ impl Settler<'_> {
             .send();
         let result = bounded("ChangeMessageVisibilityBatch", self.timeout, request).await;
         let only: Vec<&SqsMessage> = messages.iter().map(|(m, _)| *m).collect();
-        unbuilt
-            + match result {
-                Ok(output) => entry_failures(operation, &only, output.failed()),
-                Err(error) => call_failed(operation, &only, &error),
-            }
+        let failed = match result {
+            Ok(output) => entry_failures(operation, &only, output.failed()),
+            Err(error) => call_failed(operation, &only, &error),
+        };
+        (unbuilt + failed).min(messages.len())
     }
 
     /// Sends `messages` to the dead-letter queue (body and attributes kept);

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use idempotency_consumers::sqs::{SqsConsumer, SqsMessage};
+use idempotency_consumers::sqs::{SqsConsumer, SqsMessage, SETTLE_FAILURES};
 use idempotency_consumers::{Answer, Disposition};
 use idempotency_core::{
     Error, ExecuteError, ExecutionContext, HandlerError, MemoryRepository, Outcome,
@@ -358,6 +358,7 @@ async fn the_heartbeat_keeps_a_slow_message_invisible_past_the_queue_timeout() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_without_a_key_is_rejected_as_invalid_key() {
+    record_metrics();
     let client = client().await;
     let url = queue(&client, "nokey", 30).await;
     let repo = Arc::new(MemoryRepository::new());
@@ -384,6 +385,12 @@ async fn a_message_without_a_key_is_rejected_as_invalid_key() {
         handled.answer
     );
     assert_eq!(runs.load(Ordering::SeqCst), 0);
+    let rejected = [
+        ("broker", "sqs"),
+        ("disposition", "reject"),
+        ("reason", "invalid_key"),
+    ];
+    assert!(counter(idempotency_consumers::metrics::MESSAGES, &rejected) >= 1);
     // No dead-letter queue: left to the redrive policy, visible again later.
     assert_eq!((report.settled.delayed, report.settled.deleted), (1, 0));
     assert_eq!(counts(&client, &url).await, (0, 1));
@@ -391,6 +398,7 @@ async fn a_message_without_a_key_is_rejected_as_invalid_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_delete_is_counted_and_the_redelivery_is_a_duplicate() {
+    record_metrics();
     let client = client().await;
     let url = queue(&client, "undeleted", 30).await;
     let repo = Arc::new(MemoryRepository::new());
@@ -421,6 +429,7 @@ async fn a_failed_delete_is_counted_and_the_redelivery_is_a_duplicate() {
         Disposition::Ack(Answer::Executed)
     );
     assert_eq!((report.settled.deleted, report.settled.failures), (0, 1));
+    assert!(counter(SETTLE_FAILURES, &[("operation", "delete")]) >= 1);
 
     // The message delivered again (here: sent again) is answered from the
     // record and deleted; the handler does not run twice.

@@ -158,3 +158,40 @@ where
         assert!(Instant::now() < deadline, "no message within {within:?}");
     }
 }
+
+/// The process's metrics recorder (installed once for this test binary).
+fn snapshotter() -> &'static metrics_util::debugging::Snapshotter {
+    static SNAPSHOTTER: std::sync::OnceLock<metrics_util::debugging::Snapshotter> =
+        std::sync::OnceLock::new();
+    SNAPSHOTTER.get_or_init(|| {
+        let recorder = metrics_util::debugging::DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder.install().expect("no other metrics recorder");
+        snapshotter
+    })
+}
+
+/// Starts recording metrics (call before the counted work).
+pub(crate) fn record_metrics() {
+    snapshotter();
+}
+
+/// The sum of the counter `name` over the series with all these labels.
+pub(crate) fn counter(name: &str, labels: &[(&str, &str)]) -> u64 {
+    snapshotter()
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, ..)| {
+            let key = key.key();
+            key.name() == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| key.labels().any(|l| l.key() == *k && l.value() == *v))
+        })
+        .map(|(.., value)| match value {
+            metrics_util::debugging::DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
