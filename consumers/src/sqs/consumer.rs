@@ -323,7 +323,9 @@ impl<C: Codec + Clone> SqsConsumer<C> {
     ///
     /// # Errors
     /// The receive's error ([`Error::Unavailable`] when SQS could not be
-    /// reached); failures to settle are in the report, never errors.
+    /// reached, [`Error::Timeout`] past the wait time plus the call timeout,
+    /// [`Error::Backend`] for SQS's refusal); failures to settle are in the
+    /// report, never errors.
     pub async fn poll_once<T, E, F, Fut>(&self, handler: F) -> Result<PollReport<T, E>, Error>
     where
         T: Serialize + DeserializeOwned,
