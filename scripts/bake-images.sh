@@ -58,6 +58,8 @@ print_env() {
     echo "IDEMPOTENCY_TEST_POSTGRES_IMAGE=$POSTGRES_IMAGE"
     echo "IDEMPOTENCY_TEST_DYNAMODB_IMAGE=$DYNAMODB_IMAGE"
     echo "IDEMPOTENCY_TEST_MARIADB_IMAGE=$MARIADB_IMAGE"
+    # SQS: the same moto image, started with moto's threaded server by the harness.
+    echo "IDEMPOTENCY_TEST_SQS_IMAGE=$DYNAMODB_IMAGE"
 }
 
 FORCE=0

@@ -62,18 +62,20 @@ const LABEL_RUN: &str = "org.idempotency-rs.run";
 /// How long a server may take to answer its client after its container started.
 const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The four kinds of server, with their images, ports and variables.
+/// The kinds of server, with their images, ports and variables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Redis,
     Postgres,
     DynamoDb,
     MariaDb,
+    /// Amazon SQS (moto).
+    Sqs,
 }
 
 impl Kind {
     /// How many kinds there are (the slots of per-kind tables).
-    const COUNT: usize = Kind::MariaDb as usize + 1;
+    const COUNT: usize = Kind::Sqs as usize + 1;
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -81,6 +83,7 @@ impl Kind {
             Kind::Postgres => "postgres",
             Kind::DynamoDb => "dynamodb",
             Kind::MariaDb => "mariadb",
+            Kind::Sqs => "sqs",
         }
     }
 
@@ -90,6 +93,7 @@ impl Kind {
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_IMAGE",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_IMAGE",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_IMAGE",
+            Kind::Sqs => "IDEMPOTENCY_TEST_SQS_IMAGE",
         }
     }
 
@@ -99,6 +103,7 @@ impl Kind {
             Kind::Postgres => "postgres:16",
             Kind::DynamoDb => "amazon/dynamodb-local:latest",
             Kind::MariaDb => "mariadb:11",
+            Kind::Sqs => "motoserver/moto:latest",
         }
     }
 
@@ -108,6 +113,8 @@ impl Kind {
             Kind::Postgres => "idempotency-test/postgres:bookworm",
             Kind::DynamoDb => "idempotency-test/dynamodb:bookworm",
             Kind::MariaDb => "idempotency-test/mariadb:bookworm",
+            // The baked moto image serves SQS too, with another command (see sqs.rs).
+            Kind::Sqs => "idempotency-test/dynamodb:bookworm",
         }
     }
 
@@ -117,6 +124,7 @@ impl Kind {
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_URL",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_URL",
+            Kind::Sqs => "IDEMPOTENCY_TEST_SQS_ENDPOINT",
         }
     }
 
@@ -126,6 +134,7 @@ impl Kind {
             Kind::Postgres => "postgres://postgres:postgres@127.0.0.1:5432/postgres",
             Kind::DynamoDb => "http://127.0.0.1:8000",
             Kind::MariaDb => "mysql://root:mariadb@127.0.0.1:3306/idempotency",
+            Kind::Sqs => "http://127.0.0.1:5000",
         }
     }
 
@@ -135,6 +144,7 @@ impl Kind {
             Kind::Postgres => 5432,
             Kind::DynamoDb => 8000,
             Kind::MariaDb => 3306,
+            Kind::Sqs => 5000,
         }
     }
 
@@ -453,6 +463,8 @@ async fn reap_orphans(docker: &Docker) {
 #[derive(Debug, Default)]
 pub(crate) struct StartOptions {
     pub(crate) env: Vec<(&'static str, String)>,
+    /// Replaces the image's entrypoint (its command is then `cmd`).
+    pub(crate) entrypoint: Option<String>,
     pub(crate) cmd: Vec<String>,
     /// A fixed host port (dedicated containers keep it across restarts);
     /// `None` lets Docker pick one.
@@ -503,6 +515,9 @@ pub(crate) async fn start_container(
     let mut generic = GenericImage::new(image.name.clone(), image.tag.clone());
     if !options.host_network {
         generic = generic.with_exposed_port(container_port.tcp());
+    }
+    if let Some(entrypoint) = &options.entrypoint {
+        generic = generic.with_entrypoint(entrypoint);
     }
     let mut request = generic
         .with_container_name(name.clone())
@@ -722,6 +737,7 @@ pub(crate) async fn start_dedicated(
         attempt += 1;
         let options = StartOptions {
             env: env.clone(),
+            entrypoint: None,
             cmd: cmd.clone(),
             host_port: Some(free_port()?),
             dedicated: true,

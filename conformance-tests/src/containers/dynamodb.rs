@@ -268,6 +268,21 @@ async fn call(
     operation: &str,
     body: &str,
 ) -> Result<DynamoDbResponse, String> {
+    let target = format!("DynamoDB_20120810.{operation}");
+    json_call(host, port, region, "dynamodb", &target, body).await
+}
+
+/// One call of an AWS JSON-protocol API (`X-Amz-Target: <target>`) with a
+/// placeholder signature, for `service` (`dynamodb`, `sqs`) in its
+/// credential scope.
+pub(super) async fn json_call(
+    host: &str,
+    port: u16,
+    region: &str,
+    service: &str,
+    target: &str,
+    body: &str,
+) -> Result<DynamoDbResponse, String> {
     let mut stream = TcpStream::connect((host, port))
         .await
         .map_err(|e| format!("connect {host}:{port}: {e}"))?;
@@ -277,9 +292,9 @@ async fn call(
         "POST / HTTP/1.1\r\n\
          Host: {host}:{port}\r\n\
          Content-Type: application/x-amz-json-1.0\r\n\
-         X-Amz-Target: DynamoDB_20120810.{operation}\r\n\
+         X-Amz-Target: {target}\r\n\
          X-Amz-Date: 20240101T000000Z\r\n\
-         Authorization: AWS4-HMAC-SHA256 Credential={ACCESS_KEY_ID}/20240101/{region}/dynamodb/aws4_request, \
+         Authorization: AWS4-HMAC-SHA256 Credential={ACCESS_KEY_ID}/20240101/{region}/{service}/aws4_request, \
          SignedHeaders=content-type;host;x-amz-date;x-amz-target, Signature={signature}\r\n\
          Content-Length: {length}\r\n\
          Connection: close\r\n\

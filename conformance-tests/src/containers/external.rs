@@ -44,7 +44,7 @@ impl External {
             Kind::Redis => Some(6379),
             Kind::Postgres => Some(5432),
             Kind::MariaDb => Some(3306),
-            Kind::DynamoDb => None,
+            Kind::DynamoDb | Kind::Sqs => None,
         };
         let port = url
             .port_or_known_default()

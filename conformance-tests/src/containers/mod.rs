@@ -29,6 +29,7 @@
 //! | PostgreSQL | [`postgres()`] | `IDEMPOTENCY_TEST_POSTGRES_IMAGE` (`postgres:16`) | `IDEMPOTENCY_TEST_POSTGRES_URL` |
 //! | DynamoDB | [`dynamodb()`] | `IDEMPOTENCY_TEST_DYNAMODB_IMAGE` (`amazon/dynamodb-local:latest`) | `IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT` |
 //! | MariaDB (MySQL) | [`mariadb()`] | `IDEMPOTENCY_TEST_MARIADB_IMAGE` (`mariadb:11`) | `IDEMPOTENCY_TEST_MARIADB_URL` |
+//! | Amazon SQS (moto) | [`sqs()`] | `IDEMPOTENCY_TEST_SQS_IMAGE` (`motoserver/moto:latest`; baked: `idempotency-test/dynamodb:bookworm`) | `IDEMPOTENCY_TEST_SQS_ENDPOINT` |
 //!
 //! A three-master Redis Cluster comes from [`redis_cluster()`] (nodes on the
 //! host network, bound to `127.0.0.1`), or from `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`.
@@ -51,7 +52,7 @@
 //!
 //! One server per kind per test binary; tests keep apart through
 //! [`unique_namespace`], [`PostgresServer::create_schema`] and
-//! [`DynamoDbServer::unique_table_name`], never by flushing. Tests that stop a
+//! [`DynamoDbServer::unique_table_name`], [`SqsServer::unique_queue_name`], never by flushing. Tests that stop a
 //! server (outage tests) take a [`Dedicated`] container of their own, e.g.
 //! [`RedisServer::dedicated`], which keeps its port across
 //! [`Dedicated::stop`] / [`Dedicated::start`].
@@ -71,6 +72,7 @@ mod postgres;
 mod redis;
 mod redis_cluster;
 mod redis_tls;
+mod sqs;
 mod wire;
 
 pub use docker::{Dedicated, Origin};
@@ -82,6 +84,7 @@ pub use postgres::{postgres, tokio_postgres, PostgresServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, DedicatedRedisCluster, RedisClusterServer};
 pub use redis_tls::RedisTlsServer;
+pub use sqs::{sqs, SqsServer};
 pub use wire::{MessageCounts, WireCounter, PING};
 
 /// A fresh, random name `<prefix>-<16 hex digits>` for a key prefix, table or
