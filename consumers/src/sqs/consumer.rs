@@ -162,7 +162,11 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
 
     /// Checks the settings and the queue, and builds the consumer.
     ///
-    /// Reads the queue's `VisibilityTimeout` (`GetQueueAttributes`). With
+    /// Reads the queue's `VisibilityTimeout` and `MessageRetentionPeriod`
+    /// (`GetQueueAttributes`), and warns when the records' `ttl` is shorter
+    /// than the retention (a message delivered after its record expired
+    /// would run again: keep records longer than the queue keeps messages).
+    /// With
     /// [`Config::lease_extension_interval`](idempotency_core::Config) set, the
     /// consumer extends the visibility of a poll's messages while their
     /// handlers run; without it, the queue's visibility timeout must be at
@@ -176,10 +180,12 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
     pub async fn build(self) -> Result<SqsConsumer<C>, Error> {
         self.check_settings()?;
         let timeout = self.call_timeout;
-        let queue_visibility = visibility_timeout(&self.client, &self.queue_url, timeout).await?;
+        let queue = queue_timers(&self.client, &self.queue_url, timeout).await?;
         if let Some(dlq) = &self.dead_letter_queue_url {
-            visibility_timeout(&self.client, dlq, timeout).await?;
+            queue_timers(&self.client, dlq, timeout).await?;
         }
+        check_retention(self.manager.config(), &self.queue_url, queue.retention);
+        let queue_visibility = queue.visibility;
         let heartbeat = heartbeat_for(self.manager.config(), &self.queue_url, queue_visibility)?;
         Ok(SqsConsumer {
             client: self.client,
@@ -228,16 +234,46 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
     }
 }
 
-/// The queue's `VisibilityTimeout`; a missing queue is a configuration error.
-async fn visibility_timeout(
+/// A queue's timers, as `GetQueueAttributes` gives them.
+struct QueueTimers {
+    /// `VisibilityTimeout`.
+    visibility: Duration,
+    /// `MessageRetentionPeriod`, when SQS gave it.
+    retention: Option<Duration>,
+}
+
+/// Warns when a message may be delivered after its record expired: a record
+/// must outlive every delivery of its message, or a late redelivery (a
+/// message left in the queue, a replay from the dead-letter queue) runs the
+/// handler again.
+fn check_retention(
+    config: &idempotency_core::Config,
+    queue_url: &str,
+    retention: Option<Duration>,
+) {
+    if let Some(retention) = retention.filter(|r| config.ttl < *r) {
+        tracing::warn!(
+            queue = queue_url,
+            ttl = ?config.ttl,
+            retention = ?retention,
+            "the records' ttl is shorter than the queue's MessageRetentionPeriod: a message \
+             delivered after its record expired runs its handler again; keep records longer \
+             than the broker keeps messages"
+        );
+    }
+}
+
+/// The queue's timers; a missing queue is a configuration error.
+async fn queue_timers(
     client: &Client,
     queue_url: &str,
     timeout: Duration,
-) -> Result<Duration, Error> {
+) -> Result<QueueTimers, Error> {
     let request = client
         .get_queue_attributes()
         .queue_url(queue_url)
         .attribute_names(QueueAttributeName::VisibilityTimeout)
+        .attribute_names(QueueAttributeName::MessageRetentionPeriod)
         .send();
     let output = tokio::time::timeout(timeout, request)
         .await
@@ -255,16 +291,22 @@ async fn visibility_timeout(
                 sdk_error("GetQueueAttributes", error)
             }
         })?;
-    output
-        .attributes()
-        .and_then(|a| a.get(&QueueAttributeName::VisibilityTimeout))
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs)
-        .ok_or_else(|| {
-            Error::config(format!(
-                "SQS did not give the VisibilityTimeout of the queue {queue_url}"
-            ))
-        })
+    let seconds = |name: &QueueAttributeName| {
+        output
+            .attributes()
+            .and_then(|a| a.get(name))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_secs)
+    };
+    let visibility = seconds(&QueueAttributeName::VisibilityTimeout).ok_or_else(|| {
+        Error::config(format!(
+            "SQS did not give the VisibilityTimeout of the queue {queue_url}"
+        ))
+    })?;
+    Ok(QueueTimers {
+        visibility,
+        retention: seconds(&QueueAttributeName::MessageRetentionPeriod),
+    })
 }
 
 /// The heartbeat the lease needs, or why the queue cannot hold a message

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use idempotency_consumers::sqs::{SqsConsumer, SqsMessage, SETTLE_FAILURES};
 use idempotency_consumers::{Answer, Disposition};
 use idempotency_core::{
-    Error, ExecuteError, ExecutionContext, HandlerError, MemoryRepository, Outcome,
+    Config, Error, ExecuteError, ExecutionContext, HandlerError, MemoryRepository, Outcome,
 };
 
 use support::*;
@@ -441,4 +441,65 @@ async fn a_failed_delete_is_counted_and_the_redelivery_is_a_duplicate() {
     );
     assert_eq!((report.settled.deleted, report.settled.failures), (1, 0));
     assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
+
+/// A queue that keeps messages longer than the records live is reported when
+/// the consumer is built: a message delivered after its record expired would
+/// run its handler again. Records that outlive the retention are not.
+#[tokio::test]
+async fn records_shorter_than_the_queues_retention_are_warned_about() {
+    use std::sync::Mutex;
+    use tracing_subscriber::fmt::MakeWriter;
+
+    #[derive(Clone, Default)]
+    struct Captured(Arc<Mutex<Vec<u8>>>);
+    impl std::io::Write for Captured {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    impl<'a> MakeWriter<'a> for Captured {
+        type Writer = Captured;
+        fn make_writer(&'a self) -> Captured {
+            self.clone()
+        }
+    }
+
+    let client = support::client().await;
+    let url = support::queue(&client, "retention", 30).await;
+    let retention = Duration::from_secs(2 * 3600);
+    client
+        .set_queue_attributes()
+        .queue_url(&url)
+        .attributes(
+            aws_sdk_sqs::types::QueueAttributeName::MessageRetentionPeriod,
+            retention.as_secs().to_string(),
+        )
+        .send()
+        .await
+        .unwrap();
+    let repo = Arc::new(MemoryRepository::new());
+    for (ttl, warned) in [(Duration::from_secs(3600), true), (3 * retention, false)] {
+        let captured = Captured::default();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(captured.clone())
+            .with_max_level(tracing::Level::WARN)
+            .finish();
+        let _default = tracing::subscriber::set_default(subscriber);
+        let config = Config {
+            ttl,
+            ..support::config(Duration::from_secs(10), None)
+        };
+        support::consumer(&client, &url, support::manager_on(&repo, config)).await;
+        let log = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        assert_eq!(
+            log.contains("shorter than the queue's MessageRetentionPeriod"),
+            warned,
+            "ttl {ttl:?}, retention {retention:?}: {log}"
+        );
+    }
 }
