@@ -188,7 +188,7 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
     /// [`KafkaConsumerError::Config`] for an inconsistent configuration (no
     /// topic, no `group.id` or `bootstrap.servers`, automatic commits asked
     /// for, no reject route, a zero batch size, linger or concurrency, a
-    /// `max.poll.interval.ms` not above the manager's lease);
+    /// `max.poll.interval.ms` below the manager's lease);
     /// [`KafkaConsumerError::Kafka`] when librdkafka refuses the client.
     pub fn build(mut self) -> Result<KafkaConsumer<C>, KafkaConsumerError> {
         self.check()?;
@@ -257,9 +257,9 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
                 Err(_) => return fail(format!("`max.poll.interval.ms` is not a number: {ms}")),
             },
         };
-        if max_poll <= lease {
+        if max_poll < lease {
             return fail(format!(
-                "`max.poll.interval.ms` ({max_poll:?}) must be above the manager's lease ({lease:?}): \
+                "`max.poll.interval.ms` ({max_poll:?}) must be at least the manager's lease ({lease:?}): \
                  a batch runs for up to a lease between two polls"
             ));
         }
