@@ -4,8 +4,8 @@
 //! Each [`poll_once`](KafkaConsumer::poll_once) collects a batch (up to
 //! [`batch_size`](KafkaConsumerBuilder::batch_size) messages, for at most the
 //! [`linger`](KafkaConsumerBuilder::linger)), runs it through
-//! [`run_poll`](crate::run_poll) (one reservation round trip per group of keys,
-//! each message's [`Disposition`](crate::Disposition) decided by the shared
+//! [`run_poll`] (one reservation round trip per group of keys,
+//! each message's [`Disposition`] decided by the shared
 //! policy), then settles each partition:
 //!
 //! - **Commit up to the first unanswered message.** A message answered
@@ -49,7 +49,7 @@
 //! - [`run`](KafkaConsumer::run) polls until a shutdown signal, finishing the
 //!   batch in hand and its commits before it returns.
 //!
-//! Keys come from a header, the message key or a closure/[`KeyStrategy`]
+//! Keys come from a header, the message key or a closure/[`KeyStrategy`](idempotency_core::KeyStrategy)
 //! over the payload ([`KeySource`]); the fingerprint is computed over the
 //! payload's bytes. Keys live in the manager's namespace: give each topic
 //! whose keys may collide its own manager (namespace).

@@ -365,6 +365,38 @@ async fn a_revocation_commits_what_is_answered() {
 }
 
 #[tokio::test]
+async fn run_stops_on_shutdown_after_committing_the_batch_in_hand() {
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    for i in 0..4 {
+        broker.produce(&topic, 0, Some(&format!("k-{i}")), "p", None).await;
+    }
+    let store = Arc::new(MemoryRepository::new());
+    let group = unique("group");
+    let consumer = consumer(&broker, &store, &group, &topic);
+    let effects = Effects::default();
+    // The first handler asks for the shutdown: the batch it is part of still
+    // finishes and is committed before `run` returns.
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let handler = {
+        let (effects, stop) = (effects.clone(), stop.clone());
+        move |message: Arc<OwnedMessage>, _ctx: ExecutionContext| {
+            let key = key_of(&message);
+            effects.call(&key);
+            effects.apply(&key);
+            stop.notify_one();
+            std::future::ready(Ok::<u32, HandlerError<String>>(1))
+        }
+    };
+    let run = consumer.run(handler, stop.notified());
+    tokio::time::timeout(LIMIT, run).await.expect("run stopped").unwrap();
+    let answered = effects.applied().len();
+    assert!(answered >= 1);
+    let committed = broker.committed(&group, &topic, 1).await;
+    assert_eq!(committed, [Some(i64::try_from(answered).unwrap())]);
+}
+
+#[tokio::test]
 async fn an_inconsistent_configuration_fails_to_build() {
     let store = Arc::new(MemoryRepository::new());
     let mut client = idempotency_consumers::kafka::rdkafka::ClientConfig::new();
