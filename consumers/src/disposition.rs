@@ -155,7 +155,7 @@ pub fn failure_redelivers(kind: FailureKind, policy: FailurePolicy) -> bool {
 /// assert_eq!(classify(&done, false, 1, &backoff), Disposition::Ack(Answer::Duplicate));
 ///
 /// let busy: Result<Outcome<u32>, ExecuteError<String>> = Err(ExecuteError::Idempotency(
-///     Error::InProgress { key: RecordKey::new("orders", "k-1"), retry_after: Duration::from_millis(750) },
+///     Error::InProgress { key: RecordKey::new("orders", "k-1", 1024).unwrap(), retry_after: Duration::from_millis(750) },
 /// ));
 /// assert_eq!(
 ///     classify(&busy, false, 3, &backoff),

@@ -369,7 +369,9 @@ async fn run_stops_on_shutdown_after_committing_the_batch_in_hand() {
     let broker = Broker::start();
     let topic = broker.topic(1).await;
     for i in 0..4 {
-        broker.produce(&topic, 0, Some(&format!("k-{i}")), "p", None).await;
+        broker
+            .produce(&topic, 0, Some(&format!("k-{i}")), "p", None)
+            .await;
     }
     let store = Arc::new(MemoryRepository::new());
     let group = unique("group");
@@ -389,7 +391,10 @@ async fn run_stops_on_shutdown_after_committing_the_batch_in_hand() {
         }
     };
     let run = consumer.run(handler, stop.notified());
-    tokio::time::timeout(LIMIT, run).await.expect("run stopped").unwrap();
+    tokio::time::timeout(LIMIT, run)
+        .await
+        .expect("run stopped")
+        .unwrap();
     let answered = effects.applied().len();
     assert!(answered >= 1);
     let committed = broker.committed(&group, &topic, 1).await;
