@@ -431,19 +431,37 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
                         Err(error) => error.to_string(),
                         Ok(_) => reason.to_owned(),
                     });
-                    let rejected = Rejected {
-                        message: batch[index].message.clone(),
-                        reason,
-                        detail,
-                    };
-                    routes.push(async move { (index, self.reject.route(rejected).await) });
+                    let received = &batch[index];
+                    let tp = received.tp();
+                    let offset = received.message.offset();
+                    if self.state.lock().was_routed(&tp, offset) {
+                        report.rejected += 1;
+                        tracing::debug!(
+                            topic = tp.0,
+                            partition = tp.1,
+                            offset,
+                            reason,
+                            "rejected message routed already"
+                        );
+                    } else {
+                        let rejected = Rejected {
+                            message: received.message.clone(),
+                            reason,
+                            detail,
+                        };
+                        routes.push(async move { (index, tp, self.reject.route(rejected).await) });
+                    }
                     Step::Answered
                 }
             });
         }
-        for (index, routed) in futures::future::join_all(routes).await {
+        for (index, tp, routed) in futures::future::join_all(routes).await {
             match routed {
-                Ok(()) => report.rejected += 1,
+                Ok(()) => {
+                    report.rejected += 1;
+                    let offset = batch[index].message.offset();
+                    self.state.lock().routed(&tp, offset);
+                }
                 Err(error) => {
                     let after = self.settings.backoff.delay(batch[index].attempt);
                     let message = &batch[index].message;

@@ -7,7 +7,7 @@
 //! answered or committed: a revocation never lands in the middle of
 //! [`run_poll`](crate::run_poll).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -42,6 +42,8 @@ struct Owned {
     position: Option<i64>,
     /// Deliveries of each message not committed yet.
     attempts: BTreeMap<i64, u32>,
+    /// Rejected messages not committed yet that were routed already.
+    routed: BTreeSet<i64>,
 }
 
 /// Every owned partition, and where revoked ones had got to.
@@ -133,6 +135,25 @@ impl Partitions {
             }
             owned.committed = Some(owned.committed.map_or(*offset, |c| c.max(*offset)));
             owned.attempts = owned.attempts.split_off(offset);
+            owned.routed = owned.routed.split_off(offset);
+        }
+    }
+
+    /// Whether the rejected message at `offset` was routed already (it is
+    /// read again because an earlier message of its partition held it back).
+    pub(crate) fn was_routed(&self, tp: &Tp, offset: i64) -> bool {
+        self.owned
+            .get(tp)
+            .is_some_and(|o| o.routed.contains(&offset))
+    }
+
+    /// Records that the rejected message at `offset` was routed.
+    pub(crate) fn routed(&mut self, tp: &Tp, offset: i64) {
+        if let Some(owned) = self.owned.get_mut(tp) {
+            owned.routed.insert(offset);
+            while owned.routed.len() > MAX_ATTEMPTS_PER_PARTITION {
+                owned.routed.pop_first();
+            }
         }
     }
 

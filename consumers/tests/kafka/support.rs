@@ -165,6 +165,21 @@ impl Broker {
         .expect("probe task")
     }
 
+    /// How many messages `topic`'s partition 0 holds (its high watermark).
+    pub(crate) async fn high_watermark(&self, topic: &str) -> i64 {
+        let client = self.client(&unique("watermarks"));
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let probe: BaseConsumer = client.create().expect("probe consumer");
+            let (_, high) = probe
+                .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+                .expect("watermarks");
+            high
+        })
+        .await
+        .expect("probe task")
+    }
+
     /// Every message of `topic`'s partition 0 up to `count`, read with a
     /// plain consumer (no group commits).
     pub(crate) async fn read(&self, topic: &str, count: usize) -> Vec<OwnedMessage> {
