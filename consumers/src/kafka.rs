@@ -25,6 +25,10 @@
 //!   report awaited) and/or handed to the
 //!   [`on_reject`](KafkaConsumerBuilder::on_reject) hook; only then is its
 //!   offset committed past. A failed route holds the partition like a retry.
+//!   A reject read again before its partition's commit passed it (an earlier
+//!   message held the partition) is not routed again by this consumer; after
+//!   a rebalance its new owner may route it again: the dead-letter topic is
+//!   at least once (its `idempotency-source` header names the original).
 //! - **Commits follow the recorded outcomes.** Offsets are committed after
 //!   `run_poll` returned (every outcome is recorded in the store by then),
 //!   synchronously: the broker's answer is awaited (on a blocking thread,
@@ -48,6 +52,16 @@
 //!   to when the partition was last revoked from it.
 //! - [`run`](KafkaConsumer::run) polls until a shutdown signal, finishing the
 //!   batch in hand and its commits before it returns.
+//! - **Blocking calls.** Seeks and pauses are local librdkafka calls; the
+//!   revocation commit runs inside librdkafka's rebalance callback, on the
+//!   task that polls, and blocks it for one round trip (the commit after a
+//!   batch runs on a blocking thread). Run the consumer on a multi-threaded
+//!   runtime when other tasks must not wait for these.
+//!
+//! librdkafka is built from source without SSL, SASL, zstd and curl (the
+//! fastest offline build): gzip (system zlib or a bundled copy), snappy and
+//! lz4 batches are read. For zstd-compressed topics or TLS, enable rdkafka's
+//! `zstd`/`ssl` features in your own `Cargo.toml` (Cargo unifies them).
 //!
 //! Keys come from a header, the message key or a closure/[`KeyStrategy`](idempotency_core::KeyStrategy)
 //! over the payload ([`KeySource`]); the fingerprint is computed over the

@@ -433,7 +433,11 @@ async fn an_inconsistent_configuration_fails_to_build() {
             .topics(["t"])
             .on_reject(|_| async { Ok(()) })
     };
-    assert!(build(&client).build().is_ok());
+    let built = build(&client).build().unwrap();
+    // `run` and `poll_once` can be spawned.
+    fn spawnable<F: std::future::Future + Send>(_: F) {}
+    spawnable(built.run(counting(&Effects::default()), async {}));
+    spawnable(built.poll_once(counting(&Effects::default())));
     let no_route = KafkaConsumer::builder(manager(&store, LEASE), client.clone()).topics(["t"]);
     let cases = [
         build(&client).topics(Vec::<String>::new()).build(),
