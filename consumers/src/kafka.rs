@@ -303,6 +303,8 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
             );
             if let Err(error) = seek {
                 tracing::warn!(topic, partition, offset, %error, "seek back failed; the partition stays held");
+                let later = Instant::now() + self.settings.backoff.initial;
+                self.state.lock().postpone(&tp, later.into_std());
                 continue;
             }
             let mut list = TopicPartitionList::new();
@@ -311,6 +313,8 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
                 Ok(()) => self.state.lock().released(&tp),
                 Err(error) => {
                     tracing::warn!(topic, partition, %error, "resume failed; the partition stays held");
+                    let later = Instant::now() + self.settings.backoff.initial;
+                    self.state.lock().postpone(&tp, later.into_std());
                 }
             }
         }

@@ -184,6 +184,14 @@ impl Partitions {
         }
     }
 
+    /// Moves the end of `tp`'s hold to `until` (its seek back failed: it is
+    /// tried again then, not in a loop).
+    pub(crate) fn postpone(&mut self, tp: &Tp, until: Instant) {
+        if let Some(hold) = self.owned.get_mut(tp).and_then(|o| o.hold.as_mut()) {
+            hold.1 = until;
+        }
+    }
+
     /// The partitions held now.
     pub(crate) fn held(&self) -> usize {
         self.owned.values().filter(|o| o.hold.is_some()).count()
