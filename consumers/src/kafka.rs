@@ -114,6 +114,7 @@ use std::sync::Arc;
 use idempotency_core::{Codec, ExecutionContext, HandlerError, IdempotencyManager};
 use parking_lot::Mutex;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 use serde::de::DeserializeOwned;
@@ -289,8 +290,9 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
     }
 
     /// Seeks each partition whose hold is over back to its first unanswered
-    /// message, then resumes it. A partition whose seek failed stays held
-    /// (and paused) until the next poll: it is never resumed past the message.
+    /// message, then resumes it. A partition whose seek or resume failed stays
+    /// held (and paused) for the backoff's first delay more: it is never
+    /// resumed past the message.
     fn release_due_holds(&self) {
         let due = self.state.lock().due(Instant::now().into_std());
         for (tp, offset) in due {
@@ -332,6 +334,8 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
             let message = match tokio::time::timeout_at(deadline, self.consumer.recv()).await {
                 Err(_elapsed) => break,
                 Ok(Ok(message)) => message,
+                // Only with `enable.partition.eof`: nothing to answer.
+                Ok(Err(KafkaError::PartitionEOF(_))) => continue,
                 Ok(Err(error)) if batch.is_empty() => return Err(error.into()),
                 Ok(Err(error)) => {
                     tracing::warn!(%error, "kafka poll failed; answering the batch so far");
