@@ -52,6 +52,10 @@
 //!   to when the partition was last revoked from it.
 //! - [`run`](KafkaConsumer::run) polls until a shutdown signal, finishing the
 //!   batch in hand and its commits before it returns.
+//! - **Handler panics** continue out of `poll_once`/`run` once the batch's
+//!   other outcomes are recorded (as in
+//!   [`execute_batch`](idempotency_core::IdempotencyManager::execute_batch));
+//!   nothing of that batch is committed, so it is read again.
 //! - **Blocking calls.** Seeks and pauses are local librdkafka calls; the
 //!   revocation commit runs inside librdkafka's rebalance callback, on the
 //!   task that polls, and blocks it for one round trip (the commit after a

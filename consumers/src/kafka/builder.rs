@@ -65,7 +65,6 @@ pub(crate) struct Settings {
 }
 
 /// Builds a [`KafkaConsumer`]: [`KafkaConsumer::builder`].
-#[derive(Debug)]
 pub struct KafkaConsumerBuilder<C: Codec + Clone> {
     manager: IdempotencyManager<C>,
     client: ClientConfig,
@@ -74,6 +73,21 @@ pub struct KafkaConsumerBuilder<C: Codec + Clone> {
     settings: Settings,
     dead_letter: Option<(String, Option<ClientConfig>)>,
     reject: RejectRoute,
+}
+
+impl<C: Codec + Clone> std::fmt::Debug for KafkaConsumerBuilder<C> {
+    // The client configuration may hold credentials: only its keys are shown.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let client: Vec<&str> = self.client.config_map().into_keys().collect();
+        f.debug_struct("KafkaConsumerBuilder")
+            .field("client_keys", &client)
+            .field("topics", &self.topics)
+            .field("keys", &self.keys)
+            .field("settings", &self.settings)
+            .field("dead_letter", &self.dead_letter.as_ref().map(|d| &d.0))
+            .field("reject", &self.reject)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Consumer properties this crate owns: offsets are committed by the
@@ -161,7 +175,9 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
 
     /// Rejected messages are produced to `topic` (with the consumer's
     /// connection properties, or `producer` when given); a message counts as
-    /// answered once its delivery report came back.
+    /// answered once its delivery report came back, within the
+    /// [`commit_timeout`](Self::commit_timeout) (the producer's
+    /// `message.timeout.ms` when the consumer's properties are used).
     pub fn dead_letter_topic(
         mut self,
         topic: impl Into<String>,
