@@ -62,18 +62,19 @@ const LABEL_RUN: &str = "org.idempotency-rs.run";
 /// How long a server may take to answer its client after its container started.
 const DEFAULT_READY_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The four kinds of server, with their images, ports and variables.
+/// The kinds of server, with their images, ports and variables.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Redis,
     Postgres,
     DynamoDb,
     MariaDb,
+    RabbitMq,
 }
 
 impl Kind {
     /// How many kinds there are (the slots of per-kind tables).
-    const COUNT: usize = Kind::MariaDb as usize + 1;
+    const COUNT: usize = Kind::RabbitMq as usize + 1;
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -81,6 +82,7 @@ impl Kind {
             Kind::Postgres => "postgres",
             Kind::DynamoDb => "dynamodb",
             Kind::MariaDb => "mariadb",
+            Kind::RabbitMq => "rabbitmq",
         }
     }
 
@@ -90,6 +92,7 @@ impl Kind {
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_IMAGE",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_IMAGE",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_IMAGE",
+            Kind::RabbitMq => "IDEMPOTENCY_TEST_RABBITMQ_IMAGE",
         }
     }
 
@@ -99,6 +102,7 @@ impl Kind {
             Kind::Postgres => "postgres:16",
             Kind::DynamoDb => "amazon/dynamodb-local:latest",
             Kind::MariaDb => "mariadb:11",
+            Kind::RabbitMq => "rabbitmq:3",
         }
     }
 
@@ -108,6 +112,7 @@ impl Kind {
             Kind::Postgres => "idempotency-test/postgres:bookworm",
             Kind::DynamoDb => "idempotency-test/dynamodb:bookworm",
             Kind::MariaDb => "idempotency-test/mariadb:bookworm",
+            Kind::RabbitMq => "idempotency-test/rabbitmq:bookworm",
         }
     }
 
@@ -117,6 +122,7 @@ impl Kind {
             Kind::Postgres => "IDEMPOTENCY_TEST_POSTGRES_URL",
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_URL",
+            Kind::RabbitMq => "IDEMPOTENCY_TEST_RABBITMQ_URL",
         }
     }
 
@@ -126,6 +132,7 @@ impl Kind {
             Kind::Postgres => "postgres://postgres:postgres@127.0.0.1:5432/postgres",
             Kind::DynamoDb => "http://127.0.0.1:8000",
             Kind::MariaDb => "mysql://root:mariadb@127.0.0.1:3306/idempotency",
+            Kind::RabbitMq => "amqp://guest:guest@127.0.0.1:5672/%2f",
         }
     }
 
@@ -135,6 +142,7 @@ impl Kind {
             Kind::Postgres => 5432,
             Kind::DynamoDb => 8000,
             Kind::MariaDb => 3306,
+            Kind::RabbitMq => 5672,
         }
     }
 

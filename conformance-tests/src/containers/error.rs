@@ -112,6 +112,7 @@ fn kind_named(name: &str) -> Kind {
         "postgres" => Kind::Postgres,
         "dynamodb" => Kind::DynamoDb,
         "mariadb" => Kind::MariaDb,
+        "rabbitmq" => Kind::RabbitMq,
         _ => Kind::Redis,
     }
 }
