@@ -22,5 +22,11 @@ pub(crate) fn observe(broker: &'static str, disposition: &Disposition, redeliver
     if redelivered {
         metrics::counter!(REDELIVERED, "broker" => broker).increment(1);
     }
-    tracing::debug!(broker, disposition = kind, reason = disposition.label(), redelivered, "message answered");
+    tracing::debug!(
+        broker,
+        disposition = kind,
+        reason = disposition.label(),
+        redelivered,
+        "message answered"
+    );
 }

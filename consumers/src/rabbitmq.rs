@@ -161,7 +161,9 @@ pub enum RabbitError {
     },
     /// The channel was closed under a delivery being settled; every
     /// unacknowledged delivery goes back to the queue.
-    #[error("RabbitMQ {operation}: the channel is closed; unacknowledged messages return to the queue")]
+    #[error(
+        "RabbitMQ {operation}: the channel is closed; unacknowledged messages return to the queue"
+    )]
     ChannelClosed {
         /// The AMQP operation.
         operation: &'static str,
@@ -182,7 +184,9 @@ impl RabbitError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            RabbitError::Broker { .. } | RabbitError::ChannelClosed { .. } | RabbitError::Cancelled { .. }
+            RabbitError::Broker { .. }
+                | RabbitError::ChannelClosed { .. }
+                | RabbitError::Cancelled { .. }
         )
     }
 

@@ -146,11 +146,7 @@ async fn handshake(host: &str, port: u16) -> Result<(), String> {
 }
 
 /// Reads one frame and checks it is the method `(class, method)`.
-async fn expect_method(
-    stream: &mut TcpStream,
-    want: (u16, u16),
-    name: &str,
-) -> Result<(), String> {
+async fn expect_method(stream: &mut TcpStream, want: (u16, u16), name: &str) -> Result<(), String> {
     let mut header = [0u8; 7];
     stream
         .read_exact(&mut header)

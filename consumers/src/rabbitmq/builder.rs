@@ -38,7 +38,10 @@ pub struct RabbitConsumer<C: Codec = JsonCodec> {
 
 impl<C: Codec + Clone> RabbitConsumer<C> {
     /// A builder for a consumer of `queue` over `manager`.
-    pub fn builder(manager: IdempotencyManager<C>, queue: impl Into<String>) -> RabbitConsumerBuilder<C> {
+    pub fn builder(
+        manager: IdempotencyManager<C>,
+        queue: impl Into<String>,
+    ) -> RabbitConsumerBuilder<C> {
         RabbitConsumerBuilder {
             manager,
             queue: queue.into(),

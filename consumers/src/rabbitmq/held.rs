@@ -1,8 +1,8 @@
 //! Deliveries held for a retry: each is requeued (`basic.nack` with
 //! `requeue=true`) once its delay has passed, never before.
 
-use lapin::Acker;
 use lapin::options::BasicNackOptions;
+use lapin::Acker;
 use tokio::time::Instant;
 
 use super::RabbitError;

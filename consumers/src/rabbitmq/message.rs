@@ -86,7 +86,11 @@ impl KeySource {
     }
 
     /// The key of one message, or why there is none.
-    pub(crate) fn key_of(&self, body: &[u8], properties: &BasicProperties) -> Result<String, String> {
+    pub(crate) fn key_of(
+        &self,
+        body: &[u8],
+        properties: &BasicProperties,
+    ) -> Result<String, String> {
         let key = match self {
             KeySource::MessageId => properties
                 .message_id()
@@ -217,8 +221,14 @@ mod tests {
         ])
         .with_message_id(ShortString::from("m-1"));
         assert_eq!(KeySource::MessageId.key_of(b"", &props).unwrap(), "m-1");
-        assert_eq!(KeySource::header("x-key").key_of(b"", &props).unwrap(), "k-1");
-        assert_eq!(KeySource::header("x-num").key_of(b"", &props).unwrap(), "42");
+        assert_eq!(
+            KeySource::header("x-key").key_of(b"", &props).unwrap(),
+            "k-1"
+        );
+        assert_eq!(
+            KeySource::header("x-num").key_of(b"", &props).unwrap(),
+            "42"
+        );
         assert!(KeySource::header("x-empty").key_of(b"", &props).is_err());
         assert!(KeySource::header("x-none").key_of(b"", &props).is_err());
         assert!(KeySource::MessageId
@@ -234,7 +244,13 @@ mod tests {
 
     #[test]
     fn bodies_fingerprint_as_text_or_hex() {
-        assert_eq!(serde_json::to_string(&Body(b"{\"a\":1}")).unwrap(), r#""{\"a\":1}""#);
-        assert_eq!(serde_json::to_string(&Body(&[0xff, 0x00])).unwrap(), r#""bytes:ff00""#);
+        assert_eq!(
+            serde_json::to_string(&Body(b"{\"a\":1}")).unwrap(),
+            r#""{\"a\":1}""#
+        );
+        assert_eq!(
+            serde_json::to_string(&Body(&[0xff, 0x00])).unwrap(),
+            r#""bytes:ff00""#
+        );
     }
 }

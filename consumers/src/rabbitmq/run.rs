@@ -84,7 +84,9 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
                 FieldTable::default(),
             )
             .await
-            .map_err(|source| RabbitError::setup(format!("consuming queue {}", self.queue), source))?;
+            .map_err(|source| {
+                RabbitError::setup(format!("consuming queue {}", self.queue), source)
+            })?;
         tracing::info!(queue = %self.queue, prefetch = self.prefetch, "rabbitmq consumer started");
         let mut held = Held::default();
         let shutdown = std::pin::pin!(shutdown);
@@ -95,7 +97,9 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             // Stop deliveries, then close: the broker requeues what the
             // channel still holds (held retries, received but not polled).
             let tag = consumer.tag();
-            let _ = channel.basic_cancel(tag, BasicCancelOptions::default()).await;
+            let _ = channel
+                .basic_cancel(tag, BasicCancelOptions::default())
+                .await;
             let _ = channel.close(200, "consumer shut down".into()).await;
             tracing::info!(queue = %self.queue, requeued_retries = held.len(), "rabbitmq consumer stopped");
         }
@@ -220,7 +224,11 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
         // the end (its outcomes get recorded), then the failure is returned.
         let mut failed: Option<RabbitError> = None;
         let answers = loop {
-            let due = if failed.is_none() { held.next_due() } else { None };
+            let due = if failed.is_none() {
+                held.next_due()
+            } else {
+                None
+            };
             tokio::select! {
                 answers = &mut run => break answers,
                 () = sleep_until(due) => {
@@ -236,7 +244,9 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             let disposition = match &r.no_key {
                 Some(reason) => {
                     tracing::warn!(parent: &span, delivery_tag = r.message.delivery_tag, %reason, "message without an idempotency key rejected");
-                    let disposition = Disposition::Reject { reason: "invalid_key" };
+                    let disposition = Disposition::Reject {
+                        reason: "invalid_key",
+                    };
                     observe(BROKER, &disposition, r.message.redelivered);
                     disposition
                 }
@@ -298,7 +308,11 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
                 Disposition::Reject { .. } => pending.push(settle_one(&r.acker, false)),
                 Disposition::Retry { after, .. } => {
                     let hold = after.clamp(self.min_retry_delay, self.max_retry_hold);
-                    held.push(Instant::now() + hold, r.message.delivery_tag, r.acker.clone());
+                    held.push(
+                        Instant::now() + hold,
+                        r.message.delivery_tag,
+                        r.acker.clone(),
+                    );
                 }
             }
         }
@@ -350,7 +364,10 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
 /// Acks (`true`) or rejects without requeueing (`false`) one delivery.
 async fn settle_one(acker: &Acker, ack: bool) -> Result<(), RabbitError> {
     let (operation, result) = if ack {
-        ("basic.ack", acker.ack(BasicAckOptions { multiple: false }).await)
+        (
+            "basic.ack",
+            acker.ack(BasicAckOptions { multiple: false }).await,
+        )
     } else {
         let options = BasicRejectOptions { requeue: false };
         ("basic.reject", acker.reject(options).await)
