@@ -92,10 +92,7 @@ pub use idempotency_dynamodb as dynamodb;
 /// Broker consumers (Kafka, SQS, RabbitMQ): acknowledgement tied to the
 /// recorded outcome.
 #[cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq"))]
-#[cfg_attr(
-    docsrs,
-    doc(cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq")))
-)]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq"))))]
 #[doc(inline)]
 pub use idempotency_consumers as consumers;
 

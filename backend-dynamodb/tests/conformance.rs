@@ -15,10 +15,7 @@ use idempotency_core::SharedRepository;
 const SUITE_TIMEOUT: &str = "30s";
 
 async fn repository() -> SharedRepository {
-    let url = format!(
-        "{}&timeout={SUITE_TIMEOUT}",
-        common::url(common::TABLE).await
-    );
+    let url = format!("{}&timeout={SUITE_TIMEOUT}", common::url(common::TABLE).await);
     let repo = idempotency_dynamodb::connect(&url)
         .await
         .unwrap_or_else(|e| panic!("connecting to the test DynamoDB server: {e}"));

@@ -203,9 +203,7 @@ pub fn classify<T, E>(
             Error::InvalidKey { .. } => Disposition::Reject {
                 reason: "invalid_key",
             },
-            Error::TooLarge { .. } => Disposition::Reject {
-                reason: "too_large",
-            },
+            Error::TooLarge { .. } => Disposition::Reject { reason: "too_large" },
             Error::Codec { .. } => Disposition::Reject { reason: "codec" },
             Error::Corrupt { .. } => Disposition::Reject { reason: "corrupt" },
             // A variant added later: keep the message rather than lose it.

@@ -22,11 +22,5 @@ pub(crate) fn observe(broker: &'static str, disposition: &Disposition, redeliver
     if redelivered {
         metrics::counter!(REDELIVERED, "broker" => broker).increment(1);
     }
-    tracing::debug!(
-        broker,
-        disposition = kind,
-        reason = disposition.label(),
-        redelivered,
-        "message answered"
-    );
+    tracing::debug!(broker, disposition = kind, reason = disposition.label(), redelivered, "message answered");
 }
