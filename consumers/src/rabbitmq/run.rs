@@ -238,36 +238,47 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
                 }
             }
         };
-        let mut settle = Vec::with_capacity(received.len());
-        let mut answers = answers.into_iter();
-        for r in &received {
+        let dispositions =
+            self.dispositions(&received, answers.into_iter().map(|a| a.disposition), &span);
+        let settled = self.settle(dispositions, held).instrument(span).await;
+        match failed {
+            Some(e) => Err(e),
+            None => settled,
+        }
+    }
+
+    /// Each received delivery with its disposition, in order: the keyed ones
+    /// as `run_poll` answered them, the keyless ones rejected (counted here,
+    /// as `run_poll` never saw them). The answer hook sees each.
+    fn dispositions<'r>(
+        &self,
+        received: &'r [Received],
+        mut answered: impl Iterator<Item = Disposition>,
+        span: &tracing::Span,
+    ) -> Vec<(&'r Received, Disposition)> {
+        let mut out = Vec::with_capacity(received.len());
+        for r in received {
             let disposition = match &r.no_key {
                 Some(reason) => {
-                    tracing::warn!(parent: &span, delivery_tag = r.message.delivery_tag, %reason, "message without an idempotency key rejected");
+                    tracing::warn!(parent: span, delivery_tag = r.message.delivery_tag, %reason, "message without an idempotency key rejected");
                     let disposition = Disposition::Reject {
                         reason: "invalid_key",
                     };
                     observe(BROKER, &disposition, r.message.redelivered);
                     disposition
                 }
-                None => match answers.next() {
-                    Some(answered) => answered.disposition,
-                    None => Disposition::Retry {
-                        after: self.min_retry_delay,
-                        reason: "unanswered",
-                    },
-                },
+                // run_poll answers every delivery; should one be missing, keep it.
+                None => answered.next().unwrap_or(Disposition::Retry {
+                    after: self.min_retry_delay,
+                    reason: "unanswered",
+                }),
             };
             if let Some(hook) = &self.on_answer {
                 hook(&r.message, &disposition);
             }
-            settle.push((r, disposition));
+            out.push((r, disposition));
         }
-        let settled = self.settle(settle, held).instrument(span).await;
-        match failed {
-            Some(e) => Err(e),
-            None => settled,
-        }
+        out
     }
 
     /// A received delivery, its key and attempt read.
