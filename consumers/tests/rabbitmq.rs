@@ -654,6 +654,32 @@ async fn a_connection_lost_before_the_ack_redelivers_to_another_consumer_as_a_du
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_consumer_whose_connection_dies_stops_with_a_retryable_error() {
+    let broker = Broker::start().await;
+    let (queue, _) = broker.queue(false).await;
+    let proxy = FaultProxy::start(&broker.url)
+        .await
+        .expect("a proxy to the broker");
+    let log = Log::default();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let consumer = consumer(manager(), &queue, &log).build().unwrap();
+    let running = spawn(consumer, proxy.url(), runs).await;
+    // Consuming: a message goes through.
+    broker.publish(&queue, Some("order-8"), "charge 80").await;
+    answers(&log, 1).await;
+
+    proxy.reset();
+    let ended = tokio::time::timeout(PATIENCE, running.task)
+        .await
+        .expect("a dead connection ends the run")
+        .unwrap();
+    let error = ended.expect_err("a consumer whose connection died stops with an error");
+    assert!(error.is_retryable(), "{error}");
+    assert!(!matches!(error, RabbitError::Cancelled { .. }), "{error}");
+    broker.delete(&queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_lets_the_poll_under_way_finish_and_ack() {
     let broker = Broker::start().await;
     let (queue, _) = broker.queue(false).await;

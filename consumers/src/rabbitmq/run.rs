@@ -53,7 +53,16 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
     ///   acknowledged yet goes back to the queue (the broker requeues what an
     ///   unacknowledging channel held); those whose outcome was recorded are
     ///   answered as duplicates when they come back. Run again on a new
-    ///   connection.
+    ///   connection. A connection that dies silently (a partition) is only
+    ///   noticed through AMQP heartbeats: keep them on (`?heartbeat=10` in
+    ///   the URI sets the interval).
+    ///
+    /// # Panics
+    /// A handler's panic propagates, as from
+    /// [`execute_batch`](idempotency_core::IdempotencyManager::execute_batch),
+    /// once the poll's other handlers have finished; the poll's deliveries are
+    /// left unacknowledged and return to the queue when the channel or
+    /// connection closes.
     pub async fn run<T, E, F, Fut, S>(
         &self,
         connection: &Connection,
@@ -93,17 +102,36 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
         let result = self
             .consume(&mut consumer, &mut held, &handler, shutdown)
             .await;
-        if result.is_ok() {
-            // Stop deliveries, then close: the broker requeues what the
-            // channel still holds (held retries, received but not polled).
-            let tag = consumer.tag();
-            let _ = channel
-                .basic_cancel(tag, BasicCancelOptions::default())
-                .await;
-            let _ = channel.close(200, "consumer shut down".into()).await;
-            tracing::info!(queue = %self.queue, requeued_retries = held.len(), "rabbitmq consumer stopped");
+        match result {
+            Ok(()) => {
+                // Stop deliveries, then close: the broker requeues what the
+                // channel still holds (held retries, received but not polled).
+                let tag = consumer.tag();
+                let _ = channel
+                    .basic_cancel(tag, BasicCancelOptions::default())
+                    .await;
+                let _ = channel.close(200, "consumer shut down".into()).await;
+                tracing::info!(queue = %self.queue, requeued_retries = held.len(), "rabbitmq consumer stopped");
+                Ok(())
+            }
+            Err(error) => {
+                // A consumer stream that ended with its channel is a dead
+                // channel or connection, not a cancellation.
+                let error = match error {
+                    RabbitError::Cancelled { .. } if !channel.status().connected() => {
+                        RabbitError::ChannelClosed {
+                            operation: "basic.consume",
+                        }
+                    }
+                    other => other,
+                };
+                tracing::warn!(queue = %self.queue, %error, "rabbitmq consumer failed");
+                if channel.status().connected() {
+                    let _ = channel.close(200, "consumer failed".into()).await;
+                }
+                Err(error)
+            }
         }
-        result
     }
 
     /// Polls until shutdown or a broker failure.
