@@ -168,6 +168,20 @@ pub enum RabbitError {
         /// The AMQP operation.
         operation: &'static str,
     },
+    /// An AMQP operation got no answer within the consumer's
+    /// `operation_timeout` (lapin never answers an operation sent while its
+    /// connection shuts down); every unacknowledged delivery goes back to the
+    /// queue once the connection is gone.
+    #[error(
+        "RabbitMQ {operation} got no answer within {after:?}; unacknowledged messages return \
+         to the queue once the connection closes"
+    )]
+    Timeout {
+        /// The AMQP operation.
+        operation: &'static str,
+        /// The `operation_timeout`.
+        after: std::time::Duration,
+    },
     /// The broker cancelled the consumer (the queue was deleted, or a quorum
     /// queue's leader moved).
     #[error("the broker cancelled the consumer of queue {queue}")]
@@ -186,23 +200,54 @@ impl RabbitError {
             self,
             RabbitError::Broker { .. }
                 | RabbitError::ChannelClosed { .. }
+                | RabbitError::Timeout { .. }
                 | RabbitError::Cancelled { .. }
         )
     }
 
-    fn broker(operation: &'static str, source: lapin::Error) -> Self {
-        RabbitError::Broker { operation, source }
-    }
-
-    fn setup(what: String, source: lapin::Error) -> Self {
-        // A connection that died while setting up is a broker failure, not a
-        // missing queue.
-        if source.is_io_error() || source.is_amqp_hard_error() {
-            return RabbitError::Broker {
-                operation: "consumer set-up",
-                source,
-            };
+    /// A broker's refusal while setting up (a missing queue or exchange, no
+    /// permission) is a [`Setup`](RabbitError::Setup) error; a connection
+    /// that died meanwhile stays a broker failure.
+    fn in_setup(self, what: String) -> Self {
+        match self {
+            RabbitError::Broker { source, .. }
+                if !source.is_io_error() && !source.is_amqp_hard_error() =>
+            {
+                RabbitError::Setup { what, source }
+            }
+            other => other,
         }
-        RabbitError::Setup { what, source }
+    }
+}
+
+/// Runs one AMQP operation, failing it after `limit`: lapin never answers an
+/// operation sent while its connection shuts down.
+async fn bounded<T>(
+    limit: std::time::Duration,
+    operation: &'static str,
+    run: impl std::future::Future<Output = lapin::Result<T>>,
+) -> Result<T, RabbitError> {
+    match tokio::time::timeout(limit, run).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(source)) => Err(RabbitError::Broker { operation, source }),
+        Err(_) => Err(RabbitError::Timeout {
+            operation,
+            after: limit,
+        }),
+    }
+}
+
+/// Settles one delivery through `settle` (an ack, nack or reject of its
+/// acker), bounded by `limit`; an acker lapin refuses (its channel closed)
+/// is [`RabbitError::ChannelClosed`].
+async fn settled(
+    limit: std::time::Duration,
+    operation: &'static str,
+    settle: impl std::future::Future<Output = lapin::Result<bool>>,
+) -> Result<(), RabbitError> {
+    if bounded(limit, operation, settle).await? {
+        Ok(())
+    } else {
+        Err(RabbitError::ChannelClosed { operation })
     }
 }

@@ -36,6 +36,7 @@ struct Seen {
     key: String,
     disposition: Disposition,
     redelivered: bool,
+    attempt: u32,
 }
 
 type Log = Arc<Mutex<Vec<Seen>>>;
@@ -174,6 +175,7 @@ fn consumer(manager: IdempotencyManager, queue: &str, log: &Log) -> RabbitConsum
     RabbitConsumer::builder(manager, queue)
         .prefetch(8)
         .min_retry_delay(Duration::from_millis(50))
+        .operation_timeout(Duration::from_secs(3))
         .backoff(Backoff {
             initial: Duration::from_millis(300),
             max: Duration::from_secs(1),
@@ -184,6 +186,7 @@ fn consumer(manager: IdempotencyManager, queue: &str, log: &Log) -> RabbitConsum
                 key: message.key.clone(),
                 disposition: *disposition,
                 redelivered: message.redelivered,
+                attempt: message.attempt,
             })
         })
 }
@@ -241,6 +244,22 @@ where
     Running {
         stop: Some(stop),
         task,
+    }
+}
+
+/// Waits (bounded) for the first answer matching `matches`.
+async fn wait_for(log: &Log, matches: impl Fn(&Seen) -> bool) -> Seen {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        if let Some(seen) = log.lock().iter().find(|s| matches(s)) {
+            return seen.clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no such answer in {:?}",
+            log.lock()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -338,11 +357,27 @@ async fn a_key_held_elsewhere_comes_back_no_sooner_than_retry_after() {
         after > Duration::ZERO && after <= Duration::from_millis(1500),
         "{after:?}"
     );
+    // The held delivery does not stop the consumer: another message is
+    // answered meanwhile.
+    broker.publish(&queue, Some("order-7b"), "charge 71").await;
+    let other = wait_for(&log, |s| s.key == "order-7b").await;
+    assert_eq!(other.disposition, Disposition::Ack(Answer::Executed));
+    assert!(
+        other.at.duration_since(first.at) < after,
+        "answered {:?} after the hold began, not within its {after:?}",
+        other.at.duration_since(first.at)
+    );
     release.notify_one();
     assert!(holding.await.unwrap().unwrap().handler_ran());
 
-    let seen = answers(&log, 2).await;
+    wait_for(&log, |s| s.key == "order-7" && s.disposition.is_ack()).await;
     running.stop().await.unwrap();
+    let seen: Vec<Seen> = log
+        .lock()
+        .iter()
+        .filter(|s| s.key == "order-7")
+        .cloned()
+        .collect();
     let second = seen.last().unwrap();
     assert!(second.redelivered, "{second:?}");
     assert!(
@@ -359,7 +394,11 @@ async fn a_key_held_elsewhere_comes_back_no_sooner_than_retry_after() {
         "{seen:?}"
     );
     assert_eq!(second.disposition, Disposition::Ack(Answer::Duplicate));
-    assert_eq!(runs.load(Ordering::SeqCst), 0, "only the holder ran");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        1,
+        "order-7 ran in the holder only"
+    );
     assert_eq!(broker.ready(&queue).await, 0);
     broker.delete(&queue).await;
 }
@@ -399,6 +438,53 @@ async fn a_transient_failure_is_retried_after_the_backoff_then_acked() {
     assert!(seen[1].redelivered);
     assert!(seen[1].at.duration_since(seen[0].at) >= Duration::from_millis(300));
     assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(broker.ready(&queue).await, 0);
+    broker.delete(&queue).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn quorum_queues_count_attempts_and_the_backoff_grows() {
+    let broker = Broker::start().await;
+    let queue = containers::unique_namespace("quorum");
+    let mut arguments = FieldTable::default();
+    arguments.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    broker
+        .channel
+        .queue_declare(queue.as_str().into(), durable, arguments)
+        .await
+        .unwrap();
+    broker.publish(&queue, Some("order-9"), "charge 90").await;
+    let log = Log::default();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let consumer = consumer(manager(), &queue, &log).build().unwrap();
+    let running = spawn_with(consumer, &broker.url, move |_| {
+        if counted.fetch_add(1, Ordering::SeqCst) < 2 {
+            return Err(HandlerError::transient("not yet".to_owned()));
+        }
+        Ok(())
+    })
+    .await;
+
+    let seen = answers(&log, 3).await;
+    running.stop().await.unwrap();
+    let attempts: Vec<u32> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [1, 2, 3], "x-delivery-count + 1: {seen:?}");
+    let retry = |ms| Disposition::Retry {
+        after: Duration::from_millis(ms),
+        reason: "handler_retry",
+    };
+    assert_eq!(seen[0].disposition, retry(300));
+    assert_eq!(seen[1].disposition, retry(600));
+    assert_eq!(seen[2].disposition, Disposition::Ack(Answer::Executed));
+    assert!(seen[2].at.duration_since(seen[1].at) >= Duration::from_millis(600));
     assert_eq!(broker.ready(&queue).await, 0);
     broker.delete(&queue).await;
 }
@@ -635,6 +721,7 @@ async fn a_connection_lost_before_the_ack_redelivers_to_another_consumer_as_a_du
         .unwrap()
         .unwrap();
     let error = ended.expect_err("a consumer whose connection died stops with an error");
+    eprintln!("consumer A stopped: {error}");
     assert!(error.is_retryable(), "{error}");
     assert_eq!(log_a.lock().len(), 1, "A answered before it failed to ack");
 
@@ -778,6 +865,10 @@ fn inconsistent_configurations_fail_to_build() {
         (
             "min_retry_delay",
             consumer(manager(), "q", &log).min_retry_delay(Duration::ZERO),
+        ),
+        (
+            "operation_timeout",
+            consumer(manager(), "q", &log).operation_timeout(Duration::ZERO),
         ),
         (
             "min_retry_delay",

@@ -32,6 +32,7 @@ pub struct RabbitConsumer<C: Codec = JsonCodec> {
     pub(crate) backoff: Backoff,
     pub(crate) min_retry_delay: Duration,
     pub(crate) max_retry_hold: Duration,
+    pub(crate) operation_timeout: Duration,
     pub(crate) dead_letter_exchange: Option<String>,
     pub(crate) on_answer: Option<AnswerHook>,
 }
@@ -52,6 +53,7 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             backoff: Backoff::default(),
             min_retry_delay: Duration::from_millis(250),
             max_retry_hold: Duration::from_secs(300),
+            operation_timeout: Duration::from_secs(30),
             consumer_timeout: DEFAULT_CONSUMER_TIMEOUT,
             dead_letter_exchange: None,
             on_answer: None,
@@ -81,6 +83,7 @@ impl<C: Codec> fmt::Debug for RabbitConsumer<C> {
             .field("backoff", &self.backoff)
             .field("min_retry_delay", &self.min_retry_delay)
             .field("max_retry_hold", &self.max_retry_hold)
+            .field("operation_timeout", &self.operation_timeout)
             .field("dead_letter_exchange", &self.dead_letter_exchange)
             .finish_non_exhaustive()
     }
@@ -97,6 +100,7 @@ pub struct RabbitConsumerBuilder<C: Codec = JsonCodec> {
     backoff: Backoff,
     min_retry_delay: Duration,
     max_retry_hold: Duration,
+    operation_timeout: Duration,
     consumer_timeout: Duration,
     dead_letter_exchange: Option<String>,
     on_answer: Option<AnswerHook>,
@@ -155,6 +159,15 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
         self
     }
 
+    /// How long an AMQP operation (ack, nack, reject, channel set-up) may go
+    /// unanswered before [`run`](RabbitConsumer::run) fails with
+    /// [`RabbitError::Timeout`] (default 30 s, must be positive): lapin never
+    /// answers an operation sent while its connection shuts down.
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
     /// The broker's `consumer_timeout` (default 30 min, RabbitMQ's): the
     /// retry hold and the manager's lease must stay below it, or the broker
     /// closes the channel under a held or running delivery.
@@ -190,7 +203,8 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
     /// # Errors
     /// [`RabbitError::Config`] for an empty or too long queue name, a prefetch
     /// of 0, a concurrency of 0 or above the prefetch, a zero
-    /// `min_retry_delay`, a `max_retry_hold` below it, an empty header name, or a
+    /// `min_retry_delay`, a `max_retry_hold` below it, a zero
+    /// `operation_timeout`, an empty header name, or a
     /// hold or lease not below the `consumer_timeout`.
     pub fn build(self) -> Result<RabbitConsumer<C>, RabbitError> {
         let invalid = |message: String| Err(RabbitError::Config(message));
@@ -216,6 +230,9 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
                 self.min_retry_delay, self.max_retry_hold
             ));
         }
+        if self.operation_timeout.is_zero() {
+            return invalid("operation_timeout must be positive".into());
+        }
         if matches!(&self.keys, KeySource::Header(name) if name.is_empty()) {
             return invalid("the key header's name is empty".into());
         }
@@ -238,6 +255,7 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
             backoff: self.backoff,
             min_retry_delay: self.min_retry_delay,
             max_retry_hold: self.max_retry_hold,
+            operation_timeout: self.operation_timeout,
             dead_letter_exchange: self.dead_letter_exchange,
             on_answer: self.on_answer,
         })

@@ -1,11 +1,13 @@
 //! Deliveries held for a retry: each is requeued (`basic.nack` with
 //! `requeue=true`) once its delay has passed, never before.
 
+use std::time::Duration;
+
 use lapin::options::BasicNackOptions;
 use lapin::Acker;
 use tokio::time::Instant;
 
-use super::RabbitError;
+use super::{settled, RabbitError};
 
 /// The deliveries waiting for their retry time.
 #[derive(Debug, Default)]
@@ -32,7 +34,7 @@ impl Held {
     /// Requeues every delivery whose time has come. On a failure the channel
     /// is gone: the broker requeues every delivery it still held for it, so the
     /// rest are forgotten and the error returned.
-    pub(crate) async fn release_due(&mut self) -> Result<(), RabbitError> {
+    pub(crate) async fn release_due(&mut self, limit: Duration) -> Result<(), RabbitError> {
         let now = Instant::now();
         let (due, later): (Vec<_>, Vec<_>) = std::mem::take(&mut self.waiting)
             .into_iter()
@@ -43,16 +45,7 @@ impl Held {
                 multiple: false,
                 requeue: true,
             };
-            let result = match acker.nack(requeue).await {
-                Ok(true) => Ok(()),
-                Ok(false) => Err(RabbitError::ChannelClosed {
-                    operation: "basic.nack (requeue)",
-                }),
-                Err(source) => Err(RabbitError::Broker {
-                    operation: "basic.nack (requeue)",
-                    source,
-                }),
-            };
+            let result = settled(limit, "basic.nack (requeue)", acker.nack(requeue)).await;
             if let Err(e) = result {
                 tracing::warn!(delivery_tag = tag, error = %e, "requeueing a held delivery failed; the broker requeues it when the channel closes");
                 self.waiting.clear();

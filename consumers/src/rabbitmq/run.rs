@@ -3,6 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::StreamExt;
 use idempotency_core::{Codec, ExecutionContext, HandlerError};
@@ -20,7 +21,7 @@ use tracing::Instrument;
 
 use super::held::{sleep_until, Held};
 use super::message::{attempt_of, Body, Message};
-use super::{RabbitConsumer, RabbitError, BROKER};
+use super::{bounded, settled, RabbitConsumer, RabbitError, BROKER};
 use crate::batch::{run_poll, Delivery};
 use crate::disposition::Disposition;
 use crate::metrics::observe;
@@ -77,25 +78,19 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
         S: Future<Output = ()>,
     {
         self.check_dead_letter_exchange(connection).await?;
-        let channel = connection
-            .create_channel()
+        let limit = self.operation_timeout;
+        let channel = bounded(limit, "channel.open", connection.create_channel()).await?;
+        let qos = BasicQosOptions { global: false };
+        bounded(limit, "basic.qos", channel.basic_qos(self.prefetch, qos)).await?;
+        let consume = channel.basic_consume(
+            self.queue.as_str().into(),
+            "".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        );
+        let mut consumer = bounded(limit, "basic.consume", consume)
             .await
-            .map_err(|source| RabbitError::broker("channel.open", source))?;
-        channel
-            .basic_qos(self.prefetch, BasicQosOptions { global: false })
-            .await
-            .map_err(|source| RabbitError::broker("basic.qos", source))?;
-        let mut consumer = channel
-            .basic_consume(
-                self.queue.as_str().into(),
-                "".into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|source| {
-                RabbitError::setup(format!("consuming queue {}", self.queue), source)
-            })?;
+            .map_err(|e| e.in_setup(format!("consuming queue {}", self.queue)))?;
         tracing::info!(queue = %self.queue, prefetch = self.prefetch, "rabbitmq consumer started");
         let mut held = Held::default();
         let shutdown = std::pin::pin!(shutdown);
@@ -106,11 +101,10 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             Ok(()) => {
                 // Stop deliveries, then close: the broker requeues what the
                 // channel still holds (held retries, received but not polled).
-                let tag = consumer.tag();
-                let _ = channel
-                    .basic_cancel(tag, BasicCancelOptions::default())
-                    .await;
-                let _ = channel.close(200, "consumer shut down".into()).await;
+                let cancel = channel.basic_cancel(consumer.tag(), BasicCancelOptions::default());
+                let _ = bounded(limit, "basic.cancel", cancel).await;
+                let close = channel.close(200, "consumer shut down".into());
+                let _ = bounded(limit, "channel.close", close).await;
                 tracing::info!(queue = %self.queue, requeued_retries = held.len(), "rabbitmq consumer stopped");
                 Ok(())
             }
@@ -127,7 +121,8 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
                 };
                 tracing::warn!(queue = %self.queue, %error, "rabbitmq consumer failed");
                 if channel.status().connected() {
-                    let _ = channel.close(200, "consumer failed".into()).await;
+                    let close = channel.close(200, "consumer failed".into());
+                    let _ = bounded(limit, "channel.close", close).await;
                 }
                 Err(error)
             }
@@ -153,7 +148,7 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
                 biased;
                 () = &mut shutdown => return Ok(()),
                 () = sleep_until(held.next_due()) => {
-                    held.release_due().await?;
+                    held.release_due(self.operation_timeout).await?;
                     continue;
                 }
                 next = consumer.next() => next,
@@ -174,7 +169,10 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
     ) -> Result<AmqpDelivery, RabbitError> {
         match next {
             Some(Ok(delivery)) => Ok(delivery),
-            Some(Err(source)) => Err(RabbitError::broker("basic.consume", source)),
+            Some(Err(source)) => Err(RabbitError::Broker {
+                operation: "basic.consume",
+                source,
+            }),
             None => Err(RabbitError::Cancelled {
                 queue: self.queue.clone(),
             }),
@@ -260,7 +258,7 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             tokio::select! {
                 answers = &mut run => break answers,
                 () = sleep_until(due) => {
-                    if let Err(e) = held.release_due().await {
+                    if let Err(e) = held.release_due(self.operation_timeout).await {
                         failed = Some(e);
                     }
                 }
@@ -343,8 +341,12 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
         let mut pending = Vec::new();
         for (r, disposition) in settle {
             match disposition {
-                Disposition::Ack(_) => pending.push(settle_one(&r.acker, true)),
-                Disposition::Reject { .. } => pending.push(settle_one(&r.acker, false)),
+                Disposition::Ack(_) => {
+                    pending.push(settle_one(&r.acker, true, self.operation_timeout))
+                }
+                Disposition::Reject { .. } => {
+                    pending.push(settle_one(&r.acker, false, self.operation_timeout))
+                }
                 Disposition::Retry { after, .. } => {
                     let hold = after.clamp(self.min_retry_delay, self.max_retry_hold);
                     held.push(
@@ -376,44 +378,34 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
             return Ok(());
         };
         // A failed passive declare closes its channel: use one of its own.
-        let channel: Channel = connection
-            .create_channel()
-            .await
-            .map_err(|source| RabbitError::broker("channel.open", source))?;
+        let limit = self.operation_timeout;
+        let channel: Channel = bounded(limit, "channel.open", connection.create_channel()).await?;
         let passive = ExchangeDeclareOptions {
             passive: true,
             ..ExchangeDeclareOptions::default()
         };
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Direct,
-                passive,
-                FieldTable::default(),
-            )
+        let declare = channel.exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Direct,
+            passive,
+            FieldTable::default(),
+        );
+        bounded(limit, "exchange.declare (passive)", declare)
             .await
-            .map_err(|source| {
-                RabbitError::setup(format!("the dead-letter exchange {exchange}"), source)
-            })?;
-        let _ = channel.close(200, "checked".into()).await;
+            .map_err(|e| e.in_setup(format!("the dead-letter exchange {exchange}")))?;
+        let _ = bounded(limit, "channel.close", channel.close(200, "checked".into())).await;
         Ok(())
     }
 }
 
-/// Acks (`true`) or rejects without requeueing (`false`) one delivery.
-async fn settle_one(acker: &Acker, ack: bool) -> Result<(), RabbitError> {
-    let (operation, result) = if ack {
-        (
-            "basic.ack",
-            acker.ack(BasicAckOptions { multiple: false }).await,
-        )
+/// Acks (`true`) or rejects without requeueing (`false`) one delivery,
+/// failing after `limit`.
+async fn settle_one(acker: &Acker, ack: bool, limit: Duration) -> Result<(), RabbitError> {
+    if ack {
+        let options = BasicAckOptions { multiple: false };
+        settled(limit, "basic.ack", acker.ack(options)).await
     } else {
         let options = BasicRejectOptions { requeue: false };
-        ("basic.reject", acker.reject(options).await)
-    };
-    match result {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(RabbitError::ChannelClosed { operation }),
-        Err(source) => Err(RabbitError::broker(operation, source)),
+        settled(limit, "basic.reject", acker.reject(options)).await
     }
 }
