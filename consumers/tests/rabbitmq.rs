@@ -3,6 +3,7 @@
 //! dead-lettering, prefetch, a connection dying mid-poll, shutdown.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -567,6 +568,86 @@ async fn a_message_without_a_key_is_rejected_without_running() {
     for q in [&queue, &dead] {
         broker.delete(q).await;
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dispositions_and_redeliveries_are_counted() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let broker = Broker::start().await;
+    let (queue, _) = broker.queue(false).await;
+    broker.publish(&queue, None, "no id").await;
+    broker.publish(&queue, Some("order-10"), "charge 100").await;
+    let log = Log::default();
+    let calls = AtomicUsize::new(0);
+    let consumer = consumer(manager(), &queue, &log).build().unwrap();
+    let connection = connect(&broker.url).await;
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = consumer.run(
+        &connection,
+        |message, _ctx| {
+            let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+            async move {
+                if first {
+                    return Err(HandlerError::transient("once".to_owned()));
+                }
+                Ok(message.body.len())
+            }
+        },
+        async {
+            let _ = stopped.await;
+        },
+    );
+    // The recorder is installed around the consumer's polls only.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let mut run = std::pin::pin!(run);
+    let counted = std::future::poll_fn(|cx| {
+        metrics::with_local_recorder(&recorder, || run.as_mut().poll(cx))
+    });
+    let (ended, ()) = tokio::join!(counted, async {
+        answers(&log, 3).await;
+        drop(stop);
+    });
+    ended.unwrap();
+
+    let counters: Vec<(String, Vec<String>, u64)> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| match value {
+            DebugValue::Counter(n) => Some((
+                key.key().name().to_owned(),
+                key.key()
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect(),
+                n,
+            )),
+            _ => None,
+        })
+        .collect();
+    let count = |name: &str, labels: &[&str]| {
+        counters
+            .iter()
+            .filter(|(n, l, _)| n == name && labels.iter().all(|x| l.iter().any(|y| y == x)))
+            .map(|(_, _, v)| v)
+            .sum::<u64>()
+    };
+    let messages = idempotency_consumers::metrics::MESSAGES;
+    let rabbit = "broker=rabbitmq";
+    assert_eq!(
+        count(messages, &[rabbit, "reason=invalid_key"]),
+        1,
+        "{counters:?}"
+    );
+    assert_eq!(count(messages, &[rabbit, "reason=handler_retry"]), 1);
+    assert_eq!(
+        count(messages, &[rabbit, "disposition=ack", "reason=executed"]),
+        1
+    );
+    let redelivered = idempotency_consumers::metrics::REDELIVERED;
+    assert_eq!(count(redelivered, &[rabbit]), 1, "{counters:?}");
+    broker.delete(&queue).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
