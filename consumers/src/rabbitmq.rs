@@ -38,7 +38,9 @@
 //!   1` on quorum queues; classic queues only have the `redelivered` flag, so
 //!   their attempt is 1 or 2.
 //! - A connection or channel that dies ends [`run`](RabbitConsumer::run) with
-//!   a retryable [`RabbitError`], never a panic. The broker requeues every
+//!   a retryable [`RabbitError`], never a panic nor a hang: every AMQP
+//!   operation is bounded by the `operation_timeout` (default 30 s), as lapin
+//!   never answers one sent while its connection shuts down. The broker requeues every
 //!   delivery the channel had not acknowledged; a redelivered message whose
 //!   outcome was recorded is answered as a duplicate, without running the
 //!   handler again. A shutdown signal lets the poll under way finish and

@@ -49,8 +49,9 @@ impl<C: Codec + Clone> RabbitConsumer<C> {
     /// - [`RabbitError::Setup`] (not retryable): the queue or the expected
     ///   dead-letter exchange does not exist, or the user may not use them;
     /// - [`RabbitError::Broker`], [`RabbitError::ChannelClosed`],
-    ///   [`RabbitError::Cancelled`] (retryable): the connection or channel
-    ///   died, or the broker cancelled the consumer. Every delivery not
+    ///   [`RabbitError::Timeout`], [`RabbitError::Cancelled`] (retryable): the
+    ///   connection or channel died, an operation went unanswered for the
+    ///   `operation_timeout`, or the broker cancelled the consumer. Every delivery not
     ///   acknowledged yet goes back to the queue (the broker requeues what an
     ///   unacknowledging channel held); those whose outcome was recorded are
     ///   answered as duplicates when they come back. Run again on a new
