@@ -40,11 +40,13 @@
 //! - A connection or channel that dies ends [`run`](RabbitConsumer::run) with
 //!   a retryable [`RabbitError`], never a panic nor a hang: every AMQP
 //!   operation is bounded by the `operation_timeout` (default 30 s), as lapin
-//!   never answers one sent while its connection shuts down. The broker requeues every
-//!   delivery the channel had not acknowledged; a redelivered message whose
-//!   outcome was recorded is answered as a duplicate, without running the
-//!   handler again. A shutdown signal lets the poll under way finish and
-//!   settle before `run` returns.
+//!   never answers one sent while its connection shuts down. The broker
+//!   requeues every delivery the channel had not acknowledged (AMQP 0-9-1
+//!   does not confirm acks, so an ack written just before the connection
+//!   died may be lost too); a redelivered message whose outcome was recorded
+//!   is answered as a duplicate, without running the handler again. A
+//!   shutdown signal lets the poll under way finish and settle before `run`
+//!   returns.
 //!
 //! # Why retries are held, not republished
 //!
