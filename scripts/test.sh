@@ -75,6 +75,7 @@ KINDS=(
     "dynamodb IDEMPOTENCY_TEST_DYNAMODB_IMAGE amazon/dynamodb-local:latest IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT"
     "mariadb IDEMPOTENCY_TEST_MARIADB_IMAGE mariadb:11 IDEMPOTENCY_TEST_MARIADB_URL"
     "sqs IDEMPOTENCY_TEST_SQS_IMAGE motoserver/moto:latest IDEMPOTENCY_TEST_SQS_ENDPOINT"
+    "rabbitmq IDEMPOTENCY_TEST_RABBITMQ_IMAGE rabbitmq:3 IDEMPOTENCY_TEST_RABBITMQ_URL"
 )
 
 bake() {
@@ -132,7 +133,7 @@ if [ "$DOCKER_OK" = 1 ]; then
     fi
 else
     say "no reachable Docker engine: backend tests fail unless IDEMPOTENCY_TEST_REDIS_URL, \
-IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT and IDEMPOTENCY_TEST_MARIADB_URL name servers"
+IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT, IDEMPOTENCY_TEST_MARIADB_URL and IDEMPOTENCY_TEST_RABBITMQ_URL name servers"
 fi
 
 # --- tests ---------------------------------------------------------------------
