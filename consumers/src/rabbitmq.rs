@@ -132,6 +132,8 @@ mod message;
 mod run;
 
 pub use builder::{AnswerHook, RabbitConsumer, RabbitConsumerBuilder, DEFAULT_CONSUMER_TIMEOUT};
+/// The lapin this module is built on (connect with it, so the versions match).
+pub use lapin;
 pub use message::{CustomKeyFn, KeySource, Message};
 
 /// The broker's name in metrics.
