@@ -496,3 +496,274 @@ async fn a_topics_retention_is_read_through_the_admin_api() {
         "{missing:?}"
     );
 }
+
+// ---- Review: messages after a hold that were acknowledged with an outcome
+// the store does not hold (`Unrecorded`, `Unprotected`) are read again and
+// their handlers run a second time. ----
+
+fn faulty_consumer(
+    broker: &Broker,
+    store: &Arc<idempotency_core::testing::FaultyRepository<MemoryRepository>>,
+    group: &str,
+    topic: &str,
+    lease: Duration,
+    outage: idempotency_core::OutagePolicy,
+) -> KafkaConsumer<idempotency_core::JsonCodec> {
+    let config = idempotency_core::Config {
+        processing_timeout: lease,
+        store_timeout: lease / 4,
+        on_store_outage: outage,
+        ..idempotency_core::Config::default()
+    };
+    let manager = idempotency_core::IdempotencyManager::new(store.clone(), config).expect("manager");
+    KafkaConsumer::builder(manager, broker.client(group))
+        .topics([topic])
+        .linger(Duration::from_millis(200))
+        .backoff(backoff())
+        .on_reject(|_| async { Ok(()) })
+        .build()
+        .expect("consumer")
+}
+
+/// `flaky` (offset 0) fails transiently once and holds the partition; `k-2`
+/// (offset 1) succeeds but its completion cannot be recorded before its
+/// lease ends (`Outcome::Unrecorded`, acknowledged by the policy). The
+/// partition is read again from `flaky`, `k-2` with it: its record is still
+/// `Processing`, so it is held until that lease ends, then taken over and
+/// run again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_an_unrecorded_message_after_a_held_one_runs_again() {
+    use idempotency_core::testing::{Fault, FaultyRepository, Operation};
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    for key in ["flaky", "k-2"] {
+        broker.produce(&topic, 0, Some(key), "p", None).await;
+    }
+    let store = Arc::new(FaultyRepository::new(MemoryRepository::new()));
+    store.inject(Operation::CompleteMany, Fault::Unavailable, 10_000);
+    store.inject(Operation::Complete, Fault::Unavailable, 10_000);
+    let group = unique("group");
+    let lease = Duration::from_secs(2);
+    let consumer = faulty_consumer(
+        &broker,
+        &store,
+        &group,
+        &topic,
+        lease,
+        idempotency_core::OutagePolicy::FailClosed,
+    );
+    let effects = Effects::default();
+    let handler = |message: Arc<OwnedMessage>, _ctx: ExecutionContext| {
+        let key = key_of(&message);
+        let call = effects.call(&key);
+        let result = if key == "flaky" && call == 1 {
+            Err(HandlerError::transient("the ledger timed out".to_owned()))
+        } else {
+            effects.apply(&key);
+            Ok(1)
+        };
+        std::future::ready(result)
+    };
+    // Until the first poll with `k-2` in it has been answered.
+    let tp = (topic.clone(), 0);
+    drive(&consumer, &handler, LIMIT, |_, report| report.messages >= 2).await;
+    assert_eq!(effects.calls("k-2"), 1);
+    store.heal();
+    drive(&consumer, &handler, LIMIT, |c, _| c.get(&tp) == Some(&2)).await;
+    assert_eq!(
+        effects.calls("k-2"),
+        1,
+        "k-2 was acknowledged (Unrecorded) but its handler ran again"
+    );
+}
+
+/// Fail-open during an outage: `flaky` runs unprotected and fails
+/// transiently (held); `k-2` runs unprotected (`Outcome::Unprotected`,
+/// acknowledged). The partition is read again from `flaky` and `k-2` runs
+/// unprotected a second time, although the consumer had acknowledged it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_an_unprotected_message_after_a_held_one_runs_again() {
+    use idempotency_core::testing::FaultyRepository;
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    for key in ["flaky", "k-2"] {
+        broker.produce(&topic, 0, Some(key), "p", None).await;
+    }
+    let store = Arc::new(FaultyRepository::new(MemoryRepository::new()));
+    store.set_unavailable(true);
+    let group = unique("group");
+    let consumer = faulty_consumer(
+        &broker,
+        &store,
+        &group,
+        &topic,
+        LEASE,
+        idempotency_core::OutagePolicy::FailOpen,
+    );
+    let effects = Effects::default();
+    let handler = |message: Arc<OwnedMessage>, _ctx: ExecutionContext| {
+        let key = key_of(&message);
+        let call = effects.call(&key);
+        let result = if key == "flaky" && call == 1 {
+            Err(HandlerError::transient("the ledger timed out".to_owned()))
+        } else {
+            effects.apply(&key);
+            Ok(1)
+        };
+        std::future::ready(result)
+    };
+    let tp = (topic.clone(), 0);
+    drive(&consumer, &handler, LIMIT, |c, _| c.get(&tp) == Some(&2)).await;
+    assert_eq!(
+        effects.calls("k-2"),
+        1,
+        "k-2 was acknowledged (Unprotected) but its handler ran again"
+    );
+}
+
+/// `poll_once` dropped while its batch's handlers run (a caller's timeout or
+/// `select!`): nothing is committed and no hold is set, but librdkafka's
+/// position is past the batch. The next `poll_once` on the same consumer
+/// reads on from there and commits past the batch: its messages are never
+/// answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_dropped_poll_once_loses_its_batch() {
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    for key in ["k-1", "k-2", "k-3"] {
+        broker.produce(&topic, 0, Some(key), "p", None).await;
+    }
+    let store = Arc::new(MemoryRepository::new());
+    let group = unique("group");
+    let consumer = consumer(&broker, &store, &group, &topic);
+    let effects = Effects::default();
+    let slow = |message: Arc<OwnedMessage>, _ctx: ExecutionContext| {
+        let key = key_of(&message);
+        effects.call(&key);
+        let effects = effects.clone();
+        async move {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+            effects.apply(&key);
+            Ok::<u32, HandlerError<String>>(1)
+        }
+    };
+    // Wait until the first batch is in the handlers, then give up on it.
+    let deadline = Instant::now() + LIMIT;
+    while effects.calls("k-1") == 0 {
+        let _ = tokio::time::timeout(Duration::from_millis(1500), consumer.poll_once(&slow)).await;
+        assert!(Instant::now() < deadline, "never collected");
+    }
+    broker.produce(&topic, 0, Some("k-4"), "p", None).await;
+    let tp = (topic.clone(), 0);
+    drive(&consumer, counting(&effects), LIMIT, |c, _| c.get(&tp) == Some(&4)).await;
+    assert_eq!(broker.committed(&group, &topic, 1).await, [Some(4)]);
+    let applied = effects.applied();
+    assert_eq!(
+        (applied.get("k-1"), applied.get("k-2"), applied.get("k-3")),
+        (Some(&1), Some(&1), Some(&1)),
+        "offsets committed past k-1..k-3, whose handlers never completed: {applied:?}"
+    );
+}
+
+/// A key held elsewhere for long (a slow holder) while this manager's own
+/// executions are fast: `retry_after` is about one of them (milliseconds),
+/// and the partition is sought back and read again every `MIN_HOLD`
+/// (10 ms) plus a fetch, for as long as the holder runs: each time a
+/// reservation round trip for every message from the held one on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_long_in_progress_key_is_reread_in_a_tight_loop() {
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    broker.produce(&topic, 0, Some("fast"), "p", None).await;
+    let store = Arc::new(MemoryRepository::new());
+    let holder = manager(&store, LEASE);
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let (finish, finish_rx) = tokio::sync::oneshot::channel::<()>();
+    let holding = tokio::spawn(async move {
+        holder
+            .execute("held", "held-payload", || async move {
+                started_tx.send(()).unwrap();
+                finish_rx.await.unwrap();
+                Ok::<u32, HandlerError<String>>(7)
+            })
+            .await
+    });
+    started.await.unwrap();
+    let group = unique("group");
+    // A short linger (the builder accepts any above zero).
+    let consumer = KafkaConsumer::builder(manager(&store, LEASE), broker.client(&group))
+        .topics([topic.as_str()])
+        .linger(Duration::from_millis(10))
+        .backoff(backoff())
+        .on_reject(|_| async { Ok(()) })
+        .build()
+        .expect("consumer");
+    let effects = Effects::default();
+    // A first execution of this manager finishes (a few ms): the hint.
+    let tp = (topic.clone(), 0);
+    drive(&consumer, counting(&effects), LIMIT, |c, _| c.get(&tp) == Some(&1)).await;
+    broker.produce(&topic, 0, Some("held"), "held-payload", None).await;
+    let mut start: Option<Instant> = None;
+    let mut rereads = 0u32;
+    drive(&consumer, counting(&effects), LIMIT, |_, report| {
+        rereads += u32::try_from(report.retried).unwrap();
+        if report.retried > 0 && start.is_none() {
+            start = Some(Instant::now());
+        }
+        start.is_some_and(|s| s.elapsed() >= Duration::from_secs(3))
+    })
+    .await;
+    finish.send(()).unwrap();
+    holding.await.unwrap().unwrap();
+    eprintln!("re-reads of the held message in 3 s: {rereads}");
+    // The backoff's first delay is 200 ms: 3 s would be ~15 re-reads.
+    assert!(
+        rereads <= 20,
+        "the held message was answered InProgress {rereads} times in 3 s"
+    );
+}
+
+/// The module docs say a handler panic leaves the batch uncommitted "so it
+/// is read again". It is read again only by a new consumer: one that goes on
+/// polling after the panic (caught around `poll_once`, or `run` spawned on
+/// an `Arc` and restarted) reads on past the batch and commits past the
+/// message whose handler panicked (its key released), which never runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_batch_whose_handler_panicked_is_not_read_again() {
+    use futures::FutureExt;
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    for key in ["boom", "k-2"] {
+        broker.produce(&topic, 0, Some(key), "p", None).await;
+    }
+    let store = Arc::new(MemoryRepository::new());
+    let group = unique("group");
+    let consumer = consumer(&broker, &store, &group, &topic);
+    let effects = Effects::default();
+    let handler = |message: Arc<OwnedMessage>, _ctx: ExecutionContext| {
+        let key = key_of(&message);
+        let call = effects.call(&key);
+        assert!(!(key == "boom" && call == 1), "a bug in the handler");
+        effects.apply(&key);
+        std::future::ready(Ok::<u32, HandlerError<String>>(1))
+    };
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let polled = std::panic::AssertUnwindSafe(consumer.poll_once(&handler))
+            .catch_unwind()
+            .await;
+        if polled.is_err() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "never panicked");
+    }
+    broker.produce(&topic, 0, Some("k-3"), "p", None).await;
+    let tp = (topic.clone(), 0);
+    drive(&consumer, &handler, LIMIT, |c, _| c.get(&tp) == Some(&3)).await;
+    assert_eq!(
+        effects.applied().get("boom"),
+        Some(&1),
+        "committed past `boom`, which never ran to completion: {:?}",
+        effects.applied()
+    );
+}
