@@ -522,15 +522,13 @@ async fn review_a_transient_key_error_is_dead_lettered() {
     )
     .wait_time(Duration::from_secs(1))
     .dead_letter_queue(&dlq)
-    .key(idempotency_consumers::sqs::KeySource::custom(
-        |_m: &SqsMessage| {
-            Err(Error::Unavailable {
-                backend: "key-lookup",
-                message: "the order service timed out".into(),
-                source: None,
-            })
-        },
-    ))
+    .key(idempotency_consumers::sqs::KeySource::custom(|_m: &SqsMessage| {
+        Err(Error::Unavailable {
+            backend: "key-lookup",
+            message: "the order service timed out".into(),
+            source: None,
+        })
+    }))
     .build()
     .await
     .unwrap();
@@ -538,10 +536,7 @@ async fn review_a_transient_key_error_is_dead_lettered() {
     let runs = Arc::new(AtomicU32::new(0));
     let report = poll_until_some(&consumer, counting(&runs), Duration::from_secs(10)).await;
     let handled = &report.messages[0];
-    eprintln!(
-        "answer {:?}, disposition {:?}, settled {:?}",
-        handled.answer, handled.disposition, report.settled
-    );
+    eprintln!("answer {:?}, disposition {:?}, settled {:?}", handled.answer, handled.disposition, report.settled);
     assert!(
         handled.disposition.is_retry(),
         "a transient key error was {:?}; settled {:?}",
