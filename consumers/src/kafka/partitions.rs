@@ -397,14 +397,88 @@ mod tests {
         let now = Instant::now();
         let epoch = p.admit(&tp(), 0).unwrap().epoch;
         let later = Step::Unanswered {
-            after: Duration::from_millis(50),
+            after: Duration::from_millis(500),
         };
         let hold = p.settle(&tp(), epoch, &[(0, later)], now).unwrap();
         assert_eq!(hold.offset, 0);
         assert!(p.admit(&tp(), 1).is_none());
         assert!(p.due(now).is_empty());
-        assert_eq!(p.due(now + Duration::from_millis(50)), vec![(tp(), 0)]);
+        assert_eq!(p.due(now + Duration::from_millis(500)), vec![(tp(), 0)]);
         p.released(&tp());
         assert_eq!(p.admit(&tp(), 0).unwrap().attempt, 2);
+    }
+
+    #[test]
+    fn messages_answered_past_a_hold_are_admitted_as_answered_until_committed() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let now = Instant::now();
+        let epoch = p.admit(&tp(), 0).unwrap().epoch;
+        p.admit(&tp(), 1).unwrap();
+        p.admit(&tp(), 2).unwrap();
+        let later = Step::Unanswered {
+            after: Duration::ZERO,
+        };
+        let batch = [(0, Step::Answered), (1, later), (2, Step::Answered)];
+        let hold = p.settle(&tp(), epoch, &batch, now).unwrap();
+        assert_eq!(hold.offset, 1);
+        assert!(
+            p.due(now + MIN_HOLD - Duration::from_millis(1)).is_empty(),
+            "a hold lasts at least MIN_HOLD"
+        );
+        p.released(&tp());
+        assert!(!p.admit(&tp(), 1).unwrap().answered, "the held one runs");
+        assert!(p.admit(&tp(), 2).unwrap().answered, "2 does not run again");
+        p.committed(&[(tp(), 3)]);
+        assert!(
+            !p.admit(&tp(), 2).unwrap().answered,
+            "forgotten once committed"
+        );
+    }
+
+    #[test]
+    fn a_revocation_forgets_what_was_answered_past_a_hold() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let epoch = p.admit(&tp(), 0).unwrap().epoch;
+        p.admit(&tp(), 1).unwrap();
+        let later = Step::Unanswered {
+            after: Duration::ZERO,
+        };
+        p.settle(
+            &tp(),
+            epoch,
+            &[(0, later), (1, Step::Answered)],
+            Instant::now(),
+        );
+        p.revoke([tp()]);
+        p.assign([tp()]);
+        assert!(!p.admit(&tp(), 1).unwrap().answered, "left to the store");
+    }
+
+    #[test]
+    fn an_abandoned_batch_becomes_a_hold_due_at_once_from_its_first_message() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let now = Instant::now();
+        let epoch = p.admit(&tp(), 4).unwrap().epoch;
+        p.admit(&tp(), 5).unwrap();
+        // Settled: nothing left in flight.
+        p.settle(
+            &tp(),
+            epoch,
+            &[(4, Step::Answered), (5, Step::Answered)],
+            now,
+        );
+        assert_eq!(p.recover_in_flight(now), 0);
+        // Admitted, never settled (dropped, or a handler panicked).
+        p.admit(&tp(), 7).unwrap();
+        p.admit(&tp(), 6).unwrap();
+        assert_eq!(p.recover_in_flight(now), 1);
+        assert_eq!(p.due(now), vec![(tp(), 6)]);
+        assert!(p.admit(&tp(), 8).is_none(), "held until sought back");
+        p.released(&tp());
+        assert_eq!(p.recover_in_flight(now), 0, "recovered once");
+        assert_eq!(p.admit(&tp(), 6).unwrap().attempt, 2);
     }
 }
