@@ -11,14 +11,14 @@
 //! - **Commit up to the first unanswered message.** A message answered
 //!   `Retry` (its key held by another consumer, a store outage, a transient
 //!   handler failure) holds its partition: the committed offset stops right
-//!   before it, the partition is sought back to it and paused for the
-//!   `retry_after` (or the [`Backoff`](crate::Backoff) of its attempt), then
-//!   read again from it (after at least 250 ms, so a key held elsewhere
-//!   is not re-read in a tight loop). It is never skipped. The messages after
+//!   before it, the partition is paused for the `retry_after` (or the
+//!   [`Backoff`](crate::Backoff) of its attempt; at least 250 ms, so a key
+//!   held elsewhere is not re-read in a tight loop), then sought back to it
+//!   and read again from it. It is never skipped. The messages after
 //!   it in the same batch that were answered (acknowledged or routed) are
 //!   read again too, but this consumer remembers them (per partition, until
 //!   committed past, at most 10 000) and counts them answered without running
-//!   them again: their outcome may not be in the store (`Unrecorded`,
+//!   them again (nor counting them again in the metrics): their outcome may not be in the store (`Unrecorded`,
 //!   `Unprotected`, a permanent failure whose record could not be written).
 //!   After a rebalance their new owner has no such memory: it answers them
 //!   from the store, and runs again those the store holds no completed
@@ -31,7 +31,9 @@
 //!   [dead-letter topic](KafkaConsumerBuilder::dead_letter_topic) (its delivery
 //!   report awaited) and/or handed to the
 //!   [`on_reject`](KafkaConsumerBuilder::on_reject) hook; only then is its
-//!   offset committed past. A failed route holds the partition like a retry.
+//!   offset committed past. A failed route (or a hook that does not answer
+//!   within the [`reject_timeout`](KafkaConsumerBuilder::reject_timeout))
+//!   holds the partition like a retry.
 //!   A reject read again before its partition's commit passed it (an earlier
 //!   message held the partition) is not routed again by this consumer; after
 //!   a rebalance its new owner may route it again: the dead-letter topic is
@@ -59,9 +61,9 @@
 //!   to when the partition was last revoked from it.
 //! - [`run`](KafkaConsumer::run) polls until a shutdown signal, finishing the
 //!   batch in hand and its commits before it returns.
-//! - **Abandoned batches: cancel and panic safety.** Before a batch runs,
-//!   each of its partitions is marked in flight from the batch's first
-//!   message; the mark is cleared once the batch is settled. A
+//! - **Abandoned batches: cancel and panic safety.** As a batch is
+//!   collected, each of its partitions is marked in flight from the batch's
+//!   first message; the mark is cleared once the batch is settled. A
 //!   [`poll_once`](KafkaConsumer::poll_once) dropped before that (a caller's
 //!   timeout, a `select!`) or a handler panic (which continues out of
 //!   `poll_once`/`run` once the batch's other outcomes are recorded, as in
@@ -248,6 +250,10 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
     ///
     /// A failed poll (the client's error with no message) is logged and
     /// followed by the backoff's first delay.
+    ///
+    /// Dropped (or left by a handler's panic) before `shutdown`, it loses
+    /// nothing: as with [`poll_once`](Self::poll_once), the next `run` or
+    /// `poll_once` on this consumer reads the abandoned batch again.
     ///
     /// # Errors
     /// The last commit's error, when the answered offsets could not be
