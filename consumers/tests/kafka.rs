@@ -165,7 +165,7 @@ async fn a_transient_failure_is_retried_after_the_backoff_then_committed() {
         "retried after {:?}",
         calls[1] - calls[0]
     );
-    assert_eq!(effects.calls("k-3"), 1, "re-read as a duplicate");
+    assert_eq!(effects.calls("k-3"), 1, "re-read, not run again");
     assert_eq!(effects.applied().values().sum::<u32>(), 3);
     assert_eq!(broker.committed(&group, &topic, 1).await, [Some(3)]);
 }
