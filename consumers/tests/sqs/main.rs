@@ -503,3 +503,44 @@ async fn records_shorter_than_the_queues_retention_are_warned_about() {
         );
     }
 }
+
+/// Review: a key function's transient failure (`Error::Unavailable`, e.g. a
+/// lookup service down) is classified as if the message had no key:
+/// `Reject("invalid_key")`, dead-lettered and deleted, never retried. The
+/// answer in the report says `Unavailable` while the disposition says
+/// `invalid_key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn review_a_transient_key_error_is_dead_lettered() {
+    let client = client().await;
+    let url = queue(&client, "keyerr", 30).await;
+    let dlq = queue(&client, "keyerr-dlq", 30).await;
+    let repo = Arc::new(MemoryRepository::new());
+    let consumer = SqsConsumer::builder(
+        client.clone(),
+        manager_on(&repo, config(Duration::from_secs(10), None)),
+        &url,
+    )
+    .wait_time(Duration::from_secs(1))
+    .dead_letter_queue(&dlq)
+    .key(idempotency_consumers::sqs::KeySource::custom(|_m: &SqsMessage| {
+        Err(Error::Unavailable {
+            backend: "key-lookup",
+            message: "the order service timed out".into(),
+            source: None,
+        })
+    }))
+    .build()
+    .await
+    .unwrap();
+    send(&client, &url, "charge 1", Some("order-1")).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let report = poll_until_some(&consumer, counting(&runs), Duration::from_secs(10)).await;
+    let handled = &report.messages[0];
+    eprintln!("answer {:?}, disposition {:?}, settled {:?}", handled.answer, handled.disposition, report.settled);
+    assert!(
+        handled.disposition.is_retry(),
+        "a transient key error was {:?}; settled {:?}",
+        handled.disposition,
+        report.settled
+    );
+}
