@@ -1,0 +1,368 @@
+//! SQS scenarios, on the harness's SQS server (moto; `containers::sqs()`,
+//! `IDEMPOTENCY_TEST_SQS_*` overrides).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+use aws_sdk_sqs::types::{MessageAttributeValue, QueueAttributeName};
+use aws_sdk_sqs::Client;
+use idempotency_conformance::containers;
+use idempotency_consumers::sqs::{SqsConsumer, SqsMessage};
+use idempotency_consumers::{Backoff, Disposition};
+use idempotency_core::{Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+use crate::ledger::{allow_unrecorded, handler_times, keys, until, Ledger, Row, Setting};
+
+const KEY: &str = "idempotency-key";
+/// Long polling of the consumers.
+const WAIT: Duration = Duration::from_secs(1);
+/// Each SQS call's bound.
+const CALL: Duration = Duration::from_secs(3);
+/// How long a scenario may take before what is left counts as unacked.
+const LIMIT: Duration = Duration::from_secs(25);
+
+async fn client() -> Client {
+    let server = containers::sqs().await.expect("an SQS server");
+    let credentials = Credentials::new(
+        server.access_key_id(),
+        server.secret_access_key(),
+        None,
+        None,
+        "brokers",
+    );
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(server.region().to_owned()))
+        .endpoint_url(server.endpoint())
+        .credentials_provider(credentials)
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    Client::from_conf(config)
+}
+
+/// A fresh queue with this visibility timeout (seconds).
+async fn queue(client: &Client, visibility: u32) -> String {
+    let server = containers::sqs().await.expect("an SQS server");
+    client
+        .create_queue()
+        .queue_name(server.unique_queue_name("brokers"))
+        .attributes(QueueAttributeName::VisibilityTimeout, visibility.to_string())
+        .send()
+        .await
+        .expect("CreateQueue")
+        .queue_url()
+        .expect("a queue URL")
+        .to_owned()
+}
+
+/// Sends one message per key in `order` (a key twice: two messages, two
+/// message ids).
+async fn send(client: &Client, url: &str, order: &[String]) {
+    for chunk in order.chunks(10) {
+        let mut batch = client.send_message_batch().queue_url(url);
+        for (i, key) in chunk.iter().enumerate() {
+            let attribute = MessageAttributeValue::builder()
+                .data_type("String")
+                .string_value(key)
+                .build()
+                .expect("an attribute");
+            batch = batch.entries(
+                aws_sdk_sqs::types::SendMessageBatchRequestEntry::builder()
+                    .id(i.to_string())
+                    .message_body(format!("charge {key}"))
+                    .message_attributes(KEY, attribute)
+                    .build()
+                    .expect("an entry"),
+            );
+        }
+        let sent = batch.send().await.expect("SendMessageBatch");
+        assert!(sent.failed().is_empty(), "{:?}", sent.failed());
+    }
+}
+
+/// Messages in the queue, visible and in flight.
+async fn left(client: &Client, url: &str) -> u64 {
+    let output = client
+        .get_queue_attributes()
+        .queue_url(url)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessages)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesNotVisible)
+        .attribute_names(QueueAttributeName::ApproximateNumberOfMessagesDelayed)
+        .send()
+        .await
+        .expect("GetQueueAttributes");
+    output
+        .attributes()
+        .into_iter()
+        .flatten()
+        .filter_map(|(_, v)| v.parse::<u64>().ok())
+        .sum()
+}
+
+fn config(processing: Duration, extension: Option<Duration>) -> Config {
+    Config {
+        processing_timeout: processing,
+        store_timeout: Duration::from_millis(500),
+        lease_extension_interval: extension,
+        ..Config::default()
+    }
+}
+
+struct Queue {
+    client: Client,
+    url: String,
+    store: Arc<MemoryRepository>,
+    config: Config,
+}
+
+impl Queue {
+    async fn consumer(&self) -> (IdempotencyManager, SqsConsumer) {
+        let manager = IdempotencyManager::new(self.store.clone(), self.config.clone())
+            .expect("a manager");
+        let consumer = SqsConsumer::builder(self.client.clone(), manager.clone(), &self.url)
+            .wait_time(WAIT)
+            .call_timeout(CALL)
+            .backoff(Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_millis(500),
+            })
+            .build()
+            .await
+            .expect("a consumer");
+        (manager, consumer)
+    }
+}
+
+type Times = Arc<BTreeMap<String, Duration>>;
+
+/// Consumer `c`'s handler: its call noted, its time spent, then its effect.
+fn handler(
+    c: usize,
+    ledger: &Ledger,
+    times: &Times,
+) -> impl Fn(SqsMessage, ExecutionContext) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, HandlerError<String>>> + Send>>
+       + Send
+       + Sync
+       + 'static {
+    let (ledger, times) = (ledger.clone(), times.clone());
+    move |message, _ctx| {
+        let key = message.attributes.get(KEY).cloned().unwrap_or_default();
+        let time = times.get(&key).copied().unwrap_or_default();
+        let ledger = ledger.clone();
+        Box::pin(async move {
+            ledger.call(&key, c);
+            tokio::time::sleep(time).await;
+            ledger.apply(&key, c);
+            Ok(key)
+        })
+    }
+}
+
+/// Consumer `c` polls until told to stop, each poll that returns noted.
+async fn consume(c: usize, consumer: SqsConsumer, ledger: Ledger, times: Times, mut stop: watch::Receiver<bool>) {
+    let handler = handler(c, &ledger, &times);
+    while !*stop.borrow_and_update() {
+        let begun = Instant::now();
+        match consumer.poll_once(&handler).await {
+            Ok(report) => {
+                ledger.poll(begun.elapsed());
+                for m in report.messages {
+                    let what = match m.disposition {
+                        Disposition::Ack(answer) => format!("ack {answer:?}"),
+                        other => format!("{other:?}"),
+                    };
+                    ledger.delivered(m.key.as_deref().unwrap_or("?"), c, &what);
+                }
+            }
+            Err(error) => {
+                ledger.poll_error(c, error.to_string());
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// Runs the consumers until every key has its effect and the queue is empty
+/// (or [`LIMIT`]); the messages left.
+async fn finish(
+    queue: &Queue,
+    ledger: &Ledger,
+    keys: usize,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    stop: watch::Sender<bool>,
+    started: Instant,
+) -> u64 {
+    until(started + LIMIT, || async {
+        ledger.effected() == keys && left(&queue.client, &queue.url).await == 0
+    })
+    .await;
+    let _ = stop.send(true);
+    for task in tasks {
+        task.await.expect("a consumer task");
+    }
+    left(&queue.client, &queue.url).await
+}
+
+fn poll_bound(config: &Config, handler: Duration) -> Duration {
+    WAIT + CALL * 2 + handler + config.store_timeout * 3 + Duration::from_secs(2)
+}
+
+/// 1. A consumer killed mid-batch (its poll future dropped at a random point
+///    while handlers run, then the consumer), and a fresh one started: the
+///    killed consumer's messages come back after the queue's visibility
+///    timeout, its keys after the lease.
+pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let client = client().await;
+    let queue = Queue {
+        url: queue(&client, 2).await,
+        client,
+        store: Arc::new(MemoryRepository::new()),
+        config: config(Duration::from_secs(2), None),
+    };
+    let keys = keys(60);
+    let times = handler_times(&keys, seed, 20..200);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    send(&queue.client, &queue.url, &order).await;
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for c in 1..3 {
+        let (_, consumer) = queue.consumer().await;
+        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+    }
+    // The victim: killed once its handlers were called `calls` times, plus a
+    // random moment.
+    let (victim_manager, victim) = queue.consumer().await;
+    let calls = rng.random_range(1..=8);
+    let extra = Duration::from_millis(rng.random_range(0..150));
+    let victim_handler = handler(0, &ledger, &times);
+    let kill_deadline = started + Duration::from_secs(10);
+    let killed = loop {
+        let kill = async {
+            until(kill_deadline, || async { ledger.calls_by(0) >= calls }).await;
+            tokio::time::sleep(extra).await;
+        };
+        tokio::select! {
+            report = victim.poll_once(&victim_handler) => {
+                if let Err(error) = report { ledger.poll_error(0, error.to_string()); }
+                if Instant::now() >= kill_deadline { break false; }
+            }
+            () = kill => break true,
+        }
+    };
+    drop(victim);
+    allow_unrecorded(&ledger, &victim_manager, 0).await;
+    let (_, fresh) = queue.consumer().await;
+    tasks.push(tokio::spawn(consume(3, fresh, ledger.clone(), times.clone(), stopped.clone())));
+    let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
+    let setting = Setting {
+        broker: "SQS",
+        scenario: "consumer killed mid-batch, restarted",
+        seed,
+        messages: order.len(),
+        consumers: (3, 4),
+        unacked,
+        poll_bound: poll_bound(&queue.config, Duration::from_millis(200)),
+        deliveries_bound: None,
+        calls_bound: None,
+        took: started.elapsed(),
+        note: format!("killed: {killed}, after {calls} handler calls + {extra:?}"),
+        keys,
+    };
+    Row::collect(setting, &ledger)
+}
+
+/// 2. Handlers slower than the queue's visibility timeout (1 s; handlers
+///    1.5–2.5 s), with lease extension on: the consumers extend the messages'
+///    visibility with the lease, so no other consumer receives one meanwhile
+///    (one delivery, one handler call per key).
+pub(crate) async fn slower_than_visibility(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let client = client().await;
+    let queue = Queue {
+        url: queue(&client, 1).await,
+        client,
+        store: Arc::new(MemoryRepository::new()),
+        config: config(Duration::from_secs(3), Some(Duration::from_millis(500))),
+    };
+    let keys = keys(30);
+    let times = handler_times(&keys, seed, 1500..2500);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    send(&queue.client, &queue.url, &order).await;
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for c in 0..3 {
+        let (_, consumer) = queue.consumer().await;
+        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+    }
+    let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
+    let setting = Setting {
+        broker: "SQS",
+        scenario: "handler (1.5–2.5 s) slower than the visibility timeout (1 s), lease extension",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: poll_bound(&queue.config, Duration::from_millis(2500)),
+        deliveries_bound: Some(1),
+        calls_bound: Some(1),
+        took: started.elapsed(),
+        note: String::new(),
+        keys,
+    };
+    Row::collect(setting, &ledger)
+}
+
+/// 3. The producer sends every message twice (same key, two message ids), in
+///    a random order: one effect per key, every message deleted.
+pub(crate) async fn sent_twice(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let client = client().await;
+    let queue = Queue {
+        url: queue(&client, 5).await,
+        client,
+        store: Arc::new(MemoryRepository::new()),
+        config: config(Duration::from_secs(5), None),
+    };
+    let keys = keys(60);
+    let times = handler_times(&keys, seed, 5..60);
+    let mut order: Vec<String> = keys.iter().chain(keys.iter()).cloned().collect();
+    order.shuffle(&mut rng);
+    send(&queue.client, &queue.url, &order).await;
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for c in 0..3 {
+        let (_, consumer) = queue.consumer().await;
+        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+    }
+    let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
+    let setting = Setting {
+        broker: "SQS",
+        scenario: "every message published twice",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: poll_bound(&queue.config, Duration::from_millis(60)),
+        deliveries_bound: None,
+        calls_bound: Some(1),
+        took: started.elapsed(),
+        note: String::new(),
+        keys,
+    };
+    Row::collect(setting, &ledger)
+}
