@@ -43,6 +43,9 @@ async fn run(scenarios: &[Scenario]) {
         if !row.setting.note.is_empty() {
             println!("  ({})", row.setting.note);
         }
+        if let Some(error) = &row.first_poll_error {
+            println!("  (first poll error: {error})");
+        }
         if let Err(e) = row.verdict() {
             failures.push(e);
         }

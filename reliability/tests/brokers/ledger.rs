@@ -24,6 +24,8 @@ struct Entries {
     slowest_poll: Duration,
     polls: u64,
     poll_errors: Vec<String>,
+    /// Deliveries answered `Retry` (their key held elsewhere, …).
+    retried: u64,
 }
 
 /// What the consumers of one scenario did, shared between their tasks.
@@ -84,6 +86,11 @@ impl Ledger {
         e.slowest_poll = e.slowest_poll.max(took);
     }
 
+    /// A poll answered `n` deliveries `Retry`.
+    pub(crate) fn retried(&self, n: u64) {
+        self.entries().retried += n;
+    }
+
     /// A poll failed (a receive error, a Kafka client error).
     pub(crate) fn poll_error(&self, c: usize, error: String) {
         self.entries().poll_errors.push(format!("c{c}: {error}"));
@@ -94,7 +101,11 @@ impl Ledger {
     pub(crate) fn allow_extra(&self, key: &str) {
         let mut e = self.entries();
         *e.allowed_extra.entry(key.to_owned()).or_default() += 1;
-        self.note(&mut e, key, "killed before its effect was recorded".to_owned());
+        self.note(
+            &mut e,
+            key,
+            "killed before its effect was recorded".to_owned(),
+        );
     }
 
     /// Keys whose effect consumer `c` applied.
@@ -158,6 +169,9 @@ pub(crate) struct Row {
     pub(crate) slowest_poll: Duration,
     pub(crate) polls: u64,
     pub(crate) poll_errors: usize,
+    pub(crate) retried: u64,
+    /// The first poll error, if any.
+    pub(crate) first_poll_error: Option<String>,
     failing_history: Option<String>,
 }
 
@@ -200,6 +214,8 @@ impl Row {
             slowest_poll: e.slowest_poll,
             polls: e.polls,
             poll_errors: e.poll_errors.len(),
+            retried: e.retried,
+            first_poll_error: e.poll_errors.first().cloned(),
             failing_history: failing,
             setting,
         }
@@ -255,13 +271,13 @@ impl Row {
     }
 
     pub(crate) fn header() -> &'static str {
-        "| broker | scenario | messages | keys | consumers (started) | effects/key (min–max) | extra allowed | lost | unacked at end | deliveries/key (max) | handler calls/key (max) | polls | poll errors | slowest poll | poll bound | took | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| broker | scenario | messages | keys | consumers (started) | effects/key (min–max) | extra allowed | lost | unacked at end | deliveries/key (max) | handler calls/key (max) | retried | polls | poll errors | slowest poll | poll bound | took | verdict |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     }
 
     pub(crate) fn row(&self) -> String {
         let s = &self.setting;
         format!(
-            "| {} | {} | {} | {} | {} ({}) | {}–{} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} ms | {:.1} s | {} |",
+            "| {} | {} | {} | {} | {} ({}) | {}–{} | {} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} ms | {:.1} s | {} |",
             s.broker,
             s.scenario,
             s.messages,
@@ -275,6 +291,7 @@ impl Row {
             s.unacked,
             if self.deliveries_max == 0 { "–".to_owned() } else { self.deliveries_max.to_string() },
             self.calls_max,
+            self.retried,
             self.polls,
             self.poll_errors,
             self.slowest_poll.as_millis(),
@@ -295,7 +312,12 @@ pub(crate) fn handler_times(
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     Arc::new(
         keys.iter()
-            .map(|k| (k.clone(), Duration::from_millis(rng.random_range(range.clone()))))
+            .map(|k| {
+                (
+                    k.clone(),
+                    Duration::from_millis(rng.random_range(range.clone())),
+                )
+            })
             .collect(),
     )
 }
@@ -326,7 +348,11 @@ where
 /// After consumer `c` was killed: each key whose effect it applied but whose
 /// outcome the store does not hold as completed may have its effect once more
 /// (the contract's bound for a crash between the effect and the record).
-pub(crate) async fn allow_unrecorded(ledger: &Ledger, manager: &idempotency_core::IdempotencyManager, c: usize) {
+pub(crate) async fn allow_unrecorded(
+    ledger: &Ledger,
+    manager: &idempotency_core::IdempotencyManager,
+    c: usize,
+) {
     for key in ledger.applied_by(c) {
         let completed = match manager.record_key(&key) {
             Ok(record_key) => matches!(

@@ -11,7 +11,9 @@ use aws_sdk_sqs::Client;
 use idempotency_conformance::containers;
 use idempotency_consumers::sqs::{SqsConsumer, SqsMessage};
 use idempotency_consumers::{Backoff, Disposition};
-use idempotency_core::{Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository};
+use idempotency_core::{
+    Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository,
+};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use tokio::sync::watch;
@@ -52,7 +54,10 @@ async fn queue(client: &Client, visibility: u32) -> String {
     client
         .create_queue()
         .queue_name(server.unique_queue_name("brokers"))
-        .attributes(QueueAttributeName::VisibilityTimeout, visibility.to_string())
+        .attributes(
+            QueueAttributeName::VisibilityTimeout,
+            visibility.to_string(),
+        )
         .send()
         .await
         .expect("CreateQueue")
@@ -123,8 +128,8 @@ struct Queue {
 
 impl Queue {
     async fn consumer(&self) -> (IdempotencyManager, SqsConsumer) {
-        let manager = IdempotencyManager::new(self.store.clone(), self.config.clone())
-            .expect("a manager");
+        let manager =
+            IdempotencyManager::new(self.store.clone(), self.config.clone()).expect("a manager");
         let consumer = SqsConsumer::builder(self.client.clone(), manager.clone(), &self.url)
             .wait_time(WAIT)
             .call_timeout(CALL)
@@ -146,8 +151,12 @@ fn handler(
     c: usize,
     ledger: &Ledger,
     times: &Times,
-) -> impl Fn(SqsMessage, ExecutionContext) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, HandlerError<String>>> + Send>>
-       + Send
+) -> impl Fn(
+    SqsMessage,
+    ExecutionContext,
+) -> std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<String, HandlerError<String>>> + Send>,
+> + Send
        + Sync
        + 'static {
     let (ledger, times) = (ledger.clone(), times.clone());
@@ -165,7 +174,13 @@ fn handler(
 }
 
 /// Consumer `c` polls until told to stop, each poll that returns noted.
-async fn consume(c: usize, consumer: SqsConsumer, ledger: Ledger, times: Times, mut stop: watch::Receiver<bool>) {
+async fn consume(
+    c: usize,
+    consumer: SqsConsumer,
+    ledger: Ledger,
+    times: Times,
+    mut stop: watch::Receiver<bool>,
+) {
     let handler = handler(c, &ledger, &times);
     while !*stop.borrow_and_update() {
         let begun = Instant::now();
@@ -173,6 +188,9 @@ async fn consume(c: usize, consumer: SqsConsumer, ledger: Ledger, times: Times, 
             Ok(report) => {
                 ledger.poll(begun.elapsed());
                 for m in report.messages {
+                    if m.disposition.is_retry() {
+                        ledger.retried(1);
+                    }
                     let what = match m.disposition {
                         Disposition::Ack(answer) => format!("ack {answer:?}"),
                         other => format!("{other:?}"),
@@ -237,7 +255,13 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
     let mut tasks = Vec::new();
     for c in 1..3 {
         let (_, consumer) = queue.consumer().await;
-        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+        tasks.push(tokio::spawn(consume(
+            c,
+            consumer,
+            ledger.clone(),
+            times.clone(),
+            stopped.clone(),
+        )));
     }
     // The victim: killed once its handlers were called `calls` times, plus a
     // random moment.
@@ -262,7 +286,13 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
     drop(victim);
     allow_unrecorded(&ledger, &victim_manager, 0).await;
     let (_, fresh) = queue.consumer().await;
-    tasks.push(tokio::spawn(consume(3, fresh, ledger.clone(), times.clone(), stopped.clone())));
+    tasks.push(tokio::spawn(consume(
+        3,
+        fresh,
+        ledger.clone(),
+        times.clone(),
+        stopped.clone(),
+    )));
     let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
     let setting = Setting {
         broker: "SQS",
@@ -305,7 +335,13 @@ pub(crate) async fn slower_than_visibility(seed: u64) -> Row {
     let mut tasks = Vec::new();
     for c in 0..3 {
         let (_, consumer) = queue.consumer().await;
-        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+        tasks.push(tokio::spawn(consume(
+            c,
+            consumer,
+            ledger.clone(),
+            times.clone(),
+            stopped.clone(),
+        )));
     }
     let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
     let setting = Setting {
@@ -347,7 +383,13 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
     let mut tasks = Vec::new();
     for c in 0..3 {
         let (_, consumer) = queue.consumer().await;
-        tasks.push(tokio::spawn(consume(c, consumer, ledger.clone(), times.clone(), stopped.clone())));
+        tasks.push(tokio::spawn(consume(
+            c,
+            consumer,
+            ledger.clone(),
+            times.clone(),
+            stopped.clone(),
+        )));
     }
     let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
     let setting = Setting {
