@@ -146,19 +146,17 @@ impl Queue {
 
 type Times = Arc<BTreeMap<String, Duration>>;
 
+/// The future of one handler call.
+type Answer = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<String, HandlerError<String>>> + Send>,
+>;
+
 /// Consumer `c`'s handler: its call noted, its time spent, then its effect.
 fn handler(
     c: usize,
     ledger: &Ledger,
     times: &Times,
-) -> impl Fn(
-    SqsMessage,
-    ExecutionContext,
-) -> std::pin::Pin<
-    Box<dyn std::future::Future<Output = Result<String, HandlerError<String>>> + Send>,
-> + Send
-       + Sync
-       + 'static {
+) -> impl Fn(SqsMessage, ExecutionContext) -> Answer + Send + Sync + 'static {
     let (ledger, times) = (ledger.clone(), times.clone());
     move |message, _ctx| {
         let key = message.attributes.get(KEY).cloned().unwrap_or_default();
