@@ -73,6 +73,7 @@ async fn kafka() {
         |s| Box::pin(kafka::killed_and_restarted(s)),
         |s| Box::pin(kafka::slower_than_poll_interval(s)),
         |s| Box::pin(kafka::sent_twice(s)),
+        |s| Box::pin(kafka::broker_down_and_up(s)),
     ])
     .await;
 }

@@ -449,3 +449,52 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
     };
     Row::collect(setting, &ledger)
 }
+
+/// 4. The nearest the mock cluster comes to a broker restart: its only
+///    broker set down (connections closed and refused; its log, groups and
+///    committed offsets kept) for 1–2 s once a third of the keys are applied,
+///    then up again. (The mock cannot restart: it lives in this process and
+///    keeps everything in memory; dropping it ends the cluster.)
+pub(crate) async fn broker_down_and_up(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut topic = Topic::new(seed, config(Duration::from_secs(2), None), Vec::new());
+    let keys = keys(60);
+    let times = handler_times(&keys, seed, 5..60);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    produce_all(&mut topic, &order, &mut rng).await;
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let mut group = Group::new(&ledger, &times);
+    for c in 0..3 {
+        group.spawn(c, topic.consumer().1);
+    }
+    let outage = Duration::from_millis(rng.random_range(1000..2000));
+    let reached = until(started + Duration::from_secs(15), || async {
+        ledger.effected() >= keys.len() / 3
+    })
+    .await;
+    topic.mock.broker_down(1).expect("broker down");
+    // The outage's length (the fault schedule, not a wait for an event).
+    tokio::time::sleep(outage).await;
+    topic.mock.broker_up(1).expect("broker up");
+    let unacked = group.finish(&topic, keys.len(), started).await;
+    let setting = Setting {
+        broker: "Kafka",
+        scenario: "broker down 1–2 s (mock: connections refused, log kept), then up",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: poll_bound(&topic.config, Duration::from_millis(60)),
+        deliveries_bound: None,
+        calls_bound: Some(1),
+        took: started.elapsed(),
+        note: format!(
+            "down for {outage:?} after {} effects (a third reached: {reached})",
+            keys.len() / 3
+        ),
+        keys,
+    };
+    Row::collect(setting, &ledger)
+}
