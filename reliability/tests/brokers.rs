@@ -63,6 +63,7 @@ async fn sqs() {
         |s| Box::pin(sqs::killed_and_restarted(s)),
         |s| Box::pin(sqs::slower_than_visibility(s)),
         |s| Box::pin(sqs::sent_twice(s)),
+        |s| Box::pin(sqs::server_paused(s)),
     ])
     .await;
 }

@@ -31,17 +31,19 @@ const LIMIT: Duration = Duration::from_secs(25);
 
 async fn client() -> Client {
     let server = containers::sqs().await.expect("an SQS server");
-    let credentials = Credentials::new(
-        server.access_key_id(),
-        server.secret_access_key(),
-        None,
-        None,
-        "brokers",
-    );
+    client_of(
+        server.endpoint(),
+        server.region(),
+        (server.access_key_id(), server.secret_access_key()),
+    )
+}
+
+fn client_of(endpoint: &str, region: &str, (key, secret): (&str, &str)) -> Client {
+    let credentials = Credentials::new(key, secret, None, None, "brokers");
     let config = aws_sdk_sqs::Config::builder()
         .behavior_version(BehaviorVersion::latest())
-        .region(Region::new(server.region().to_owned()))
-        .endpoint_url(server.endpoint())
+        .region(Region::new(region.to_owned()))
+        .endpoint_url(endpoint)
         .credentials_provider(credentials)
         .http_client(aws_smithy_http_client::Builder::new().build_http())
         .build();
@@ -404,5 +406,112 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
         note: String::new(),
         keys,
     };
+    Row::collect(setting, &ledger)
+}
+
+/// 4. The nearest to a broker restart that applies: the SQS server frozen
+///    (`docker pause`: every call unanswered, its queues kept) for 4.5–5.5 s
+///    (past the receive's bound, wait + call timeout = 4 s) once
+///    a third of the keys are applied, then resumed. Receives and deletes in
+///    flight time out (the call timeout); deletes that failed come back after
+///    the visibility timeout and are answered from the store. A restart of
+///    the moto container does not apply: moto keeps queues in memory, so a
+///    restart deletes the queue and its messages, which SQS (durable,
+///    replicated, never restarted from a client's view) never does. It runs
+///    on a moto server of its own (the DynamoDB harness's dedicated container:
+///    moto serves SQS too), as the shared one must not stop; skipped when
+///    that server does not serve SQS (another DynamoDB emulator configured).
+pub(crate) async fn server_paused(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let keys = keys(60);
+    let skipped = |why: String| {
+        let setting = Setting {
+            broker: "SQS",
+            scenario: "server paused 4.5–5.5 s (docker pause), resumed",
+            seed,
+            messages: 0,
+            consumers: (0, 0),
+            unacked: 0,
+            poll_bound: Duration::ZERO,
+            deliveries_bound: None,
+            calls_bound: None,
+            took: Duration::ZERO,
+            note: format!("skipped: {why}"),
+            keys: Vec::new(),
+        };
+        Row::collect(setting, &Ledger::default())
+    };
+    let server = match containers::DynamoDbServer::dedicated().await {
+        Ok(server) => server,
+        Err(e) => return skipped(format!("no dedicated moto server: {e}")),
+    };
+    let s = server.server();
+    let client = client_of(
+        s.endpoint(),
+        s.region(),
+        (s.access_key_id(), s.secret_access_key()),
+    );
+    let created = client
+        .create_queue()
+        .queue_name(format!("brokers-paused-{:08x}", rand::random::<u32>()))
+        .attributes(QueueAttributeName::VisibilityTimeout, "3")
+        .send()
+        .await;
+    let url = match created.ok().and_then(|o| o.queue_url().map(str::to_owned)) {
+        Some(url) => url,
+        None => return skipped("the dedicated server does not serve SQS".to_owned()),
+    };
+    let queue = Queue {
+        url,
+        client,
+        store: Arc::new(MemoryRepository::new()),
+        config: config(Duration::from_secs(3), None),
+    };
+    let times = handler_times(&keys, seed, 5..60);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    send(&queue.client, &queue.url, &order).await;
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let mut tasks = Vec::new();
+    for c in 0..3 {
+        let (_, consumer) = queue.consumer().await;
+        tasks.push(tokio::spawn(consume(
+            c,
+            consumer,
+            ledger.clone(),
+            times.clone(),
+            stopped.clone(),
+        )));
+    }
+    let outage = Duration::from_millis(rng.random_range(4500..5500));
+    let reached = until(started + Duration::from_secs(15), || async {
+        ledger.effected() >= keys.len() / 3
+    })
+    .await;
+    server.pause().await.expect("docker pause");
+    // The outage's length (the fault schedule, not a wait for an event).
+    tokio::time::sleep(outage).await;
+    server.unpause().await.expect("docker unpause");
+    let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
+    let setting = Setting {
+        broker: "SQS",
+        scenario: "server paused 4.5–5.5 s (docker pause), resumed",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: poll_bound(&queue.config, Duration::from_millis(60)),
+        deliveries_bound: None,
+        calls_bound: Some(1),
+        took: started.elapsed(),
+        note: format!(
+            "paused for {outage:?} after {} effects (a third reached: {reached})",
+            keys.len() / 3
+        ),
+        keys,
+    };
+    let _ = server.remove().await;
     Row::collect(setting, &ledger)
 }
