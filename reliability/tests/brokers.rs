@@ -31,25 +31,27 @@ fn seed() -> u64 {
         .unwrap_or_else(rand::random::<u64>)
 }
 
-/// Runs the scenarios in turn, prints their rows, then fails with every
-/// broken verdict.
+/// Runs the scenarios at once (each on its own queue or cluster), prints
+/// their rows, then fails with every broken verdict.
 async fn run(scenarios: &[Scenario]) {
     let seed = seed();
-    println!("seed {seed}\n{}", Row::header());
+    let rows = futures::future::join_all(scenarios.iter().map(|s| s(seed))).await;
     let mut failures = Vec::new();
-    for scenario in scenarios {
-        let row = scenario(seed).await;
-        println!("{}", row.row());
+    let mut out = format!("seed {seed}\n{}\n", Row::header());
+    for row in &rows {
+        out.push_str(&row.row());
+        out.push('\n');
         if !row.setting.note.is_empty() {
-            println!("  ({})", row.setting.note);
+            out.push_str(&format!("  ({})\n", row.setting.note));
         }
         if let Some(error) = &row.first_poll_error {
-            println!("  (first poll error: {error})");
+            out.push_str(&format!("  (first poll error: {error})\n"));
         }
         if let Err(e) = row.verdict() {
             failures.push(e);
         }
     }
+    println!("{out}");
     assert!(
         failures.is_empty(),
         "replay with IDEMPOTENCY_RELIABILITY_SEED={seed}:\n{}",

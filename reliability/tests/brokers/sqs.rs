@@ -231,8 +231,9 @@ fn poll_bound(config: &Config, handler: Duration) -> Duration {
     WAIT + CALL * 2 + handler + config.store_timeout * 3 + Duration::from_secs(2)
 }
 
-/// 1. A consumer killed mid-batch (its poll future dropped at a random point
-///    while handlers run, then the consumer), and a fresh one started: the
+/// 1. A consumer killed mid-batch (its poll future dropped or leaked at a
+///    random point while handlers run, then the consumer dropped), and a
+///    fresh one started: the
 ///    killed consumer's messages come back after the queue's visibility
 ///    timeout, its keys after the lease.
 pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
@@ -270,17 +271,30 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
     let extra = Duration::from_millis(rng.random_range(0..150));
     let victim_handler = handler(0, &ledger, &times);
     let kill_deadline = started + Duration::from_secs(10);
+    // Half the runs drop the poll (a cancellation: the manager records the
+    // outcomes of handlers that returned, releases the keys not started);
+    // half leak it (`mem::forget`: a crash, nothing of it runs again, no
+    // visibility extended, no key released).
+    let crash = rng.random_bool(0.5);
     let killed = loop {
         let kill = async {
             until(kill_deadline, || async { ledger.calls_by(0) >= calls }).await;
             tokio::time::sleep(extra).await;
         };
+        let mut poll = Box::pin(victim.poll_once(&victim_handler));
         tokio::select! {
-            report = victim.poll_once(&victim_handler) => {
+            report = &mut poll => {
                 if let Err(error) = report { ledger.poll_error(0, error.to_string()); }
                 if Instant::now() >= kill_deadline { break false; }
             }
-            () = kill => break true,
+            () = kill => {
+                if crash {
+                    std::mem::forget(poll);
+                } else {
+                    drop(poll);
+                }
+                break true;
+            }
         }
     };
     drop(victim);
@@ -305,7 +319,10 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
         deliveries_bound: None,
         calls_bound: None,
         took: started.elapsed(),
-        note: format!("killed: {killed}, after {calls} handler calls + {extra:?}"),
+        note: format!(
+            "killed: {killed} ({}), after {calls} handler calls + {extra:?}",
+            if crash { "poll leaked" } else { "poll dropped" }
+        ),
         keys,
     };
     Row::collect(setting, &ledger)
