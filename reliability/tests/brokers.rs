@@ -14,6 +14,9 @@
 mod kafka;
 #[path = "brokers/ledger.rs"]
 mod ledger;
+#[cfg(feature = "rabbitmq")]
+#[path = "brokers/rabbitmq.rs"]
+mod rabbitmq;
 #[path = "brokers/sqs.rs"]
 mod sqs;
 
@@ -77,6 +80,16 @@ async fn kafka() {
         |s| Box::pin(kafka::slower_than_poll_interval(s)),
         |s| Box::pin(kafka::sent_twice(s)),
         |s| Box::pin(kafka::broker_down_and_up(s)),
+    ])
+    .await;
+}
+
+#[cfg(feature = "rabbitmq")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rabbitmq() {
+    run(&[
+        |s| Box::pin(rabbitmq::killed_and_restarted(s)),
+        |s| Box::pin(rabbitmq::sent_twice(s)),
     ])
     .await;
 }

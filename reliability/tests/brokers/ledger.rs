@@ -277,7 +277,7 @@ impl Row {
     pub(crate) fn row(&self) -> String {
         let s = &self.setting;
         format!(
-            "| {} | {} | {} | {} | {} ({}) | {}–{} | {} | {} | {} | {} | {} | {} | {} | {} | {} ms | {} ms | {:.1} s | {} |",
+            "| {} | {} | {} | {} | {} ({}) | {}–{} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} s | {} |",
             s.broker,
             s.scenario,
             s.messages,
@@ -294,8 +294,8 @@ impl Row {
             self.retried,
             self.polls,
             self.poll_errors,
-            self.slowest_poll.as_millis(),
-            s.poll_bound.as_millis(),
+            if self.polls == 0 { "–".to_owned() } else { format!("{} ms", self.slowest_poll.as_millis()) },
+            if self.polls == 0 { "–".to_owned() } else { format!("{} ms", s.poll_bound.as_millis()) },
             s.took.as_secs_f64(),
             if self.verdict().is_ok() { "✅" } else { "❌" }
         )
