@@ -231,6 +231,46 @@ fn poll_bound(config: &Config, handler: Duration) -> Duration {
     WAIT + CALL * 2 + handler + config.store_timeout * 3 + Duration::from_secs(2)
 }
 
+/// When and how the victim of scenario 1 is killed.
+struct Kill {
+    /// Its handler calls before the kill.
+    calls: u32,
+    /// And then this long.
+    extra: Duration,
+    /// Leak the poll (a crash) rather than drop it.
+    crash: bool,
+    /// No kill after this (the others took every message).
+    deadline: Instant,
+}
+
+impl Kill {
+    /// Polls with the victim (consumer 0) until the kill; whether it came.
+    async fn run(&self, victim: &SqsConsumer, ledger: &Ledger, times: &Times) -> bool {
+        let handler = handler(0, ledger, times);
+        loop {
+            let kill = async {
+                until(self.deadline, || async { ledger.calls_by(0) >= self.calls }).await;
+                tokio::time::sleep(self.extra).await;
+            };
+            let mut poll = Box::pin(victim.poll_once(&handler));
+            tokio::select! {
+                report = &mut poll => {
+                    if let Err(error) = report { ledger.poll_error(0, error.to_string()); }
+                    if Instant::now() >= self.deadline { return false; }
+                }
+                () = kill => {
+                    if self.crash {
+                        std::mem::forget(poll);
+                    } else {
+                        drop(poll);
+                    }
+                    return true;
+                }
+            }
+        }
+    }
+}
+
 /// 1. A consumer killed mid-batch (its poll future dropped or leaked at a
 ///    random point while handlers run, then the consumer dropped), and a
 ///    fresh one started: the
@@ -269,34 +309,18 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
     let (victim_manager, victim) = queue.consumer().await;
     let calls = rng.random_range(1..=8);
     let extra = Duration::from_millis(rng.random_range(0..150));
-    let victim_handler = handler(0, &ledger, &times);
-    let kill_deadline = started + Duration::from_secs(10);
     // Half the runs drop the poll (a cancellation: the manager records the
     // outcomes of handlers that returned, releases the keys not started);
     // half leak it (`mem::forget`: a crash, nothing of it runs again, no
     // visibility extended, no key released).
     let crash = rng.random_bool(0.5);
-    let killed = loop {
-        let kill = async {
-            until(kill_deadline, || async { ledger.calls_by(0) >= calls }).await;
-            tokio::time::sleep(extra).await;
-        };
-        let mut poll = Box::pin(victim.poll_once(&victim_handler));
-        tokio::select! {
-            report = &mut poll => {
-                if let Err(error) = report { ledger.poll_error(0, error.to_string()); }
-                if Instant::now() >= kill_deadline { break false; }
-            }
-            () = kill => {
-                if crash {
-                    std::mem::forget(poll);
-                } else {
-                    drop(poll);
-                }
-                break true;
-            }
-        }
+    let kill = Kill {
+        calls,
+        extra,
+        crash,
+        deadline: started + Duration::from_secs(10),
     };
+    let killed = kill.run(&victim, &ledger, &times).await;
     drop(victim);
     allow_unrecorded(&ledger, &victim_manager, 0).await;
     let (_, fresh) = queue.consumer().await;
@@ -426,6 +450,59 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
     Row::collect(setting, &ledger)
 }
 
+const PAUSED: &str = "server paused 4.5–5.5 s (docker pause), resumed";
+
+/// Scenario 4's row when it cannot run.
+fn skipped(seed: u64, why: &str) -> Row {
+    let setting = Setting {
+        broker: "SQS",
+        scenario: PAUSED,
+        seed,
+        messages: 0,
+        consumers: (0, 0),
+        unacked: 0,
+        poll_bound: Duration::ZERO,
+        deliveries_bound: None,
+        calls_bound: None,
+        took: Duration::ZERO,
+        note: format!("skipped: {why}"),
+        keys: Vec::new(),
+    };
+    Row::collect(setting, &Ledger::default())
+}
+
+/// A moto server of its own (the DynamoDB harness's dedicated container) and
+/// a queue on it (visibility 3 s, lease 3 s); why not, when it serves no SQS.
+async fn paused_queue() -> Result<(containers::Dedicated<containers::DynamoDbServer>, Queue), String>
+{
+    let server = containers::DynamoDbServer::dedicated()
+        .await
+        .map_err(|e| format!("no dedicated moto server: {e}"))?;
+    let s = server.server();
+    let client = client_of(
+        s.endpoint(),
+        s.region(),
+        (s.access_key_id(), s.secret_access_key()),
+    );
+    let created = client
+        .create_queue()
+        .queue_name(format!("brokers-paused-{:08x}", rand::random::<u32>()))
+        .attributes(QueueAttributeName::VisibilityTimeout, "3")
+        .send()
+        .await;
+    let url = created
+        .ok()
+        .and_then(|o| o.queue_url().map(str::to_owned))
+        .ok_or("the dedicated server does not serve SQS")?;
+    let queue = Queue {
+        url,
+        client,
+        store: Arc::new(MemoryRepository::new()),
+        config: config(Duration::from_secs(3), None),
+    };
+    Ok((server, queue))
+}
+
 /// 4. The nearest to a broker restart that applies: the SQS server frozen
 ///    (`docker pause`: every call unanswered, its queues kept) for 4.5–5.5 s
 ///    (past the receive's bound, wait + call timeout = 4 s) once
@@ -441,48 +518,9 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
 pub(crate) async fn server_paused(seed: u64) -> Row {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let keys = keys(60);
-    let skipped = |why: String| {
-        let setting = Setting {
-            broker: "SQS",
-            scenario: "server paused 4.5–5.5 s (docker pause), resumed",
-            seed,
-            messages: 0,
-            consumers: (0, 0),
-            unacked: 0,
-            poll_bound: Duration::ZERO,
-            deliveries_bound: None,
-            calls_bound: None,
-            took: Duration::ZERO,
-            note: format!("skipped: {why}"),
-            keys: Vec::new(),
-        };
-        Row::collect(setting, &Ledger::default())
-    };
-    let server = match containers::DynamoDbServer::dedicated().await {
-        Ok(server) => server,
-        Err(e) => return skipped(format!("no dedicated moto server: {e}")),
-    };
-    let s = server.server();
-    let client = client_of(
-        s.endpoint(),
-        s.region(),
-        (s.access_key_id(), s.secret_access_key()),
-    );
-    let created = client
-        .create_queue()
-        .queue_name(format!("brokers-paused-{:08x}", rand::random::<u32>()))
-        .attributes(QueueAttributeName::VisibilityTimeout, "3")
-        .send()
-        .await;
-    let url = match created.ok().and_then(|o| o.queue_url().map(str::to_owned)) {
-        Some(url) => url,
-        None => return skipped("the dedicated server does not serve SQS".to_owned()),
-    };
-    let queue = Queue {
-        url,
-        client,
-        store: Arc::new(MemoryRepository::new()),
-        config: config(Duration::from_secs(3), None),
+    let (server, queue) = match paused_queue().await {
+        Ok(found) => found,
+        Err(why) => return skipped(seed, &why),
     };
     let times = handler_times(&keys, seed, 5..60);
     let mut order = keys.clone();
@@ -514,7 +552,7 @@ pub(crate) async fn server_paused(seed: u64) -> Row {
     let unacked = finish(&queue, &ledger, keys.len(), tasks, stop, started).await;
     let setting = Setting {
         broker: "SQS",
-        scenario: "server paused 4.5–5.5 s (docker pause), resumed",
+        scenario: PAUSED,
         seed,
         messages: order.len(),
         consumers: (3, 3),
