@@ -110,6 +110,9 @@ impl Topic {
             .topics([self.name.as_str()])
             .linger(LINGER)
             .batch_size(20)
+            // One group per batch: the scenario's `max.poll.interval.ms`
+            // covers one lease between two polls.
+            .concurrency(20)
             .commit_timeout(COMMIT)
             .backoff(Backoff {
                 initial: Duration::from_millis(100),
