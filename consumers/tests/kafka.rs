@@ -20,7 +20,9 @@ use idempotency_consumers::kafka::rdkafka::message::{Headers, OwnedMessage};
 use idempotency_consumers::kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use idempotency_consumers::kafka::rdkafka::Message;
 use idempotency_consumers::kafka::{headers, KafkaConsumer, KafkaConsumerError, KeySource};
-use idempotency_core::{ExecutionContext, HandlerError, MemoryRepository};
+use idempotency_core::{
+    Config, ExecutionContext, HandlerError, IdempotencyManager, MemoryRepository,
+};
 use parking_lot::Mutex;
 use support::{backoff, counting, drive, key_of, manager, unique, Broker, Effects};
 
@@ -463,6 +465,17 @@ async fn an_inconsistent_configuration_fails_to_build() {
         build(client.clone().set("group.id", "")).build(),
         no_route.build(),
     ];
+    // Every default (a 300 s lease, librdkafka's 300 s max.poll.interval.ms,
+    // batches of 100 in one group) builds.
+    let defaults = Config::default();
+    KafkaConsumer::builder(
+        IdempotencyManager::new(store.clone(), defaults).unwrap(),
+        client.clone(),
+    )
+    .topics(["t"])
+    .on_reject(|_| async { Ok(()) })
+    .build()
+    .expect("the defaults are consistent");
     // Six groups of a 10 s lease fit in a minute.
     build(client.clone().set("max.poll.interval.ms", "60000"))
         .batch_size(6)

@@ -71,6 +71,8 @@ pub struct KafkaConsumerBuilder<C: Codec + Clone> {
     topics: Vec<String>,
     keys: KeySource,
     settings: Settings,
+    /// `concurrency`, when set (default: the batch size).
+    concurrency: Option<usize>,
     dead_letter: Option<(String, Option<ClientConfig>)>,
     reject: RejectRoute,
 }
@@ -117,11 +119,13 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
             settings: Settings {
                 batch_size: 100,
                 linger: Duration::from_millis(100),
-                concurrency: 16,
+                // Set by `build`: `concurrency`, or the batch size.
+                concurrency: 0,
                 backoff: Backoff::default(),
                 commit_timeout: Duration::from_secs(30),
                 seek_timeout: Duration::from_secs(5),
             },
+            concurrency: None,
             dead_letter: None,
             reject: RejectRoute {
                 hook_timeout: Duration::from_secs(30),
@@ -158,11 +162,13 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
         self
     }
 
-    /// How many keys of a batch are reserved and run at once (default 16);
-    /// the groups of a batch run one after another (see
+    /// How many keys of a batch are reserved and run at once (default: the
+    /// batch size, so a poll costs one reservation round trip and one
+    /// completion round); a smaller value bounds the handlers running at
+    /// once, and the groups of a batch then run one after another (see
     /// [`build`](Self::build) on `max.poll.interval.ms`).
     pub fn concurrency(mut self, concurrency: usize) -> Self {
-        self.settings.concurrency = concurrency;
+        self.concurrency = Some(concurrency);
         self
     }
 
@@ -237,6 +243,7 @@ impl<C: Codec + Clone> KafkaConsumerBuilder<C> {
     /// [module docs](super)).
     /// [`KafkaConsumerError::Kafka`] when librdkafka refuses the client.
     pub fn build(mut self) -> Result<KafkaConsumer<C>, KafkaConsumerError> {
+        self.settings.concurrency = self.concurrency.unwrap_or(self.settings.batch_size);
         self.check()?;
         for (key, value) in OWNED {
             self.client.set(key, value);

@@ -1,12 +1,5 @@
 //! `idempotency::connect` swaps stores by URL alone: the same manager code runs
-//! against every enabled backend, on real servers from the test harness.
-#![cfg(any(
-    feature = "redis",
-    feature = "postgres",
-    feature = "dynamodb",
-    feature = "sqlite",
-    feature = "mysql"
-))]
+//! against every backend, on real servers from the test harness.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -71,7 +64,6 @@ async fn futures_join<T>(
     out
 }
 
-#[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn redis_by_url() {
     let server = containers::redis()
@@ -80,7 +72,6 @@ async fn redis_by_url() {
     exercise(server.url(), "redis").await;
 }
 
-#[cfg(feature = "postgres")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_by_url() {
     let server = containers::postgres()
@@ -93,7 +84,6 @@ async fn postgres_by_url() {
     exercise(&url.replacen("postgres://", "postgresql://", 1), "postgres").await;
 }
 
-#[cfg(feature = "dynamodb")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn dynamodb_by_url() {
     let server = containers::dynamodb()
@@ -108,7 +98,6 @@ async fn dynamodb_by_url() {
     exercise(&url, "dynamodb").await;
 }
 
-#[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_by_url() {
     let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("facade-sqlite");
@@ -117,7 +106,6 @@ async fn sqlite_by_url() {
     exercise(&format!("sqlite://{}", file.display()), "sqlite").await;
 }
 
-#[cfg(feature = "mysql")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn mysql_by_url() {
     let server = containers::mariadb()
