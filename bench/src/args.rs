@@ -52,7 +52,7 @@ OPTIONS:
                           its feature; Redis from --redis-url or the harness)
   --kafka-messages N      measured messages per variant and scenario for Kafka (default
                           20000; rounds are whole batches of 100)
-  --sqs-messages N        the same for SQS (default 4000)
+  --sqs-messages N        the same for SQS (default 1000; rounds are whole receives of 10)
   --sqs-pollers N         SQS poll loops per variant (default 10: 10 receives of 10 = a
                           batch of 100)
   --kafka-brokers LIST    Kafka bootstrap servers (default $IDEMPOTENCY_BENCH_KAFKA_BROKERS,
@@ -197,7 +197,7 @@ impl Args {
             brokers: Vec::new(),
             broker_stores: crate::brokers::compiled_stores(),
             kafka_messages: 20_000,
-            sqs_messages: 4_000,
+            sqs_messages: 1_000,
             sqs_pollers: crate::brokers::SQS_POLLERS,
             kafka_brokers: env("IDEMPOTENCY_BENCH_KAFKA_BROKERS"),
             sqs_endpoint: env("IDEMPOTENCY_BENCH_SQS_ENDPOINT"),
@@ -220,7 +220,7 @@ impl Args {
                 a.memory_ops = 20_000;
                 a.dynamodb_ops = 200;
                 a.kafka_messages = 2_000;
-                a.sqs_messages = 400;
+                a.sqs_messages = 200;
                 continue;
             }
             let (flag, inline) = match flag.split_once('=') {
@@ -356,8 +356,13 @@ impl Args {
         };
         crate::brokers::BrokerPlan {
             messages,
+            poll: if broker == "sqs" {
+                10
+            } else {
+                crate::brokers::BATCH
+            },
             rounds: self.plan.rounds,
-            warmup: (messages / 10).clamp(crate::brokers::BATCH, 1_000),
+            warmup: (messages / 10).clamp(100, 1_000),
             scenarios: self
                 .plan
                 .scenarios

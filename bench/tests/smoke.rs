@@ -265,6 +265,7 @@ async fn kafka_consumer_against_its_raw_loop() {
         .unwrap();
     let plan = BrokerPlan {
         messages: 200,
+        poll: 100,
         rounds: 2,
         warmup: 100,
         scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
@@ -272,8 +273,8 @@ async fn kafka_consumer_against_its_raw_loop() {
     broker_run(&workload, &plan).await;
 }
 
-/// SQS on the harness's server: 2 × 2 × (200 + 20 warm-up) messages, ten
-/// poll loops a variant.
+/// SQS on the harness's server (slow: moto): 2 × 2 × (60 + 20 warm-up)
+/// messages, ten poll loops a variant.
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqs_consumer_against_its_raw_loop() {
@@ -291,7 +292,8 @@ async fn sqs_consumer_against_its_raw_loop() {
         .await
         .unwrap();
     let plan = BrokerPlan {
-        messages: 200,
+        messages: 50,
+        poll: 10,
         rounds: 2,
         warmup: 20,
         scenarios: vec![Scenario::Fresh, Scenario::Duplicate],

@@ -149,8 +149,11 @@ pub async fn complete_keys(
 /// What one timed round did.
 #[derive(Debug, Default)]
 pub struct Round {
-    /// Messages consumed (acknowledged, committed or deleted).
+    /// Distinct messages consumed (acknowledged, committed or deleted).
     pub messages: usize,
+    /// Deliveries of a message already consumed in the round (SQS is at
+    /// least once: a message may be received twice), consumed again.
+    pub redelivered: usize,
     /// Wall-clock time of the round.
     pub elapsed: Duration,
     /// Duration of each poll that returned messages, in nanoseconds.
@@ -158,8 +161,10 @@ pub struct Round {
 }
 
 impl Round {
-    /// Fails unless `messages` were consumed and the handler ran as the
-    /// scenario says (for every fresh message, for no duplicate).
+    /// Fails unless `expected` distinct messages were consumed and the
+    /// handler ran as the scenario says: through the library once per fresh
+    /// message (redelivered or not) and never for a duplicate; in the raw
+    /// loop once per delivery.
     ///
     /// # Errors
     /// The discrepancy.
@@ -172,13 +177,14 @@ impl Round {
     ) -> Result<(), BoxError> {
         let want = match (variant, scenario) {
             (Variant::Library, s) if s.is_duplicate() => 0,
-            _ => expected,
+            (Variant::Library, _) => expected,
+            (Variant::Raw, _) => expected + self.redelivered,
         };
         if self.messages != expected || handled != want {
             return Err(format!(
-                "{variant} {scenario} round: {} messages consumed and {handled} handled, \
-                 expected {expected} and {want}",
-                self.messages
+                "{variant} {scenario} round: {} messages consumed ({} redelivered) and {handled} \
+                 handled, expected {expected} and {want}",
+                self.messages, self.redelivered
             )
             .into());
         }
@@ -224,8 +230,10 @@ pub trait BrokerWorkload: Send + Sync {
 #[derive(Debug, Clone)]
 pub struct BrokerPlan {
     /// Measured messages per variant (split over the rounds, each rounded up
-    /// to whole batches of [`BATCH`]).
+    /// to whole polls of `poll`).
     pub messages: usize,
+    /// Messages a poll takes at most: [`BATCH`] for Kafka, 10 for SQS.
+    pub poll: usize,
     /// Measured rounds per variant, alternating A B B A ….
     pub rounds: usize,
     /// Messages of the unmeasured first round of each variant (the consumer
@@ -239,7 +247,8 @@ impl BrokerPlan {
     /// Messages per measured round.
     pub fn per_round(&self) -> usize {
         let per = self.messages.div_ceil(self.rounds.max(1)).max(1);
-        per.div_ceil(BATCH) * BATCH
+        let poll = self.poll.max(1);
+        per.div_ceil(poll) * poll
     }
 
     /// Messages one run of this plan consumes (for the progress bar).
@@ -321,6 +330,7 @@ impl BrokerMeasurement {
             }
         };
         let messages: usize = rounds.iter().map(|r| r.messages).sum();
+        let redelivered = rounds.iter().map(|r| r.redelivered).sum();
         let elapsed: Duration = rounds.iter().map(|r| r.elapsed).sum();
         let round_rates = rounds.iter().map(|r| rate(r.messages, r.elapsed)).collect();
         let polls: Vec<u64> = rounds.into_iter().flat_map(|r| r.polls).collect();
@@ -335,6 +345,7 @@ impl BrokerMeasurement {
             messages_per_sec: rate(messages, elapsed),
             round_messages_per_sec: round_rates,
             polls: count,
+            redelivered,
             poll_p50_us: samples.quantile_us(0.50),
             poll_p99_us: samples.quantile_us(0.99),
         }

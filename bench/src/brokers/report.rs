@@ -28,6 +28,9 @@ pub struct BrokerMeasurement {
     pub round_messages_per_sec: Vec<f64>,
     /// Polls that returned messages.
     pub polls: usize,
+    /// Deliveries of messages already consumed (the broker's own
+    /// duplicates; SQS is at least once), not in `messages`.
+    pub redelivered: usize,
     /// Median duration of such a poll (receive, handle, commit or delete), µs.
     pub poll_p50_us: f64,
     /// 99th percentile of the same, µs.
@@ -171,9 +174,9 @@ impl BrokerReport {
         let _ = writeln!(md, "\n### Brokers: every line\n");
         let _ = writeln!(
             md,
-            "| broker | store | scenario | variant | messages | msg/s | polls | msg/poll | poll p50 µs | poll p99 µs |"
+            "| broker | store | scenario | variant | messages | msg/s | polls | msg/poll | poll p50 µs | poll p99 µs | redelivered |"
         );
-        let _ = writeln!(md, "|---|---|---|---|--:|--:|--:|--:|--:|--:|");
+        let _ = writeln!(md, "|---|---|---|---|--:|--:|--:|--:|--:|--:|--:|");
         for m in &self.results {
             let per_poll = if m.polls > 0 {
                 m.messages as f64 / m.polls as f64
@@ -182,7 +185,7 @@ impl BrokerReport {
             };
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} |",
                 m.broker,
                 m.store,
                 m.scenario,
@@ -192,7 +195,8 @@ impl BrokerReport {
                 m.polls,
                 per_poll,
                 us(m.poll_p50_us),
-                us(m.poll_p99_us)
+                us(m.poll_p99_us),
+                m.redelivered
             );
         }
         let _ = writeln!(md, "\n### Brokers: setup\n");
@@ -238,6 +242,7 @@ mod tests {
             messages_per_sec: rates.iter().sum::<f64>() / rates.len() as f64,
             round_messages_per_sec: rates.to_vec(),
             polls: 10,
+            redelivered: 0,
             poll_p50_us: 1.0,
             poll_p99_us: 2.0,
         }

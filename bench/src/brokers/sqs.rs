@@ -11,6 +11,7 @@
 //! empty while others still hold the round's last messages tries again
 //! after 5 ms.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,7 +25,9 @@ use aws_sdk_sqs::types::{
 use aws_sdk_sqs::Client;
 use futures::stream::{self, StreamExt, TryStreamExt};
 use idempotency_consumers::sqs::{SqsConsumer, SqsMessage, DEFAULT_KEY_ATTRIBUTE};
+use idempotency_consumers::{Backoff, Disposition};
 use idempotency_core::{ExecutionContext, HandlerError, IdempotencyManager, SharedRepository};
+use parking_lot::Mutex;
 
 use super::{complete_keys, handle, manager, nanos_since, payload, BrokerWorkload, Round, STALL};
 use crate::workloads::key_id;
@@ -35,6 +38,14 @@ const RECEIVE: usize = 10;
 /// The queues' visibility timeout: the manager's default lease (300 s), so
 /// the consumer needs no visibility heartbeat.
 const VISIBILITY: u32 = 300;
+
+/// The messages a round consumed, and how many deliveries were of a message
+/// consumed before.
+#[derive(Debug, Default)]
+struct Seen {
+    ids: HashSet<String>,
+    redelivered: usize,
+}
 
 /// Where the SQS server is.
 #[derive(Debug, Clone)]
@@ -120,6 +131,12 @@ impl SqsWorkload {
             .wait_time(Duration::ZERO)
             .max_messages(RECEIVE as u8)
             .concurrency(RECEIVE)
+            // A message received twice at once is answered `Retry` by one
+            // poll (its key in flight): it comes back within a second.
+            .backoff(Backoff {
+                initial: Duration::from_millis(100),
+                max: Duration::from_secs(1),
+            })
             .build()
             .await?;
         let setup = format!(
@@ -146,8 +163,11 @@ impl SqsWorkload {
         handle(body.as_bytes())
     }
 
-    /// One library poll: messages deleted (checked: every one of them).
-    async fn poll_library(&self) -> Result<usize, BoxError> {
+    /// One library poll: the ids of the messages deleted. A message
+    /// received twice at once (SQS is at least once) may be answered
+    /// `Retry` by one of the polls (its key in flight): not deleted, it
+    /// comes back.
+    async fn poll_library(&self) -> Result<Vec<String>, BoxError> {
         let handler = |message: SqsMessage, _ctx: ExecutionContext| {
             std::future::ready(Ok::<_, HandlerError<String>>(
                 self.run_handler(&message.body),
@@ -155,14 +175,21 @@ impl SqsWorkload {
         };
         let report = self.library.poll_once(handler).await?;
         let settled = report.settled;
-        if settled.failures > 0 || settled.deleted != report.messages.len() {
+        let acked: Vec<String> = report
+            .messages
+            .into_iter()
+            .filter(|h| matches!(h.disposition, Disposition::Ack(_)))
+            .map(|h| h.message_id)
+            .collect();
+        if settled.failures > 0 || settled.dead_lettered > 0 || settled.deleted != acked.len() {
             return Err(format!("the library's poll did not settle cleanly: {settled:?}").into());
         }
-        Ok(settled.deleted)
+        Ok(acked)
     }
 
-    /// One raw poll: receive, handle, delete; messages deleted.
-    async fn poll_raw(&self) -> Result<usize, BoxError> {
+    /// One raw poll: receive, handle, delete; the ids of the messages
+    /// deleted.
+    async fn poll_raw(&self) -> Result<Vec<String>, BoxError> {
         let output = self
             .client
             .receive_message()
@@ -177,7 +204,7 @@ impl SqsWorkload {
             .await?;
         let messages = output.messages();
         if messages.is_empty() {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let mut entries = Vec::with_capacity(messages.len());
         for (i, message) in messages.iter().enumerate() {
@@ -199,7 +226,10 @@ impl SqsWorkload {
         if !deleted.failed().is_empty() {
             return Err(format!("raw delete failed: {:?}", deleted.failed()).into());
         }
-        Ok(messages.len())
+        Ok(messages
+            .iter()
+            .map(|m| m.message_id().unwrap_or_default().to_owned())
+            .collect())
     }
 
     /// One poll loop: polls until the round's `messages` are consumed (by all
@@ -207,30 +237,34 @@ impl SqsWorkload {
     async fn poll_loop(
         &self,
         variant: Variant,
-        done: &AtomicUsize,
+        seen: &Mutex<Seen>,
         messages: usize,
     ) -> Result<Vec<u64>, BoxError> {
         let mut polls = Vec::new();
         let mut last = Instant::now();
-        while done.load(Ordering::Relaxed) < messages {
+        while seen.lock().ids.len() < messages {
             let t = Instant::now();
             let deleted = match variant {
                 Variant::Library => self.poll_library().await?,
                 Variant::Raw => self.poll_raw().await?,
             };
-            if deleted == 0 {
+            if deleted.is_empty() {
                 if last.elapsed() > STALL {
-                    return Err(format!(
-                        "no message for {STALL:?}: {} of {messages} consumed",
-                        done.load(Ordering::Relaxed)
-                    )
-                    .into());
+                    let got = seen.lock().ids.len();
+                    return Err(
+                        format!("no message for {STALL:?}: {got} of {messages} consumed").into(),
+                    );
                 }
                 tokio::time::sleep(Duration::from_millis(5)).await;
                 continue;
             }
             polls.push(nanos_since(t));
-            done.fetch_add(deleted, Ordering::Relaxed);
+            let mut seen = seen.lock();
+            for id in deleted {
+                if !seen.ids.insert(id) {
+                    seen.redelivered += 1;
+                }
+            }
             last = Instant::now();
         }
         Ok(polls)
@@ -284,16 +318,19 @@ impl BrokerWorkload for SqsWorkload {
         messages: usize,
     ) -> Result<Round, BoxError> {
         self.handled.store(0, Ordering::Relaxed);
-        let done = AtomicUsize::new(0);
+        let seen = Mutex::new(Seen::default());
         let started = Instant::now();
-        let loops = (0..self.pollers).map(|_| self.poll_loop(variant, &done, messages));
+        let loops = (0..self.pollers).map(|_| self.poll_loop(variant, &seen, messages));
         let mut polls = Vec::new();
         for result in futures::future::join_all(loops).await {
             polls.extend(result?);
         }
+        let elapsed = started.elapsed();
+        let seen = seen.into_inner();
         let round = Round {
-            messages: done.load(Ordering::Relaxed),
-            elapsed: started.elapsed(),
+            messages: seen.ids.len(),
+            redelivered: seen.redelivered,
+            elapsed,
             polls,
         };
         round.check(
