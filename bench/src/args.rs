@@ -53,6 +53,9 @@ OPTIONS:
   --kafka-messages N      measured messages per variant and scenario for Kafka (default
                           20000; rounds are whole batches of 100)
   --sqs-messages N        the same for SQS (default 1000; rounds are whole receives of 10)
+  --kafka-concurrency N   keys of a Kafka batch the consumer reserves and runs at once
+                          (default 16, the consumer's default; each group of that many is
+                          one reservation round trip, one after another)
   --sqs-pollers N         SQS poll loops per variant (default 10: 10 receives of 10 = a
                           batch of 100)
   --kafka-brokers LIST    Kafka bootstrap servers (default $IDEMPOTENCY_BENCH_KAFKA_BROKERS,
@@ -104,6 +107,8 @@ pub struct Args {
     pub sqs_messages: usize,
     /// SQS poll loops per variant.
     pub sqs_pollers: usize,
+    /// The Kafka consumer's concurrency.
+    pub kafka_concurrency: usize,
     /// Kafka bootstrap servers, if given.
     pub kafka_brokers: Option<String>,
     /// SQS endpoint, if given.
@@ -199,6 +204,7 @@ impl Args {
             kafka_messages: 20_000,
             sqs_messages: 1_000,
             sqs_pollers: crate::brokers::SQS_POLLERS,
+            kafka_concurrency: 16,
             kafka_brokers: env("IDEMPOTENCY_BENCH_KAFKA_BROKERS"),
             sqs_endpoint: env("IDEMPOTENCY_BENCH_SQS_ENDPOINT"),
             out: default_out(),
@@ -243,6 +249,7 @@ impl Args {
                 "--kafka-messages" => a.kafka_messages = number(&flag, &value()?)?,
                 "--sqs-messages" => a.sqs_messages = number(&flag, &value()?)?,
                 "--sqs-pollers" => a.sqs_pollers = number(&flag, &value()?)?,
+                "--kafka-concurrency" => a.kafka_concurrency = number(&flag, &value()?)?,
                 "--kafka-brokers" => a.kafka_brokers = Some(value()?),
                 "--sqs-endpoint" => a.sqs_endpoint = Some(value()?),
                 "--ops" => a.plan.ops = number(&flag, &value()?)?,

@@ -260,7 +260,7 @@ async fn broker_run(
 async fn kafka_consumer_against_its_raw_loop() {
     use idempotency_bench::brokers::{kafka::KafkaWorkload, store, BrokerPlan};
     let (repo, setup) = store("memory", None).await.unwrap();
-    let workload = KafkaWorkload::connect(None, "memory", repo, &setup)
+    let workload = KafkaWorkload::connect(None, "memory", repo, &setup, 16)
         .await
         .unwrap();
     let plan = BrokerPlan {

@@ -36,7 +36,8 @@ use crate::{BoxError, Scenario, Variant};
 pub const PARTITIONS: i32 = 4;
 /// How long a batch is collected at most, both variants.
 pub const LINGER: Duration = Duration::from_millis(100);
-/// Keys of a batch reserved and run at once (the consumer's default).
+/// Keys of a batch reserved and run at once by default (the consumer's
+/// default; `--kafka-concurrency`).
 pub const CONCURRENCY: usize = 16;
 const COMMIT_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -110,7 +111,8 @@ async fn create_topics(
 
 impl KafkaWorkload {
     /// Topics and consumers on `brokers` (bootstrap servers), or on a new
-    /// mock cluster; the library's manager over `repo`.
+    /// mock cluster; the library's manager over `repo`, `concurrency` keys
+    /// of a batch at once.
     ///
     /// # Errors
     /// The client's or the cluster's refusal.
@@ -119,6 +121,7 @@ impl KafkaWorkload {
         store: &str,
         repo: SharedRepository,
         store_setup: &str,
+        concurrency: usize,
     ) -> Result<Self, BoxError> {
         let mut config = ClientConfig::new();
         config
@@ -150,7 +153,7 @@ impl KafkaWorkload {
         .topics([library_topic.as_str()])
         .batch_size(BATCH)
         .linger(LINGER)
-        .concurrency(CONCURRENCY)
+        .concurrency(concurrency)
         .commit_timeout(COMMIT_TIMEOUT)
         .on_reject(|_| async { Err("the bench rejects nothing".to_owned()) })
         .build()?;
@@ -158,7 +161,7 @@ impl KafkaWorkload {
         raw.subscribe(&[raw_topic.as_str()])?;
         let setup = format!(
             "{cluster}, topics of {PARTITIONS} partitions; batches of {BATCH}, linger {} ms, \
-             {CONCURRENCY} keys at once; library over {store_setup}; raw: a StreamConsumer \
+             {concurrency} keys at once; library over {store_setup}; raw: a StreamConsumer \
              collecting the same batches, the same handler, the same synchronous commit",
             LINGER.as_millis()
         );

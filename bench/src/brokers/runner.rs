@@ -131,6 +131,7 @@ async fn connect(
                 store,
                 repo,
                 store_setup,
+                args.kafka_concurrency,
             )
             .await?,
         )),
