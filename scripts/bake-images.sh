@@ -6,13 +6,15 @@
 #   scripts/bake-images.sh --print-env  # only print the IDEMPOTENCY_TEST_*_IMAGE lines
 #   scripts/bake-images.sh --force    # rebuild even when up to date
 #
-# Produces (TAG = the Debian suite, `bookworm` by default) four images that
-# share one layer — a debootstrapped root holding all four servers, imported
+# Produces (TAG = the Debian suite, `bookworm` by default) five images that
+# share one layer — a debootstrapped root holding all five servers, imported
 # once — each with its own command, user and port:
 #   idempotency-test/redis:TAG     redis-server on 6379  (drop-in for `redis`)
 #   idempotency-test/postgres:TAG  PostgreSQL on 5432    (drop-in for `postgres`: same env vars)
 #   idempotency-test/dynamodb:TAG  moto's DynamoDB API on 8000 (drop-in for `amazon/dynamodb-local`)
 #   idempotency-test/mariadb:TAG   MariaDB on 3306       (drop-in for `mariadb`: same env vars)
+#   idempotency-test/rabbitmq:TAG  RabbitMQ (AMQP 0-9-1) on 5672, guest/guest from anywhere
+#                                  (drop-in for `rabbitmq:3`)
 #
 # The packages come from the mirror the host's apt already uses (asked from
 # `apt-get indextargets`, so sources.list, deb822 .sources files and proxies are
@@ -49,6 +51,7 @@ readonly REDIS_IMAGE="$PREFIX/redis:$TAG"
 readonly POSTGRES_IMAGE="$PREFIX/postgres:$TAG"
 readonly DYNAMODB_IMAGE="$PREFIX/dynamodb:$TAG"
 readonly MARIADB_IMAGE="$PREFIX/mariadb:$TAG"
+readonly RABBITMQ_IMAGE="$PREFIX/rabbitmq:$TAG"
 
 log() { printf '[bake %3ds] %s\n' "$SECONDS" "$*" >&2; }
 die() { printf '[bake] error: %s\n' "$*" >&2; exit 1; }
@@ -60,6 +63,7 @@ print_env() {
     echo "IDEMPOTENCY_TEST_MARIADB_IMAGE=$MARIADB_IMAGE"
     # SQS: the same moto image, started with moto's threaded server by the harness.
     echo "IDEMPOTENCY_TEST_SQS_IMAGE=$DYNAMODB_IMAGE"
+    echo "IDEMPOTENCY_TEST_RABBITMQ_IMAGE=$RABBITMQ_IMAGE"
 }
 
 FORCE=0
@@ -78,8 +82,8 @@ image_recipe() { docker image inspect --format "{{ index .Config.Labels \"$LABEL
 is_current() { [ "$FORCE" = 0 ] && [ "$(image_recipe "$1")" = "$RECIPE" ]; }
 
 if is_current "$REDIS_IMAGE" && is_current "$POSTGRES_IMAGE" && is_current "$DYNAMODB_IMAGE" &&
-    is_current "$MARIADB_IMAGE"; then
-    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE $MARIADB_IMAGE"
+    is_current "$MARIADB_IMAGE" && is_current "$RABBITMQ_IMAGE"; then
+    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE $MARIADB_IMAGE $RABBITMQ_IMAGE"
     exit 0
 fi
 
@@ -218,9 +222,9 @@ EOF
         DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 \
         ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} "$@"; }
 
-    log "apt-get install redis-server postgresql mariadb-server python3-venv"
+    log "apt-get install redis-server postgresql mariadb-server rabbitmq-server python3-venv"
     in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
-    in_root apt-get install -y -qq redis-server postgresql mariadb-server python3-venv >>"$WORK/apt.log" 2>&1 ||
+    in_root apt-get install -y -qq redis-server postgresql mariadb-server rabbitmq-server python3-venv >>"$WORK/apt.log" 2>&1 ||
         { tail -n 30 "$WORK/apt.log" >&2; die "apt-get install failed"; }
 
     log "python venv with $MOTO_REQUIREMENT"
@@ -246,6 +250,11 @@ EOF
     rm -rf "$ROOTFS/var/lib/mysql"
     mkdir -p "$ROOTFS/var/lib/mysql" "$ROOTFS/run/mysqld"
     in_root chown mysql:mysql /var/lib/mysql /run/mysqld
+    # RabbitMQ's node state is made at first start (the package never started it).
+    rm -rf "$ROOTFS/var/lib/rabbitmq/mnesia" "$ROOTFS/var/lib/rabbitmq/.erlang.cookie"
+    mkdir -p "$ROOTFS/var/lib/rabbitmq" "$ROOTFS/var/log/rabbitmq" "$ROOTFS/etc/rabbitmq"
+    in_root chown rabbitmq:rabbitmq /var/lib/rabbitmq /var/log/rabbitmq
+    printf '%s\n' 'loopback_users = none' 'listeners.tcp.default = 5672' >"$ROOTFS/etc/rabbitmq/rabbitmq.conf"
 
     in_root apt-get clean
     umount "$ROOTFS/proc"
@@ -470,13 +479,31 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 EOF
+    # Like the official rabbitmq image: the broker in the foreground, logging to
+    # stdout, guest/guest allowed from outside localhost (rabbitmq.conf). The node
+    # is rabbit@localhost, so it starts whatever host name the container gets.
+    cat >"$root/usr/local/bin/idem-rabbitmq-entrypoint" <<'EOF'
+#!/bin/sh
+set -eu
+if [ "${1#-}" != "$1" ]; then
+    set -- rabbitmq-server "$@"
+fi
+if [ "$1" = rabbitmq-server ]; then
+    shift
+    export HOME=/var/lib/rabbitmq
+    export RABBITMQ_NODENAME="${RABBITMQ_NODENAME:-rabbit@localhost}"
+    export RABBITMQ_LOGS="${RABBITMQ_LOGS:--}"
+    exec /usr/lib/rabbitmq/bin/rabbitmq-server "$@"
+fi
+exec "$@"
+EOF
     chmod 755 "$root/usr/local/bin/idem-redis-entrypoint" \
         "$root/usr/local/bin/idem-postgres-entrypoint" "$root/usr/local/bin/idem-dynamodb-server" \
-        "$root/usr/local/bin/idem-mariadb-entrypoint"
+        "$root/usr/local/bin/idem-mariadb-entrypoint" "$root/usr/local/bin/idem-rabbitmq-entrypoint"
 }
 
 old_ids=()
-for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE" "$MARIADB_IMAGE"; do
+for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE" "$MARIADB_IMAGE" "$RABBITMQ_IMAGE"; do
     id="$(docker image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
     if [ -n "$id" ]; then old_ids+=("$id"); fi
 done
@@ -500,7 +527,11 @@ make_image "$DYNAMODB_IMAGE" dynamodb /tmp 8000 \
 make_image "$MARIADB_IMAGE" mysql /var/lib/mysql 3306 \
     '["/usr/local/bin/idem-mariadb-entrypoint"]' '["mariadbd"]'
 
-# The bare import (its layer lives on in the four images), and images replaced
+make_image "$RABBITMQ_IMAGE" rabbitmq /var/lib/rabbitmq 5672 \
+    '["/usr/local/bin/idem-rabbitmq-entrypoint"]' '["rabbitmq-server"]' \
+    HOME=/var/lib/rabbitmq
+
+# The bare import (its layer lives on in the five images), and images replaced
 # by this run; ignore those still used by a container.
 for id in "$ROOT_IMAGE_ID" "${old_ids[@]+"${old_ids[@]}"}"; do
     docker image rm "$id" >/dev/null 2>&1 || true

@@ -65,7 +65,8 @@ exclusive() {
 }
 
 # Lists `key<TAB>executable<TAB>directory` of every test binary a
-# `cargo test --no-run` (given its arguments) builds.
+# `cargo test --no-run` (given its arguments) builds, and of the consumers'
+# examples (each exits non-zero unless every order was charged once).
 build_binaries() {
     local out="$1"
     shift
@@ -74,7 +75,8 @@ build_binaries() {
     cargo test "$@" --no-run --message-format=json-render-diagnostics \
         | jq -r 'def package: (.package_id | capture("#(?<n>[^@]+)@").n)
                               // (.package_id | capture("/(?<n>[^/#]+)#").n);
-                 select(.reason == "compiler-artifact" and .profile.test and .executable != null)
+                 select(.reason == "compiler-artifact" and .executable != null
+                        and (.profile.test or (.target.kind[0] == "example" and package == "idempotency-consumers")))
                  | [package + "/" + .target.kind[0] + "/" + .target.name,
                     .executable,
                     (.manifest_path | sub("/Cargo.toml$"; ""))]

@@ -12,6 +12,7 @@
 # Environment:
 #   CARGO_TARGET_DIR          build directory, reused between runs
 #                             (default: $HOME/.cache/idempotency-rs/target)
+#   CARGO_INCREMENTAL         0 unless set (see below)
 #   SKIP_LINT=1               skip `cargo fmt --check` and clippy
 #   IDEMPOTENCY_TEST_IMAGES   auto (default) | official (never bake) | baked (always baked images)
 #   IDEMPOTENCY_TEST_LOG      where the full output goes (default: $CARGO_TARGET_DIR/idempotency-test.log)
@@ -22,6 +23,9 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/idempotency-rs/target}"
+# A whole-workspace build gains nothing from incremental compilation but its
+# disk (about 14 GB for every test binary's crates); set it to 1 to keep it.
+export CARGO_INCREMENTAL="${CARGO_INCREMENTAL:-0}"
 mkdir -p "$CARGO_TARGET_DIR"
 LOG="${IDEMPOTENCY_TEST_LOG:-$CARGO_TARGET_DIR/idempotency-test.log}"
 : >"$LOG"
@@ -75,6 +79,7 @@ KINDS=(
     "dynamodb IDEMPOTENCY_TEST_DYNAMODB_IMAGE amazon/dynamodb-local:latest IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT"
     "mariadb IDEMPOTENCY_TEST_MARIADB_IMAGE mariadb:11 IDEMPOTENCY_TEST_MARIADB_URL"
     "sqs IDEMPOTENCY_TEST_SQS_IMAGE motoserver/moto:latest IDEMPOTENCY_TEST_SQS_ENDPOINT"
+    "rabbitmq IDEMPOTENCY_TEST_RABBITMQ_IMAGE rabbitmq:3 IDEMPOTENCY_TEST_RABBITMQ_URL"
 )
 
 bake() {
@@ -132,7 +137,7 @@ if [ "$DOCKER_OK" = 1 ]; then
     fi
 else
     say "no reachable Docker engine: backend tests fail unless IDEMPOTENCY_TEST_REDIS_URL, \
-IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT and IDEMPOTENCY_TEST_MARIADB_URL name servers"
+IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT, IDEMPOTENCY_TEST_MARIADB_URL and IDEMPOTENCY_TEST_RABBITMQ_URL name servers"
 fi
 
 # --- tests ---------------------------------------------------------------------

@@ -21,6 +21,7 @@
 //! refusal such as evicting a live record without `--force`), 2 for a usage
 //! error, 3 when `doctor` finds a failing check.
 
+mod brokers;
 mod view;
 
 use std::future::Future;
@@ -28,7 +29,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
-use idempotency::admin::{default_clock_skew, Admin, DoctorOptions, ListFilter, Verdict};
+use idempotency::admin::{default_clock_skew, Admin, Check, DoctorOptions, ListFilter, Verdict};
 use idempotency::decision::{skew_cutoff, stuck};
 use idempotency::{Clock, Error, RecordKey, SharedRepository, Status, SystemClock};
 use serde_json::json;
@@ -173,8 +174,9 @@ enum Command {
     Stats,
     /// Checks the store's settings against what the library relies on; exit
     /// status 3 when a check fails. The clock offset is judged against
-    /// `--clock-skew`.
-    Doctor,
+    /// `--clock-skew`; each broker named (`--sqs-queue`, `--kafka-topic`)
+    /// has its retention judged against `--ttl`.
+    Doctor(brokers::Brokers),
     /// Shell completions, to standard output.
     Completions {
         /// The shell.
@@ -182,7 +184,7 @@ enum Command {
     },
 }
 
-fn parse_timeout(s: &str) -> Result<Duration, String> {
+pub(crate) fn parse_timeout(s: &str) -> Result<Duration, String> {
     match parse_duration(s)? {
         d if d.is_zero() => Err("a timeout must be positive".to_owned()),
         d => Ok(d),
@@ -208,7 +210,7 @@ fn parse_skew(s: &str) -> Result<Skew, String> {
 }
 
 /// A failed command: the message, and the exit status.
-struct Failure(String, u8);
+pub(crate) struct Failure(String, u8);
 
 impl From<Error> for Failure {
     fn from(e: Error) -> Self {
@@ -354,7 +356,15 @@ async fn run(cli: Cli) -> Result<String, Failure> {
             migrate(admin(&store, "migrate")?, dry_run, whole, json).await
         }
         Command::Stats => stats(admin(&store, "stats")?, skew, whole, json).await,
-        Command::Doctor => doctor(admin(&store, "doctor")?, skew, whole, json).await,
+        Command::Doctor(brokers) => {
+            let mut checks = within(
+                whole,
+                admin(&store, "doctor")?.doctor(&DoctorOptions { clock_skew: skew }),
+            )
+            .await?;
+            checks.extend(brokers::retention_checks(&brokers, limit).await?);
+            doctor(checks, json)
+        }
         Command::Completions { .. } => Ok(String::new()),
     }
 }
@@ -630,13 +640,7 @@ async fn stats(
     })
 }
 
-async fn doctor(
-    admin: &dyn Admin,
-    clock_skew: Duration,
-    limit: Option<Duration>,
-    json: bool,
-) -> Result<String, Failure> {
-    let checks = within(limit, admin.doctor(&DoctorOptions { clock_skew })).await?;
+fn doctor(checks: Vec<Check>, json: bool) -> Result<String, Failure> {
     let failed = checks.iter().filter(|c| c.verdict == Verdict::Fail).count();
     let out = if json {
         json!({"ok": failed == 0, "checks": checks}).to_string()

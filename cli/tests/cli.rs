@@ -584,3 +584,67 @@ async fn redis_cluster_slots_are_checked_and_listing_says_where_to_run() {
     assert_eq!(code, 1);
     assert!(err.contains("each master"), "{err}");
 }
+
+/// `doctor` judges a broker's retention against the consumers' record ttl:
+/// an SQS queue that keeps messages 4 days (SQS's default) under records that
+/// live an hour is a warning (a message delivered after its record expired
+/// runs again), not under records that live 5 days; a queue that does not
+/// exist is reported, not judged; brokers without `--ttl` are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_judges_a_queues_retention_against_the_ttl() {
+    use aws_sdk_sqs::config::{BehaviorVersion, Credentials, Region};
+    let sqs = containers::sqs().await.expect("an SQS server");
+    let config = aws_sdk_sqs::Config::builder()
+        .behavior_version(BehaviorVersion::latest())
+        .region(Region::new(sqs.region().to_owned()))
+        .endpoint_url(sqs.endpoint())
+        .credentials_provider(Credentials::new(
+            sqs.access_key_id(),
+            sqs.secret_access_key(),
+            None,
+            None,
+            "cli-tests",
+        ))
+        .http_client(aws_smithy_http_client::Builder::new().build_http())
+        .build();
+    let client = aws_sdk_sqs::Client::from_conf(config);
+    let queue = client
+        .create_queue()
+        .queue_name(sqs.unique_queue_name("doctor"))
+        .send()
+        .await
+        .unwrap()
+        .queue_url()
+        .unwrap()
+        .to_owned();
+    let url = sqlite_url();
+    let (code, _, err) = tool(&url, &["migrate"]);
+    assert_eq!(code, 0, "{err}");
+    let env = [
+        ("IDEMPOTENCY_SQS_ENDPOINT", sqs.endpoint()),
+        ("AWS_REGION", sqs.region()),
+        ("AWS_ACCESS_KEY_ID", sqs.access_key_id()),
+        ("AWS_SECRET_ACCESS_KEY", sqs.secret_access_key()),
+    ];
+    let doctor = |ttl: &str, queue: &str| {
+        tool_with(&url, &["doctor", "--ttl", ttl, "--sqs-queue", queue], &env)
+    };
+    for (ttl, expected) in [("1h", "warn"), ("5d", "pass")] {
+        let (code, report, err) = doctor(ttl, &queue);
+        assert_eq!(code, 0, "{err}");
+        assert_eq!(
+            verdict(&report, "broker retention"),
+            expected,
+            "ttl {ttl}: {report}"
+        );
+    }
+    let missing = format!("{}-missing", queue);
+    let (code, report, err) = doctor("5d", &missing);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(verdict(&report, "broker retention"), "warn", "{report}");
+    assert!(report.to_string().contains("could not be read"), "{report}");
+
+    let (code, _, err) = tool_with(&url, &["doctor", "--sqs-queue", &queue], &env);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--ttl"), "{err}");
+}

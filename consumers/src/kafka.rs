@@ -134,11 +134,13 @@ mod keys;
 pub mod offsets;
 mod partitions;
 mod reject;
+mod retention;
 
 pub use builder::{KafkaConsumerBuilder, KafkaConsumerError};
 pub use keys::{KeyFn, KeySource};
 pub use rdkafka;
 pub use reject::{headers, RejectHook, Rejected};
+pub use retention::topic_retention;
 
 use builder::Settings;
 use keys::PayloadBytes;

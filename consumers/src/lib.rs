@@ -23,6 +23,7 @@
 pub mod batch;
 pub mod disposition;
 pub mod metrics;
+pub mod retention;
 
 pub use batch::{run_poll, Answered, Delivery};
 pub use disposition::{classify, failure_redelivers, Answer, Backoff, Disposition};

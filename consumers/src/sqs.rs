@@ -90,6 +90,6 @@ mod message;
 mod settle;
 
 pub use answer::Handled;
-pub use consumer::{PollReport, RunStats, SqsConsumer, SqsConsumerBuilder};
+pub use consumer::{message_retention, PollReport, RunStats, SqsConsumer, SqsConsumerBuilder};
 pub use message::{KeyFn, KeySource, SqsMessage, DEFAULT_KEY_ATTRIBUTE};
 pub use settle::{Settled, MAX_VISIBILITY, SETTLE_FAILURES};

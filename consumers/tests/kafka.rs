@@ -458,3 +458,41 @@ async fn an_inconsistent_configuration_fails_to_build() {
         assert!(!error.is_retryable());
     }
 }
+
+/// A topic's retention, as `doctor` reads it to judge it against the
+/// records' ttl. librdkafka's mock cluster does not answer `DescribeConfigs`:
+/// there the call must end within its timeout with a typed, retryable error
+/// (never hang); a real cluster (`IDEMPOTENCY_TEST_KAFKA_BROKERS`) answers
+/// with the topic's `retention.ms`, and a topic that does not exist is a
+/// configuration error.
+#[tokio::test]
+async fn a_topics_retention_is_read_through_the_admin_api() {
+    use idempotency_consumers::kafka::topic_retention;
+    let broker = Broker::start();
+    let topic = broker.topic(1).await;
+    let client = broker.client(&unique("doctor"));
+    let timeout = Duration::from_secs(2);
+    let started = Instant::now();
+    let answer = topic_retention(&client, &topic, timeout).await;
+    assert!(
+        started.elapsed() < timeout + Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    if broker.mock().is_some() {
+        let error = answer.expect_err("the mock cluster does not implement DescribeConfigs");
+        assert!(error.is_retryable(), "{error:?}");
+        return;
+    }
+    let retention = answer.expect("the topic's retention");
+    // The broker's default (7 days) unless the topic sets one; `None` is forever.
+    assert!(
+        retention.is_none_or(|r| r >= Duration::from_secs(3600)),
+        "{retention:?}"
+    );
+    let missing = topic_retention(&client, &unique("no-such-topic"), timeout).await;
+    assert!(
+        matches!(missing, Err(KafkaConsumerError::Config(_))),
+        "{missing:?}"
+    );
+}

@@ -71,11 +71,12 @@ pub(crate) enum Kind {
     MariaDb,
     /// Amazon SQS (moto).
     Sqs,
+    RabbitMq,
 }
 
 impl Kind {
     /// How many kinds there are (the slots of per-kind tables).
-    const COUNT: usize = Kind::Sqs as usize + 1;
+    const COUNT: usize = Kind::RabbitMq as usize + 1;
 
     pub(crate) fn name(self) -> &'static str {
         match self {
@@ -84,6 +85,7 @@ impl Kind {
             Kind::DynamoDb => "dynamodb",
             Kind::MariaDb => "mariadb",
             Kind::Sqs => "sqs",
+            Kind::RabbitMq => "rabbitmq",
         }
     }
 
@@ -94,6 +96,7 @@ impl Kind {
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_IMAGE",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_IMAGE",
             Kind::Sqs => "IDEMPOTENCY_TEST_SQS_IMAGE",
+            Kind::RabbitMq => "IDEMPOTENCY_TEST_RABBITMQ_IMAGE",
         }
     }
 
@@ -104,6 +107,7 @@ impl Kind {
             Kind::DynamoDb => "amazon/dynamodb-local:latest",
             Kind::MariaDb => "mariadb:11",
             Kind::Sqs => "motoserver/moto:latest",
+            Kind::RabbitMq => "rabbitmq:3",
         }
     }
 
@@ -115,6 +119,7 @@ impl Kind {
             Kind::MariaDb => "idempotency-test/mariadb:bookworm",
             // The baked moto image serves SQS too, with another command (see sqs.rs).
             Kind::Sqs => "idempotency-test/dynamodb:bookworm",
+            Kind::RabbitMq => "idempotency-test/rabbitmq:bookworm",
         }
     }
 
@@ -125,6 +130,7 @@ impl Kind {
             Kind::DynamoDb => "IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT",
             Kind::MariaDb => "IDEMPOTENCY_TEST_MARIADB_URL",
             Kind::Sqs => "IDEMPOTENCY_TEST_SQS_ENDPOINT",
+            Kind::RabbitMq => "IDEMPOTENCY_TEST_RABBITMQ_URL",
         }
     }
 
@@ -135,6 +141,7 @@ impl Kind {
             Kind::DynamoDb => "http://127.0.0.1:8000",
             Kind::MariaDb => "mysql://root:mariadb@127.0.0.1:3306/idempotency",
             Kind::Sqs => "http://127.0.0.1:5000",
+            Kind::RabbitMq => "amqp://guest:guest@127.0.0.1:5672/%2f",
         }
     }
 
@@ -145,6 +152,7 @@ impl Kind {
             Kind::DynamoDb => 8000,
             Kind::MariaDb => 3306,
             Kind::Sqs => 5000,
+            Kind::RabbitMq => 5672,
         }
     }
 

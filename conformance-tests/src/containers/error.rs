@@ -113,6 +113,7 @@ fn kind_named(name: &str) -> Kind {
         "dynamodb" => Kind::DynamoDb,
         "mariadb" => Kind::MariaDb,
         "sqs" => Kind::Sqs,
+        "rabbitmq" => Kind::RabbitMq,
         _ => Kind::Redis,
     }
 }

@@ -44,6 +44,7 @@ impl External {
             Kind::Redis => Some(6379),
             Kind::Postgres => Some(5432),
             Kind::MariaDb => Some(3306),
+            Kind::RabbitMq => Some(5672),
             Kind::DynamoDb | Kind::Sqs => None,
         };
         let port = url
@@ -87,6 +88,7 @@ impl External {
     pub(crate) fn wants_tls(&self) -> bool {
         let lower = self.value.to_ascii_lowercase();
         lower.starts_with("rediss:")
+            || lower.starts_with("amqps:")
             || lower.starts_with("https:")
             || lower.contains("sslmode=require")
             || lower.contains("sslmode=verify")

@@ -1,5 +1,5 @@
 //! Real servers for backend tests (feature `containers`): one shared Redis,
-//! PostgreSQL, DynamoDB-compatible and MariaDB server per test binary, started with
+//! PostgreSQL, DynamoDB-compatible, MariaDB and RabbitMQ server per test binary, started with
 //! [testcontainers](https://docs.rs/testcontainers), or taken from environment
 //! variables.
 //!
@@ -30,6 +30,7 @@
 //! | DynamoDB | [`dynamodb()`] | `IDEMPOTENCY_TEST_DYNAMODB_IMAGE` (`amazon/dynamodb-local:latest`) | `IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT` |
 //! | MariaDB (MySQL) | [`mariadb()`] | `IDEMPOTENCY_TEST_MARIADB_IMAGE` (`mariadb:11`) | `IDEMPOTENCY_TEST_MARIADB_URL` |
 //! | Amazon SQS (moto) | [`sqs()`] | `IDEMPOTENCY_TEST_SQS_IMAGE` (`motoserver/moto:latest`; baked: `idempotency-test/dynamodb:bookworm`) | `IDEMPOTENCY_TEST_SQS_ENDPOINT` |
+//! | RabbitMQ | [`rabbitmq()`] | `IDEMPOTENCY_TEST_RABBITMQ_IMAGE` (`rabbitmq:3`) | `IDEMPOTENCY_TEST_RABBITMQ_URL` |
 //!
 //! A three-master Redis Cluster comes from [`redis_cluster()`] (nodes on the
 //! host network, bound to `127.0.0.1`), or from `IDEMPOTENCY_TEST_REDIS_CLUSTER_URLS`.
@@ -43,7 +44,7 @@
 //!   pulled.
 //! - Otherwise the image is started with testcontainers, published on
 //!   `127.0.0.1` only. Readiness is checked with the real protocol (`PING`,
-//!   `SELECT 1`, `ListTables`, MariaDB's handshake), retried until `IDEMPOTENCY_TEST_READY_TIMEOUT_SECS`
+//!   `SELECT 1`, `ListTables`, MariaDB's handshake, an AMQP login), retried until `IDEMPOTENCY_TEST_READY_TIMEOUT_SECS`
 //!   (default 60) — no log-line matching, so locally baked images
 //!   (`scripts/bake-images.sh`) work exactly like the official ones.
 //! - Without Docker and without the variable, every function returns a
@@ -52,7 +53,8 @@
 //!
 //! One server per kind per test binary; tests keep apart through
 //! [`unique_namespace`], [`PostgresServer::create_schema`] and
-//! [`DynamoDbServer::unique_table_name`], [`SqsServer::unique_queue_name`], never by flushing. Tests that stop a
+//! [`DynamoDbServer::unique_table_name`], [`SqsServer::unique_queue_name`],
+//! [`RabbitMqServer::unique_queue_name`], never by flushing. Tests that stop a
 //! server (outage tests) take a [`Dedicated`] container of their own, e.g.
 //! [`RedisServer::dedicated`], which keeps its port across
 //! [`Dedicated::stop`] / [`Dedicated::start`].
@@ -69,6 +71,7 @@ mod external;
 mod fault_proxy;
 mod mariadb;
 mod postgres;
+mod rabbitmq;
 mod redis;
 mod redis_cluster;
 mod redis_tls;
@@ -81,6 +84,7 @@ pub use error::HarnessError;
 pub use fault_proxy::{FaultProxy, ProxyFaults};
 pub use mariadb::{mariadb, MariaDbServer};
 pub use postgres::{postgres, tokio_postgres, PostgresServer};
+pub use rabbitmq::{rabbitmq, RabbitMqServer};
 pub use redis::{redis, RedisReply, RedisServer};
 pub use redis_cluster::{redis_cluster, DedicatedRedisCluster, RedisClusterServer};
 pub use redis_tls::RedisTlsServer;

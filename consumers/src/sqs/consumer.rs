@@ -242,25 +242,44 @@ struct QueueTimers {
     retention: Option<Duration>,
 }
 
-/// Warns when a message may be delivered after its record expired: a record
-/// must outlive every delivery of its message, or a late redelivery (a
-/// message left in the queue, a replay from the dead-letter queue) runs the
-/// handler again.
+/// Warns when a message may be delivered after its record expired
+/// ([`retention::judge`](crate::retention::judge)).
 fn check_retention(
     config: &idempotency_core::Config,
     queue_url: &str,
     retention: Option<Duration>,
 ) {
-    if let Some(retention) = retention.filter(|r| config.ttl < *r) {
-        tracing::warn!(
-            queue = queue_url,
-            ttl = ?config.ttl,
-            retention = ?retention,
-            "the records' ttl is shorter than the queue's MessageRetentionPeriod: a message \
-             delivered after its record expired runs its handler again; keep records longer \
-             than the broker keeps messages"
-        );
+    let Some(retention) = retention else { return };
+    let check = crate::retention::judge(
+        &format!("SQS queue {queue_url}"),
+        config.ttl,
+        Some(retention),
+    );
+    if check.verdict != idempotency_core::admin::Verdict::Pass {
+        tracing::warn!(queue = queue_url, ttl = ?config.ttl, retention = ?retention, "{}", check.detail);
     }
+}
+
+/// How long the SQS queue at `queue_url` keeps messages
+/// (`MessageRetentionPeriod`), for `idempotency doctor` and start-up checks:
+/// records must outlive it ([`retention::judge`](crate::retention::judge)).
+///
+/// # Errors
+/// [`Error::Config`] when the queue does not exist or SQS does not say;
+/// [`Error::Timeout`] past `timeout`; the call's error otherwise.
+pub async fn message_retention(
+    client: &Client,
+    queue_url: &str,
+    timeout: Duration,
+) -> Result<Duration, Error> {
+    queue_timers(client, queue_url, timeout)
+        .await?
+        .retention
+        .ok_or_else(|| {
+            Error::config(format!(
+                "SQS did not give the MessageRetentionPeriod of the queue {queue_url}"
+            ))
+        })
 }
 
 /// The queue's timers; a missing queue is a configuration error.
