@@ -44,7 +44,7 @@ OPTIONS:
   --dynamodb-region R     region for the endpoint (default us-east-1)
   --sqlite-synchronous S  SQLite's synchronous for the SQLite file: full (default, the
                           library's default) or normal
-  --brokers LIST          kafka,sqs: broker benchmarks (needs the features of those names):
+  --brokers LIST          kafka,sqs,rabbitmq: broker benchmarks (needs the features of those names):
                           each broker's consumer of idempotency-consumers against the same
                           consumer loop without it, fresh and duplicate messages; alone,
                           it runs no store benchmark unless --backends is given too
@@ -52,6 +52,7 @@ OPTIONS:
                           its feature; Redis from --redis-url or the harness)
   --kafka-messages N      measured messages per variant and scenario for Kafka (default
                           20000; rounds are whole batches of 100)
+  --rabbitmq-messages N   the same for RabbitMQ (default 10000)
   --sqs-messages N        the same for SQS (default 1000; rounds are whole receives of 10)
   --kafka-concurrency N   keys of a Kafka batch the consumer reserves and runs at once
                           (default 16, the consumer's default; each group of that many is
@@ -60,6 +61,8 @@ OPTIONS:
                           batch of 100)
   --kafka-brokers LIST    Kafka bootstrap servers (default $IDEMPOTENCY_BENCH_KAFKA_BROKERS,
                           else librdkafka's in-process mock cluster)
+  --rabbitmq-url URL      amqp://… (default $IDEMPOTENCY_BENCH_RABBITMQ_URL, else the
+                          harness's broker: $IDEMPOTENCY_TEST_RABBITMQ_URL or a container)
   --sqs-endpoint URL      SQS endpoint (default $IDEMPOTENCY_BENCH_SQS_ENDPOINT, else the
                           harness's server: $IDEMPOTENCY_TEST_SQS_ENDPOINT or a container)
   --out DIR               where results.{json,md} and chart.svg go (default
@@ -103,6 +106,10 @@ pub struct Args {
     pub broker_stores: Vec<String>,
     /// Measured messages per variant and scenario, Kafka.
     pub kafka_messages: usize,
+    /// Measured messages per variant and scenario, RabbitMQ.
+    pub rabbitmq_messages: usize,
+    /// RabbitMQ URL, if given.
+    pub rabbitmq_url: Option<String>,
     /// Measured messages per variant and scenario, SQS.
     pub sqs_messages: usize,
     /// SQS poll loops per variant.
@@ -203,6 +210,8 @@ impl Args {
             broker_stores: crate::brokers::compiled_stores(),
             kafka_messages: 20_000,
             sqs_messages: 1_000,
+            rabbitmq_messages: 10_000,
+            rabbitmq_url: env("IDEMPOTENCY_BENCH_RABBITMQ_URL"),
             sqs_pollers: crate::brokers::SQS_POLLERS,
             kafka_concurrency: 16,
             kafka_brokers: env("IDEMPOTENCY_BENCH_KAFKA_BROKERS"),
@@ -227,6 +236,7 @@ impl Args {
                 a.dynamodb_ops = 200;
                 a.kafka_messages = 2_000;
                 a.sqs_messages = 200;
+                a.rabbitmq_messages = 2_000;
                 continue;
             }
             let (flag, inline) = match flag.split_once('=') {
@@ -248,6 +258,8 @@ impl Args {
                 "--broker-stores" => a.broker_stores = list(&value()?),
                 "--kafka-messages" => a.kafka_messages = number(&flag, &value()?)?,
                 "--sqs-messages" => a.sqs_messages = number(&flag, &value()?)?,
+                "--rabbitmq-messages" => a.rabbitmq_messages = number(&flag, &value()?)?,
+                "--rabbitmq-url" => a.rabbitmq_url = Some(value()?),
                 "--sqs-pollers" => a.sqs_pollers = number(&flag, &value()?)?,
                 "--kafka-concurrency" => a.kafka_concurrency = number(&flag, &value()?)?,
                 "--kafka-brokers" => a.kafka_brokers = Some(value()?),
@@ -359,6 +371,7 @@ impl Args {
     pub fn broker_plan(&self, broker: &str) -> crate::brokers::BrokerPlan {
         let messages = match broker {
             "sqs" => self.sqs_messages,
+            "rabbitmq" => self.rabbitmq_messages,
             _ => self.kafka_messages,
         };
         crate::brokers::BrokerPlan {

@@ -3,13 +3,14 @@
 //! consumer loop without it.
 //!
 //! - **library**: the crate's consumer (`KafkaConsumer::poll_once`,
-//!   `SqsConsumer::poll_once`) over an [`IdempotencyManager`] with the
+//!   `SqsConsumer::poll_once`, `RabbitConsumer::run`) over an [`IdempotencyManager`] with the
 //!   bench's [`config`](crate::workloads::config) on the in-memory store or
 //!   Redis, around a trivial handler;
 //! - **raw**: the same client, the same receive (a batch of up to 100 from
 //!   Kafka; receives of up to 10 from SQS), the same trivial handler called
 //!   for every message, the same commit (a synchronous offset commit on a
-//!   blocking thread) or delete (`DeleteMessageBatch`), with no store.
+//!   blocking thread), delete (`DeleteMessageBatch`) or acks (`basic.ack`
+//!   per delivery), with no store.
 //!
 //! Each round puts new messages on the broker first (untimed; for the
 //! `duplicate` scenario their keys are completed in the store first, so every
@@ -37,6 +38,8 @@ pub use runner::run_all;
 
 #[cfg(feature = "kafka")]
 pub mod kafka;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 #[cfg(feature = "sqs")]
 pub mod sqs;
 
@@ -55,6 +58,9 @@ pub fn compiled_brokers() -> Vec<String> {
     }
     if cfg!(feature = "sqs") {
         all.push("sqs");
+    }
+    if cfg!(feature = "rabbitmq") {
+        all.push("rabbitmq");
     }
     all.into_iter().map(str::to_owned).collect()
 }

@@ -149,6 +149,21 @@ async fn connect(
                 .await?,
             ))
         }
+        #[cfg(feature = "rabbitmq")]
+        "rabbitmq" => {
+            let url = match &args.rabbitmq_url {
+                Some(url) => url.clone(),
+                None => {
+                    let server = idempotency_conformance::containers::rabbitmq().await?;
+                    let url = server.url().to_owned();
+                    keep.push(Box::new(server));
+                    url
+                }
+            };
+            Ok(Arc::new(
+                super::rabbitmq::RabbitWorkload::connect(&url, store, repo, store_setup).await?,
+            ))
+        }
         other => Err(format!("broker {other:?} is not compiled in").into()),
     }
 }
