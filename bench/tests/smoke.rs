@@ -276,8 +276,8 @@ async fn kafka_consumer_against_its_raw_loop() {
     broker_run(&workload, &plan).await;
 }
 
-/// SQS on the harness's server (slow: moto): 2 × 2 × (60 + 20 warm-up)
-/// messages, ten poll loops a variant.
+/// SQS on the harness's server (slow: moto): 2 × 2 × 60 messages, no
+/// warm-up round, ten poll loops a variant.
 #[cfg(feature = "sqs")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sqs_consumer_against_its_raw_loop() {
@@ -298,13 +298,14 @@ async fn sqs_consumer_against_its_raw_loop() {
         messages: 50,
         poll: 10,
         rounds: 2,
-        warmup: 20,
+        warmup: 0,
         scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
     };
     broker_run(&workload, &plan).await;
 }
 
-/// RabbitMQ on the harness's broker: 2 × 2 × (200 + 100 warm-up) messages.
+/// RabbitMQ on the harness's broker (most of the time is its start): 2 × 2 ×
+/// 200 messages, no warm-up round.
 #[cfg(feature = "rabbitmq")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rabbitmq_consumer_against_its_raw_loop() {
@@ -320,7 +321,7 @@ async fn rabbitmq_consumer_against_its_raw_loop() {
         messages: 200,
         poll: 100,
         rounds: 2,
-        warmup: 100,
+        warmup: 0,
         scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
     };
     broker_run(&workload, &plan).await;

@@ -64,12 +64,14 @@ impl std::fmt::Debug for RabbitWorkload {
 
 async fn declare(channel: &Channel, prefix: &str) -> Result<String, BoxError> {
     let name = format!("bench-{prefix}-{:016x}", rand::random::<u64>());
-    let options = QueueDeclareOptions {
-        auto_delete: true,
-        ..QueueDeclareOptions::default()
-    };
+    // Not auto-delete: each round's consumer cancels, which would delete it.
+    // The queues are empty after a run (on your own broker: delete them).
     channel
-        .queue_declare(name.as_str().into(), options, FieldTable::default())
+        .queue_declare(
+            name.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
         .await?;
     Ok(name)
 }
