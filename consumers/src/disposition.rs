@@ -5,19 +5,31 @@
 //! |---|---|---|
 //! | `Executed`, `Cached`, `Duplicate` | [`Ack`](Disposition::Ack) | the outcome is recorded (or was, by the first delivery) |
 //! | `Unrecorded`, `Unprotected`, `LeaseLost` | [`Ack`](Disposition::Ack) | the handler ran; a redelivery would run it again (the contract says to acknowledge; each is counted) |
-//! | `Error::InProgress` | [`Retry`](Disposition::Retry) after its `retry_after` | another consumer holds the key; its outcome is not known yet |
+//! | `Error::InProgress` | [`Retry`](Disposition::Retry) after its `retry_after`, at least [`MIN_RETRY_AFTER`] | another consumer holds the key; its outcome is not known yet |
 //! | a store outage (`Unavailable`, `Timeout`), `Config`, `Unsupported`, `Backend` | [`Retry`](Disposition::Retry) after the [`Backoff`] | the message is fine, the store or deployment is not: never drop it |
 //! | the handler's transient failure (the key released, or stored for a retry) | [`Retry`](Disposition::Retry) after the [`Backoff`] | a redelivery runs the handler again |
 //! | the handler's permanent failure (stored `Failed`), `PreviouslyFailed` | [`Reject`](Disposition::Reject) | every redelivery gets the same stored failure |
 //! | `PayloadMismatch`, `InvalidKey`, `TooLarge`, `Codec`, `Corrupt` | [`Reject`](Disposition::Reject) | this message can never be answered by redelivering it |
 //!
-//! A rejected message goes to the broker's dead-letter route where there is
-//! one (an SQS redrive policy, a RabbitMQ dead-letter exchange) or to the
-//! consumer's `on_reject` hook; it is never silently dropped.
+//! A rejected message goes to the broker's dead-letter route: the SQS
+//! consumer's dead-letter queue (or, without one, back to the queue after
+//! the backoff, for its redrive policy to move), a RabbitMQ dead-letter
+//! exchange, the Kafka consumer's dead-letter topic or `on_reject` hook. The
+//! one place a broker itself may drop it is a RabbitMQ queue without a
+//! dead-letter exchange, which the RabbitMQ consumer warns about when it
+//! starts.
 
 use std::time::Duration;
 
 use idempotency_core::{Error, ExecuteError, FailureKind, FailurePolicy, Outcome};
+
+/// The least delay before a message whose key another consumer holds is
+/// delivered again. The manager's `retry_after` estimates when the holder
+/// finishes, from recent executions, and may be a few milliseconds; a broker
+/// consumer that re-read its message (a Kafka partition's whole tail, an SQS
+/// receive) that often would spin against the store for as long as the
+/// holder runs.
+pub const MIN_RETRY_AFTER: Duration = Duration::from_millis(250);
 
 /// What the consumer does with one message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,7 +159,7 @@ pub fn failure_redelivers(kind: FailureKind, policy: FailurePolicy) -> bool {
 ///
 /// ```
 /// use std::time::Duration;
-/// use idempotency_consumers::{classify, Backoff, Disposition, Answer};
+/// use idempotency_consumers::{classify, Answer, Backoff, Disposition, MIN_RETRY_AFTER};
 /// use idempotency_core::{Error, ExecuteError, Outcome, RecordKey};
 ///
 /// let backoff = Backoff::default();
@@ -161,6 +173,12 @@ pub fn failure_redelivers(kind: FailureKind, policy: FailurePolicy) -> bool {
 ///     classify(&busy, false, 3, &backoff),
 ///     Disposition::Retry { after: Duration::from_millis(750), reason: "in_progress" },
 /// );
+///
+/// // A holder expected to finish in 3 ms is asked again no sooner than the floor.
+/// let soon: Result<Outcome<u32>, ExecuteError<String>> = Err(ExecuteError::Idempotency(
+///     Error::InProgress { key: RecordKey::new("orders", "k-1", 256)?, retry_after: Duration::from_millis(3) },
+/// ));
+/// assert!(matches!(classify(&soon, false, 1, &backoff), Disposition::Retry { after, .. } if after == MIN_RETRY_AFTER));
 ///
 /// let bug: Result<Outcome<u32>, ExecuteError<String>> = Err(ExecuteError::Handler("no such account".into()));
 /// assert_eq!(classify(&bug, false, 1, &backoff), Disposition::Reject { reason: "handler_failed" });
@@ -187,7 +205,7 @@ pub fn classify<T, E>(
         },
         Err(ExecuteError::Idempotency(error)) => match error {
             Error::InProgress { retry_after, .. } => Disposition::Retry {
-                after: *retry_after,
+                after: (*retry_after).max(MIN_RETRY_AFTER),
                 reason: "in_progress",
             },
             Error::Unavailable { .. } | Error::Timeout { .. } => retry("store_unavailable"),

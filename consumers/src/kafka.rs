@@ -11,20 +11,29 @@
 //! - **Commit up to the first unanswered message.** A message answered
 //!   `Retry` (its key held by another consumer, a store outage, a transient
 //!   handler failure) holds its partition: the committed offset stops right
-//!   before it, the partition is sought back to it and paused for the
-//!   `retry_after` (or the [`Backoff`](crate::Backoff) of its attempt), then
-//!   read again from it. It is never skipped. The messages after it in the
-//!   same batch that were answered are read again too, and answered from the
-//!   store as duplicates: their handlers do not run again (with
-//!   [`concurrency`](KafkaConsumerBuilder::concurrency) above one, handlers of
-//!   one partition do not run in offset order anyway).
+//!   before it, the partition is paused for the `retry_after` (or the
+//!   [`Backoff`](crate::Backoff) of its attempt; at least 250 ms, so a key
+//!   held elsewhere is not re-read in a tight loop), then sought back to it
+//!   and read again from it. It is never skipped. The messages after
+//!   it in the same batch that were answered (acknowledged or routed) are
+//!   read again too, but this consumer remembers them (per partition, until
+//!   committed past, at most 10 000) and counts them answered without running
+//!   them again (nor counting them again in the metrics): their outcome may not be in the store (`Unrecorded`,
+//!   `Unprotected`, a permanent failure whose record could not be written).
+//!   After a rebalance their new owner has no such memory: it answers them
+//!   from the store, and runs again those the store holds no completed
+//!   record of, as the contract says of any redelivery. (With
+//!   [`concurrency`](KafkaConsumerBuilder::concurrency) above one, handlers
+//!   of one partition do not run in offset order anyway.)
 //! - **Rejects are routed, then answered.** A message no redelivery can
 //!   answer (no key: `invalid_key`; a permanent handler failure; a payload
 //!   mismatch; …) is produced to the
 //!   [dead-letter topic](KafkaConsumerBuilder::dead_letter_topic) (its delivery
 //!   report awaited) and/or handed to the
 //!   [`on_reject`](KafkaConsumerBuilder::on_reject) hook; only then is its
-//!   offset committed past. A failed route holds the partition like a retry.
+//!   offset committed past. A failed route (or a hook that does not answer
+//!   within the [`reject_timeout`](KafkaConsumerBuilder::reject_timeout))
+//!   holds the partition like a retry.
 //!   A reject read again before its partition's commit passed it (an earlier
 //!   message held the partition) is not routed again by this consumer; after
 //!   a rebalance its new owner may route it again: the dead-letter topic is
@@ -52,15 +61,24 @@
 //!   to when the partition was last revoked from it.
 //! - [`run`](KafkaConsumer::run) polls until a shutdown signal, finishing the
 //!   batch in hand and its commits before it returns.
-//! - **Handler panics** continue out of `poll_once`/`run` once the batch's
-//!   other outcomes are recorded (as in
-//!   [`execute_batch`](idempotency_core::IdempotencyManager::execute_batch));
-//!   nothing of that batch is committed, so it is read again.
-//! - **Blocking calls.** Seeks and pauses are local librdkafka calls; the
-//!   revocation commit runs inside librdkafka's rebalance callback, on the
-//!   task that polls, and blocks it for one round trip (the commit after a
-//!   batch runs on a blocking thread). Run the consumer on a multi-threaded
-//!   runtime when other tasks must not wait for these.
+//! - **Abandoned batches: cancel and panic safety.** As a batch is
+//!   collected, each of its partitions is marked in flight from the batch's
+//!   first message; the mark is cleared once the batch is settled. A
+//!   [`poll_once`](KafkaConsumer::poll_once) dropped before that (a caller's
+//!   timeout, a `select!`) or a handler panic (which continues out of
+//!   `poll_once`/`run` once the batch's other outcomes are recorded, as in
+//!   [`execute_batch`](idempotency_core::IdempotencyManager::execute_batch))
+//!   leaves the mark: nothing of the batch is committed, and the next
+//!   `poll_once` (or `run`) on this consumer first seeks those partitions
+//!   back to it, so the batch is read again (the store answers the messages
+//!   that completed; the others run). A consumer dropped instead leaves the
+//!   batch to the partitions' next owner, from the last commit.
+//! - **Blocking calls.** Pauses and resumes are local librdkafka calls; a
+//!   seek waits for librdkafka's fetcher (up to 5 s) and runs on a blocking
+//!   thread, as does the commit after a batch. The revocation commit runs
+//!   inside librdkafka's rebalance callback, on the task that polls, and
+//!   blocks it for one round trip. Run the consumer on a multi-threaded
+//!   runtime when other tasks must not wait for it.
 //!
 //! librdkafka is built from source without SSL, SASL, zstd and curl (the
 //! fastest offline build): gzip (system zlib or a bundled copy), snappy and
@@ -120,7 +138,6 @@ use parking_lot::Mutex;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Message, OwnedMessage};
-use rdkafka::{Offset, TopicPartitionList};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use tokio::time::Instant;
@@ -130,6 +147,7 @@ use crate::batch::{run_poll, Answered, Delivery};
 use crate::disposition::Disposition;
 
 mod builder;
+mod holds;
 mod keys;
 pub mod offsets;
 mod partitions;
@@ -200,6 +218,8 @@ struct Received {
     epoch: u64,
     attempt: u32,
     redelivered: bool,
+    /// Answered already, past a hold that brought it back: not run again.
+    answered: bool,
 }
 
 impl Received {
@@ -231,6 +251,10 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
     /// A failed poll (the client's error with no message) is logged and
     /// followed by the backoff's first delay.
     ///
+    /// Dropped (or left by a handler's panic) before `shutdown`, it loses
+    /// nothing: as with [`poll_once`](Self::poll_once), the next `run` or
+    /// `poll_once` on this consumer reads the abandoned batch again.
+    ///
     /// # Errors
     /// The last commit's error, when the answered offsets could not be
     /// committed on the way out (the next owner answers those messages from
@@ -248,7 +272,8 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
     {
         tokio::pin!(shutdown);
         loop {
-            self.release_due_holds();
+            self.recover_in_flight();
+            self.release_due_holds().await;
             let batch = tokio::select! {
                 biased;
                 () = &mut shutdown => break,
@@ -275,8 +300,18 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
         error.map_or(Ok(()), Err)
     }
 
-    /// One step: ends the holds that are over, collects a batch, answers it
-    /// and commits what is answered.
+    /// One step: reads again what an abandoned batch left, ends the holds
+    /// that are over, collects a batch, answers it and commits what is
+    /// answered.
+    ///
+    /// # Cancel safety
+    /// Cancel-safe and panic-safe in the sense that no message is lost: a
+    /// `poll_once` dropped at any await point (or left by a handler's panic)
+    /// commits nothing of its batch, and the next `poll_once` or
+    /// [`run`](Self::run) on this consumer reads the batch's partitions again
+    /// from the batch's first message. Handlers cut short by the drop did not
+    /// finish (the re-read runs them once the manager lets their keys go),
+    /// and those that finished are answered from the store. A reject routed before the drop may be routed again.
     ///
     /// # Errors
     /// The client's error when the poll failed before any message came.
@@ -290,42 +325,10 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
         H: Fn(Arc<OwnedMessage>, ExecutionContext) -> Fut,
         Fut: Future<Output = Result<T, HandlerError<E>>>,
     {
-        self.release_due_holds();
+        self.recover_in_flight();
+        self.release_due_holds().await;
         let batch = self.collect().await?;
         Ok(self.process(batch, &handler).await)
-    }
-
-    /// Seeks each partition whose hold is over back to its first unanswered
-    /// message, then resumes it. A partition whose seek or resume failed stays
-    /// held (and paused) for the backoff's first delay more: it is never
-    /// resumed past the message.
-    fn release_due_holds(&self) {
-        let due = self.state.lock().due(Instant::now().into_std());
-        for (tp, offset) in due {
-            let (topic, partition) = (&tp.0, tp.1);
-            let seek = self.consumer.seek(
-                topic,
-                partition,
-                Offset::Offset(offset),
-                self.settings.seek_timeout,
-            );
-            if let Err(error) = seek {
-                tracing::warn!(topic, partition, offset, %error, "seek back failed; the partition stays held");
-                let later = Instant::now() + self.settings.backoff.initial;
-                self.state.lock().postpone(&tp, later.into_std());
-                continue;
-            }
-            let mut list = TopicPartitionList::new();
-            list.add_partition(topic, partition);
-            match self.consumer.resume(&list) {
-                Ok(()) => self.state.lock().released(&tp),
-                Err(error) => {
-                    tracing::warn!(topic, partition, %error, "resume failed; the partition stays held");
-                    let later = Instant::now() + self.settings.backoff.initial;
-                    self.state.lock().postpone(&tp, later.into_std());
-                }
-            }
-        }
     }
 
     /// Collects up to `batch_size` messages for at most the linger (less when
@@ -357,6 +360,7 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
                 epoch: admitted.epoch,
                 attempt: admitted.attempt,
                 redelivered: admitted.redelivered,
+                answered: admitted.answered,
             });
         }
         // Partitions revoked while collecting: their messages are not run.
@@ -380,26 +384,7 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
                 ..PollReport::default()
             };
             if !batch.is_empty() {
-                let (deliveries, missing) = self.deliveries(&batch);
-                let answers = run_poll(
-                    BROKER,
-                    &self.manager,
-                    &deliveries,
-                    self.settings.concurrency,
-                    &self.settings.backoff,
-                    |index, ctx| {
-                        let message = &batch[index].message;
-                        let span = tracing::info_span!(
-                            "idempotency.kafka.message",
-                            topic = message.topic(),
-                            partition = message.partition(),
-                            offset = message.offset(),
-                        );
-                        handler(message.clone(), ctx).instrument(span)
-                    },
-                )
-                .await;
-                let steps = self.steps(&batch, answers, missing, &mut report).await;
+                let (batch, steps) = self.answer(batch, handler, &mut report).await;
                 self.settle(&batch, &steps);
             }
             let (committed, error) = self.commit_pending().await;
@@ -410,6 +395,66 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Runs the batch's messages not answered yet through `run_poll` and
+    /// routes its rejects; the messages answered already (past a hold that
+    /// brought them back) are counted answered without running again.
+    /// Returns the batch, reordered, with each message's step.
+    async fn answer<T, E, H, Fut>(
+        &self,
+        batch: Vec<Received>,
+        handler: &H,
+        report: &mut PollReport,
+    ) -> (Vec<Received>, Vec<Step>)
+    where
+        T: Serialize + DeserializeOwned,
+        E: fmt::Display,
+        H: Fn(Arc<OwnedMessage>, ExecutionContext) -> Fut,
+        Fut: Future<Output = Result<T, HandlerError<E>>>,
+    {
+        let (known, mut batch): (Vec<Received>, Vec<Received>) =
+            batch.into_iter().partition(|r| r.answered);
+        let mut steps = Vec::with_capacity(batch.len() + known.len());
+        if !batch.is_empty() {
+            let (deliveries, missing) = self.deliveries(&batch);
+            let answers = run_poll(
+                BROKER,
+                &self.manager,
+                &deliveries,
+                self.settings.concurrency,
+                &self.settings.backoff,
+                |index, ctx| {
+                    let message = &batch[index].message;
+                    let span = tracing::info_span!(
+                        "idempotency.kafka.message",
+                        topic = message.topic(),
+                        partition = message.partition(),
+                        offset = message.offset(),
+                    );
+                    handler(message.clone(), ctx).instrument(span)
+                },
+            )
+            .await;
+            steps = self.steps(&batch, answers, missing, report).await;
+        }
+        for received in known {
+            let (tp, offset) = (received.tp(), received.message.offset());
+            if self.state.lock().was_routed(&tp, offset) {
+                report.rejected += 1;
+            } else {
+                report.acked += 1;
+            }
+            tracing::debug!(
+                topic = tp.0,
+                partition = tp.1,
+                offset,
+                "answered before its partition was held: not run again"
+            );
+            batch.push(received);
+            steps.push(Step::Answered);
+        }
+        (batch, steps)
     }
 
     /// The deliveries for `run_poll`, and why the key-less ones have none
@@ -504,36 +549,6 @@ impl<C: Codec + Clone> KafkaConsumer<C> {
             }
         }
         steps
-    }
-
-    /// Settles each partition of the batch; pauses and seeks back the held.
-    fn settle(&self, batch: &[Received], steps: &[Step]) {
-        let mut partitions: BTreeMap<(Tp, u64), Vec<(i64, Step)>> = BTreeMap::new();
-        for (received, step) in batch.iter().zip(steps) {
-            partitions
-                .entry((received.tp(), received.epoch))
-                .or_default()
-                .push((received.message.offset(), *step));
-        }
-        let now = Instant::now().into_std();
-        for ((tp, epoch), steps) in partitions {
-            let hold = self.state.lock().settle(&tp, epoch, &steps, now);
-            let Some(hold) = hold else { continue };
-            let (topic, partition) = (&tp.0, tp.1);
-            tracing::debug!(topic, partition, offset = hold.offset, after = ?hold.after, "partition held");
-            let mut list = TopicPartitionList::new();
-            list.add_partition(topic, partition);
-            if let Err(error) = self.consumer.pause(&list) {
-                tracing::warn!(topic, partition, %error, "pause failed; its messages are dropped until the hold ends");
-            }
-            let offset = Offset::Offset(hold.offset);
-            if let Err(error) =
-                self.consumer
-                    .seek(topic, partition, offset, self.settings.seek_timeout)
-            {
-                tracing::debug!(topic, partition, %error, "seek back deferred to the hold's end");
-            }
-        }
     }
 
     /// Commits the answered offsets waiting (synchronously, on a blocking

@@ -26,7 +26,9 @@ pub mod metrics;
 pub mod retention;
 
 pub use batch::{run_poll, Answered, Delivery};
-pub use disposition::{classify, failure_redelivers, Answer, Backoff, Disposition};
+pub use disposition::{
+    classify, failure_redelivers, Answer, Backoff, Disposition, MIN_RETRY_AFTER,
+};
 
 #[cfg(feature = "kafka")]
 #[cfg_attr(docsrs, doc(cfg(feature = "kafka")))]

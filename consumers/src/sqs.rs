@@ -34,7 +34,13 @@
 //!   message without one is rejected with reason `invalid_key` (its answer
 //!   is an [`Error::InvalidKey`](idempotency_core::Error) saying why).
 //! - **Attempts**: `ApproximateReceiveCount` (requested with every receive)
-//!   is the attempt for the backoff; a count above 1 is a redelivery.
+//!   is the attempt for the backoff; a count above 1 is a redelivery. Every
+//!   receive counts towards a redrive policy's `maxReceiveCount`, those
+//!   answered `InProgress` included (one about every second while another
+//!   consumer holds the key, at least [`MIN_RETRY_AFTER`](crate::MIN_RETRY_AFTER)
+//!   apart, rounded up to whole seconds): give `maxReceiveCount` room for
+//!   the longest handler, or a message whose key is held goes to the
+//!   dead-letter queue early.
 //! - **Shutdown**: [`SqsConsumer::run`] stops when a future resolves (a
 //!   cancellation token's `cancelled()`, a `watch` receiver's `wait_for`),
 //!   after finishing the poll under way. [`SqsConsumer::poll_once`] handles

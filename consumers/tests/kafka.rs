@@ -7,6 +7,11 @@
 #[path = "kafka/support.rs"]
 mod support;
 
+#[path = "kafka/abandoned.rs"]
+mod abandoned;
+#[path = "kafka/held.rs"]
+mod held;
+
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -160,7 +165,7 @@ async fn a_transient_failure_is_retried_after_the_backoff_then_committed() {
         "retried after {:?}",
         calls[1] - calls[0]
     );
-    assert_eq!(effects.calls("k-3"), 1, "re-read as a duplicate");
+    assert_eq!(effects.calls("k-3"), 1, "re-read, not run again");
     assert_eq!(effects.applied().values().sum::<u32>(), 3);
     assert_eq!(broker.committed(&group, &topic, 1).await, [Some(3)]);
 }
@@ -449,9 +454,21 @@ async fn an_inconsistent_configuration_fails_to_build() {
         build(&client).linger(Duration::ZERO).build(),
         build(client.clone().set("enable.auto.commit", "true")).build(),
         build(client.clone().set("max.poll.interval.ms", "1000")).build(),
+        // 10 groups of one key, one after another: up to ten leases.
+        build(client.clone().set("max.poll.interval.ms", "60000"))
+            .batch_size(10)
+            .concurrency(1)
+            .build(),
+        build(&client).reject_timeout(Duration::ZERO).build(),
         build(client.clone().set("group.id", "")).build(),
         no_route.build(),
     ];
+    // Six groups of a 10 s lease fit in a minute.
+    build(client.clone().set("max.poll.interval.ms", "60000"))
+        .batch_size(6)
+        .concurrency(1)
+        .build()
+        .expect("six leases fit");
     for case in cases {
         let error = case.expect_err("inconsistent");
         assert!(matches!(error, KafkaConsumerError::Config(_)), "{error}");

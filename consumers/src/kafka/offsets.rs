@@ -4,8 +4,10 @@
 //! A Kafka commit is a position: committing `n` says every message below `n`
 //! is done. So a partition is committed only up to its first message not yet
 //! answered, and read again from there; the messages after it that were
-//! answered already are read again too, and answered from the store as
-//! duplicates (their handlers do not run again).
+//! answered already are read again too. The consumer remembers them and does
+//! not run them again (the store may hold no record of them:
+//! `Unrecorded`, `Unprotected`); after a rebalance, their new owner answers
+//! them from the store.
 //!
 //! ```
 //! use std::time::Duration;
@@ -18,7 +20,8 @@
 //!     settle(Some(10), &batch),
 //!     Settle { commit: Some(12), hold: Some(Hold { offset: 12, after: Duration::from_millis(100) }) },
 //! );
-//! // Read again from 12: 12 is answered now, 13 as a duplicate.
+//! // Read again from 12: 12 is answered now; 13 was answered before (the
+//! // consumer does not run it again).
 //! assert_eq!(
 //!     settle(Some(12), &[(12, Step::Answered), (13, Step::Answered)]),
 //!     Settle { commit: Some(14), hold: None },

@@ -24,8 +24,11 @@ pub(crate) type Tp = (String, i32);
 /// are forgotten (their next delivery counts as a first one again).
 const MAX_ATTEMPTS_PER_PARTITION: usize = 10_000;
 
-/// How long a hold waits at least, so a zero `retry_after` never spins.
-const MIN_HOLD: Duration = Duration::from_millis(10);
+/// How long a hold waits at least, so a short `retry_after` (a key held
+/// elsewhere, hinted at by this manager's own fast executions) never re-reads
+/// the partition in a tight loop. The same floor as the shared policy's
+/// [`MIN_RETRY_AFTER`](crate::disposition) for `InProgress`.
+pub(crate) const MIN_HOLD: Duration = Duration::from_millis(250);
 
 /// One owned partition.
 #[derive(Debug, Default)]
@@ -44,6 +47,15 @@ struct Owned {
     attempts: BTreeMap<i64, u32>,
     /// Rejected messages not committed yet that were routed already.
     routed: BTreeSet<i64>,
+    /// Messages answered (acknowledged or routed) past a hold, not committed
+    /// yet: read again with the held one, they are not run again (their
+    /// outcome may not be in the store: `Unrecorded`, `Unprotected`).
+    answered: BTreeSet<i64>,
+    /// The lowest offset admitted since the last settled batch: set while a
+    /// batch is collected and run, cleared once it is settled. Left over, the
+    /// batch was abandoned (its `poll_once` dropped, or a handler panicked):
+    /// the partition is read again from here.
+    in_flight: Option<i64>,
 }
 
 /// Every owned partition, and where revoked ones had got to.
@@ -62,6 +74,8 @@ pub(crate) struct Admitted {
     pub(crate) epoch: u64,
     pub(crate) attempt: u32,
     pub(crate) redelivered: bool,
+    /// Answered already (past a hold that brought it back): not run again.
+    pub(crate) answered: bool,
 }
 
 impl Partitions {
@@ -73,6 +87,15 @@ impl Partitions {
             return None;
         }
         owned.position = Some(owned.position.map_or(offset + 1, |p| p.max(offset + 1)));
+        owned.in_flight = Some(owned.in_flight.map_or(offset, |f| f.min(offset)));
+        if owned.answered.contains(&offset) {
+            return Some(Admitted {
+                epoch: owned.epoch,
+                attempt: owned.attempts.get(&offset).copied().unwrap_or(1),
+                redelivered: true,
+                answered: true,
+            });
+        }
         let attempts = owned.attempts.entry(offset).or_insert(0);
         *attempts = attempts.saturating_add(1);
         let attempt = *attempts;
@@ -84,6 +107,7 @@ impl Partitions {
             epoch: owned.epoch,
             attempt,
             redelivered: attempt > 1 || before,
+            answered: false,
         })
     }
 
@@ -93,7 +117,8 @@ impl Partitions {
     }
 
     /// Settles a partition's batch (see [`settle`]): records the offset to
-    /// commit and the hold; returns the hold, if any.
+    /// commit, the hold and the messages answered past it (not run again when
+    /// read again), ends the batch's in-flight mark; returns the hold, if any.
     pub(crate) fn settle(
         &mut self,
         tp: &Tp,
@@ -104,13 +129,40 @@ impl Partitions {
         let owned = self.owned.get_mut(tp).filter(|o| o.epoch == epoch)?;
         let known = owned.pending.max(owned.committed);
         let settled = settle(known, batch);
+        owned.in_flight = None;
         if let Some(commit) = settled.commit {
             owned.pending = Some(commit);
         }
         if let Some(hold) = settled.hold {
             owned.hold = Some((hold.offset, now + hold.after.max(MIN_HOLD)));
+            let past = batch
+                .iter()
+                .filter(|&&(offset, step)| step == Step::Answered && offset > hold.offset);
+            owned.answered.extend(past.map(|&(offset, _)| offset));
+            while owned.answered.len() > MAX_ATTEMPTS_PER_PARTITION {
+                // Forgotten from the highest down: read again, they run again
+                // unless the store answers them (a redelivery, as after a
+                // rebalance).
+                owned.answered.pop_last();
+            }
         }
         settled.hold
+    }
+
+    /// Turns each abandoned batch's in-flight mark into a hold due now: the
+    /// partition is sought back to it (by the caller, as any hold's end) and
+    /// its unanswered messages are read again. Returns how many partitions.
+    pub(crate) fn recover_in_flight(&mut self, now: Instant) -> usize {
+        let mut recovered = 0;
+        for owned in self.owned.values_mut() {
+            let Some(offset) = owned.in_flight.take() else {
+                continue;
+            };
+            let offset = owned.hold.map_or(offset, |(held, _)| held.min(offset));
+            owned.hold = Some((offset, now));
+            recovered += 1;
+        }
+        recovered
     }
 
     /// The offsets waiting to be committed.
@@ -136,6 +188,7 @@ impl Partitions {
             owned.committed = Some(owned.committed.map_or(*offset, |c| c.max(*offset)));
             owned.attempts = owned.attempts.split_off(offset);
             owned.routed = owned.routed.split_off(offset);
+            owned.answered = owned.answered.split_off(offset);
         }
     }
 
@@ -344,14 +397,88 @@ mod tests {
         let now = Instant::now();
         let epoch = p.admit(&tp(), 0).unwrap().epoch;
         let later = Step::Unanswered {
-            after: Duration::from_millis(50),
+            after: Duration::from_millis(500),
         };
         let hold = p.settle(&tp(), epoch, &[(0, later)], now).unwrap();
         assert_eq!(hold.offset, 0);
         assert!(p.admit(&tp(), 1).is_none());
         assert!(p.due(now).is_empty());
-        assert_eq!(p.due(now + Duration::from_millis(50)), vec![(tp(), 0)]);
+        assert_eq!(p.due(now + Duration::from_millis(500)), vec![(tp(), 0)]);
         p.released(&tp());
         assert_eq!(p.admit(&tp(), 0).unwrap().attempt, 2);
+    }
+
+    #[test]
+    fn messages_answered_past_a_hold_are_admitted_as_answered_until_committed() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let now = Instant::now();
+        let epoch = p.admit(&tp(), 0).unwrap().epoch;
+        p.admit(&tp(), 1).unwrap();
+        p.admit(&tp(), 2).unwrap();
+        let later = Step::Unanswered {
+            after: Duration::ZERO,
+        };
+        let batch = [(0, Step::Answered), (1, later), (2, Step::Answered)];
+        let hold = p.settle(&tp(), epoch, &batch, now).unwrap();
+        assert_eq!(hold.offset, 1);
+        assert!(
+            p.due(now + MIN_HOLD - Duration::from_millis(1)).is_empty(),
+            "a hold lasts at least MIN_HOLD"
+        );
+        p.released(&tp());
+        assert!(!p.admit(&tp(), 1).unwrap().answered, "the held one runs");
+        assert!(p.admit(&tp(), 2).unwrap().answered, "2 does not run again");
+        p.committed(&[(tp(), 3)]);
+        assert!(
+            !p.admit(&tp(), 2).unwrap().answered,
+            "forgotten once committed"
+        );
+    }
+
+    #[test]
+    fn a_revocation_forgets_what_was_answered_past_a_hold() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let epoch = p.admit(&tp(), 0).unwrap().epoch;
+        p.admit(&tp(), 1).unwrap();
+        let later = Step::Unanswered {
+            after: Duration::ZERO,
+        };
+        p.settle(
+            &tp(),
+            epoch,
+            &[(0, later), (1, Step::Answered)],
+            Instant::now(),
+        );
+        p.revoke([tp()]);
+        p.assign([tp()]);
+        assert!(!p.admit(&tp(), 1).unwrap().answered, "left to the store");
+    }
+
+    #[test]
+    fn an_abandoned_batch_becomes_a_hold_due_at_once_from_its_first_message() {
+        let mut p = Partitions::default();
+        p.assign([tp()]);
+        let now = Instant::now();
+        let epoch = p.admit(&tp(), 4).unwrap().epoch;
+        p.admit(&tp(), 5).unwrap();
+        // Settled: nothing left in flight.
+        p.settle(
+            &tp(),
+            epoch,
+            &[(4, Step::Answered), (5, Step::Answered)],
+            now,
+        );
+        assert_eq!(p.recover_in_flight(now), 0);
+        // Admitted, never settled (dropped, or a handler panicked).
+        p.admit(&tp(), 7).unwrap();
+        p.admit(&tp(), 6).unwrap();
+        assert_eq!(p.recover_in_flight(now), 1);
+        assert_eq!(p.due(now), vec![(tp(), 6)]);
+        assert!(p.admit(&tp(), 8).is_none(), "held until sought back");
+        p.released(&tp());
+        assert_eq!(p.recover_in_flight(now), 0, "recovered once");
+        assert_eq!(p.admit(&tp(), 6).unwrap().attempt, 2);
     }
 }

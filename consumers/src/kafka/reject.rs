@@ -22,8 +22,10 @@ pub struct Rejected {
     pub detail: String,
 }
 
-/// The `on_reject` hook: `Err` keeps the message unanswered (its partition
-/// holds it and tries again after the backoff).
+/// The `on_reject` hook: `Err`, or no answer within the
+/// [`reject_timeout`](super::KafkaConsumerBuilder::reject_timeout), keeps the
+/// message unanswered (its partition holds it and tries again after the
+/// backoff).
 pub type RejectHook = Arc<dyn Fn(Rejected) -> BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
 /// Headers a dead-lettered message carries besides its own.
@@ -47,6 +49,8 @@ pub(crate) struct DeadLetter {
 pub(crate) struct RejectRoute {
     pub(crate) dead_letter: Option<DeadLetter>,
     pub(crate) hook: Option<RejectHook>,
+    /// How long the hook is awaited.
+    pub(crate) hook_timeout: Duration,
 }
 
 impl fmt::Debug for RejectRoute {
@@ -54,6 +58,7 @@ impl fmt::Debug for RejectRoute {
         f.debug_struct("RejectRoute")
             .field("dead_letter", &self.dead_letter.as_ref().map(|d| &d.topic))
             .field("hook", &self.hook.is_some())
+            .field("hook_timeout", &self.hook_timeout)
             .finish()
     }
 }
@@ -64,13 +69,18 @@ impl RejectRoute {
     }
 
     /// Hands `rejected` to the dead-letter topic, then to the hook; `Err`
-    /// when either failed (the message stays unanswered).
+    /// when either failed or the hook did not answer within its timeout (the
+    /// message stays unanswered; a hook cut short may have done its work,
+    /// and is called again when the message is read again).
     pub(crate) async fn route(&self, rejected: Rejected) -> Result<(), String> {
         if let Some(dead_letter) = &self.dead_letter {
             dead_letter.produce(&rejected).await?;
         }
         if let Some(hook) = &self.hook {
-            hook(rejected).await?;
+            let timeout = self.hook_timeout;
+            tokio::time::timeout(timeout, hook(rejected))
+                .await
+                .map_err(|_| format!("the on_reject hook did not finish within {timeout:?}"))??;
         }
         Ok(())
     }

@@ -204,8 +204,10 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
     /// [`RabbitError::Config`] for an empty or too long queue name, a prefetch
     /// of 0, a concurrency of 0 or above the prefetch, a zero
     /// `min_retry_delay`, a `max_retry_hold` below it, a zero
-    /// `operation_timeout`, an empty header name, or a
-    /// hold or lease not below the `consumer_timeout`.
+    /// `operation_timeout`, an empty header name, or a hold, or a wait for
+    /// an ack (the lease for each group of `concurrency` prefetched
+    /// deliveries, plus one for the poll before), not below the
+    /// `consumer_timeout`.
     pub fn build(self) -> Result<RabbitConsumer<C>, RabbitError> {
         let invalid = |message: String| Err(RabbitError::Config(message));
         if self.queue.is_empty() || self.queue.len() > 255 {
@@ -237,12 +239,15 @@ impl<C: Codec + Clone> RabbitConsumerBuilder<C> {
             return invalid("the key header's name is empty".into());
         }
         let lease = self.manager.config().processing_timeout;
-        if self.max_retry_hold >= self.consumer_timeout || lease >= self.consumer_timeout {
+        let unacked = longest_unacknowledged(lease, self.prefetch, concurrency);
+        if self.max_retry_hold >= self.consumer_timeout || unacked >= self.consumer_timeout {
             return invalid(format!(
-                "max_retry_hold ({:?}) and the manager's processing_timeout ({lease:?}) must be \
-                 below the broker's consumer_timeout ({:?}), or the broker closes the channel \
-                 under a held or running delivery",
-                self.max_retry_hold, self.consumer_timeout
+                "max_retry_hold ({:?}) and the longest a delivery waits for its ack ({unacked:?}: \
+                 the manager's processing_timeout {lease:?} for each group of {concurrency} of the \
+                 {} prefetched deliveries, one poll waiting for the one before) must be below the \
+                 broker's consumer_timeout ({:?}), or the broker closes the channel under a held \
+                 or running delivery",
+                self.max_retry_hold, self.prefetch, self.consumer_timeout
             ));
         }
         Ok(RabbitConsumer {
@@ -271,4 +276,13 @@ impl<C: Codec> fmt::Debug for RabbitConsumerBuilder<C> {
             .field("keys", &self.keys)
             .finish_non_exhaustive()
     }
+}
+
+/// The longest a delivery may wait for its ack: a poll runs its deliveries
+/// `concurrency` at a time, one group after another, each up to a lease; a
+/// delivery that arrived while the previous poll ran waits for that poll too.
+fn longest_unacknowledged(lease: Duration, prefetch: u16, concurrency: usize) -> Duration {
+    let groups = usize::from(prefetch).div_ceil(concurrency.max(1));
+    let polls = u32::try_from(groups.saturating_add(1)).unwrap_or(u32::MAX);
+    lease.saturating_mul(polls)
 }

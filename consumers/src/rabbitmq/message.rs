@@ -129,7 +129,9 @@ impl fmt::Debug for KeySource {
 fn header_text(headers: Option<&FieldTable>, name: &str) -> Option<String> {
     let value = headers?.inner().get(name)?;
     match value {
-        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        // A key that is not UTF-8 is no key: a lossy reading would give two
+        // keys that differ only in their invalid bytes one record.
+        AMQPValue::LongString(s) => std::str::from_utf8(s.as_bytes()).ok().map(str::to_owned),
         AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
         AMQPValue::ByteArray(b) => std::str::from_utf8(b.as_slice()).ok().map(str::to_owned),
         other => integer(other).map(|n| n.to_string()),
@@ -167,21 +169,25 @@ pub(crate) fn attempt_of(properties: &BasicProperties, redelivered: bool) -> u32
 }
 
 /// What the manager fingerprints: the body, as text when it is UTF-8 (JSON
-/// bodies fingerprint as their text), else as hex.
+/// bodies fingerprint as their text), else as `{"bytes": "<hex>"}` — an
+/// object, so no text body fingerprints like a binary one.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Body<'a>(pub(crate) &'a [u8]);
 
 impl Serialize for Body<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        use std::fmt::Write;
         match std::str::from_utf8(self.0) {
             Ok(text) => serializer.serialize_str(text),
             Err(_) => {
-                let mut hex = String::with_capacity(6 + self.0.len() * 2);
-                hex.push_str("bytes:");
+                let mut hex = String::with_capacity(self.0.len() * 2);
                 for byte in self.0 {
-                    hex.push_str(&format!("{byte:02x}"));
+                    let _ = write!(hex, "{byte:02x}");
                 }
-                serializer.serialize_str(&hex)
+                let mut map = serializer.serialize_map(Some(1))?;
+                map.serialize_entry("bytes", &hex)?;
+                map.end()
             }
         }
     }
@@ -218,6 +224,10 @@ mod tests {
             ("x-key", AMQPValue::LongString(LongString::from("k-1"))),
             ("x-num", AMQPValue::LongUInt(42)),
             ("x-empty", AMQPValue::LongString(LongString::from(""))),
+            (
+                "x-binary",
+                AMQPValue::LongString(LongString::from(vec![0xff, 0xfe])),
+            ),
         ])
         .with_message_id(ShortString::from("m-1"));
         assert_eq!(KeySource::MessageId.key_of(b"", &props).unwrap(), "m-1");
@@ -230,6 +240,8 @@ mod tests {
             "42"
         );
         assert!(KeySource::header("x-empty").key_of(b"", &props).is_err());
+        // Not UTF-8: no key (a lossy reading would merge distinct keys).
+        assert!(KeySource::header("x-binary").key_of(b"", &props).is_err());
         assert!(KeySource::header("x-none").key_of(b"", &props).is_err());
         assert!(KeySource::MessageId
             .key_of(b"", &BasicProperties::default())
@@ -250,7 +262,12 @@ mod tests {
         );
         assert_eq!(
             serde_json::to_string(&Body(&[0xff, 0x00])).unwrap(),
-            r#""bytes:ff00""#
+            r#"{"bytes":"ff00"}"#
+        );
+        // A text body never fingerprints like a binary one.
+        assert_ne!(
+            serde_json::to_string(&Body(b"bytes:ff00")).unwrap(),
+            serde_json::to_string(&Body(&[0xff, 0x00])).unwrap()
         );
     }
 }

@@ -12,7 +12,8 @@ use tracing::Instrument;
 
 use super::message::{KeySource, SqsMessage};
 use crate::batch::{run_poll, Delivery};
-use crate::disposition::{Backoff, Disposition};
+use crate::disposition::{classify, Backoff, Disposition};
+use crate::metrics::observe;
 
 /// The broker's name in metrics.
 pub(crate) const BROKER: &str = "sqs";
@@ -42,9 +43,10 @@ pub(crate) struct Answering {
 }
 
 impl Answering {
-    /// Runs `messages` through [`run_poll`]; a message with no key is passed
-    /// with an empty one, which the manager rejects (`invalid_key`) without
-    /// running the handler, and its answer then carries the reason.
+    /// Runs the messages that have a key through [`run_poll`]; a message
+    /// whose key could not be read is answered with that error and
+    /// classified by the same policy (`invalid_key` is rejected; a key
+    /// function's retryable error, say a store it reads, is retried).
     pub(crate) async fn answer<C, T, E, F, Fut>(
         &self,
         manager: &IdempotencyManager<C>,
@@ -60,14 +62,15 @@ impl Answering {
     {
         let keys: Vec<Result<String, Error>> =
             messages.iter().map(|m| self.key.key_of(m)).collect();
-        let deliveries: Vec<Delivery<&str>> = messages
+        // The messages with a key, by their index in `messages`.
+        let keyed: Vec<usize> = (0..messages.len()).filter(|&i| keys[i].is_ok()).collect();
+        let deliveries: Vec<Delivery<&str>> = keyed
             .iter()
-            .zip(&keys)
-            .map(|(message, key)| Delivery {
-                key: key.as_ref().ok().cloned().unwrap_or_default(),
-                payload: message.body.as_str(),
-                attempt: message.receive_count,
-                redelivered: message.redelivered(),
+            .map(|&i| Delivery {
+                key: keys[i].as_ref().map(Clone::clone).unwrap_or_default(),
+                payload: messages[i].body.as_str(),
+                attempt: messages[i].receive_count,
+                redelivered: messages[i].redelivered(),
             })
             .collect();
         let answered = run_poll(
@@ -77,7 +80,7 @@ impl Answering {
             self.concurrency,
             &self.backoff,
             |index, ctx| {
-                let message = &messages[index];
+                let message = &messages[keyed[index]];
                 let span = tracing::info_span!(
                     "sqs_message",
                     message_id = %message.message_id,
@@ -87,15 +90,22 @@ impl Answering {
             },
         )
         .await;
-        answered
-            .into_iter()
-            .zip(messages.iter().zip(keys))
-            .map(|(answered, (message, key))| {
-                let (key, answer) = match key {
-                    Ok(key) => (Some(key), answered.answer),
+        let mut answered = answered.into_iter();
+        messages
+            .iter()
+            .zip(keys)
+            .map(|(message, key)| {
+                let (key, answer, disposition) = match key {
+                    Ok(key) => match answered.next() {
+                        Some(a) => (Some(key), a.answer, a.disposition),
+                        None => unanswered(self, message),
+                    },
                     Err(error) => {
-                        tracing::warn!(message_id = %message.message_id, %error, "message without an idempotency key");
-                        (None, Err(ExecuteError::Idempotency(error)))
+                        tracing::warn!(message_id = %message.message_id, %error, "no idempotency key for the message");
+                        let answer = Err(ExecuteError::Idempotency(error));
+                        let disposition = classify(&answer, false, message.receive_count, &self.backoff);
+                        observe(BROKER, &disposition, message.redelivered());
+                        (None, answer, disposition)
                     }
                 };
                 Handled {
@@ -103,9 +113,29 @@ impl Answering {
                     key,
                     receive_count: message.receive_count,
                     answer,
-                    disposition: answered.disposition,
+                    disposition,
                 }
             })
             .collect()
     }
+}
+
+/// A keyed message `run_poll` gave no answer for (never expected: it answers
+/// every delivery): kept, and delivered again after the backoff.
+fn unanswered<T, E>(
+    answering: &Answering,
+    message: &SqsMessage,
+) -> (
+    Option<String>,
+    Result<Outcome<T>, ExecuteError<E>>,
+    Disposition,
+) {
+    let error = Error::Backend {
+        backend: BROKER,
+        message: format!("message {} was left unanswered", message.message_id),
+        source: None,
+    };
+    let answer = Err(ExecuteError::Idempotency(error));
+    let disposition = classify(&answer, false, message.receive_count, &answering.backoff);
+    (None, answer, disposition)
 }

@@ -220,6 +220,15 @@ impl<C: Codec + Clone> SqsConsumerBuilder<C> {
         if self.call_timeout.is_zero() {
             return Err(Error::config("the SQS call timeout must be positive"));
         }
+        let backoff = &self.answering.backoff;
+        if backoff.initial.is_zero() || backoff.max < backoff.initial {
+            return Err(Error::config(format!(
+                "the SQS consumer's backoff must start above zero and not exceed its maximum \
+                 (initial {:?}, max {:?}): a zero delay makes a failed message visible again at \
+                 once, a hot loop",
+                backoff.initial, backoff.max
+            )));
+        }
         if self.answering.concurrency == 0 {
             return Err(Error::config(
                 "the SQS consumer's concurrency must be at least 1",

@@ -102,7 +102,7 @@ impl Broker {
             .set("session.timeout.ms", "6000")
             .set("heartbeat.interval.ms", "300")
             .set("fetch.wait.max.ms", "50")
-            .set("max.poll.interval.ms", "60000");
+            .set("max.poll.interval.ms", "120000");
         client
     }
 

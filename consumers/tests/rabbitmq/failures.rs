@@ -277,6 +277,15 @@ fn inconsistent_configurations_fail_to_build() {
             "consumer_timeout",
             consumer(manager(), "q", &log).consumer_timeout(Duration::from_secs(5)),
         ),
+        // 8 prefetched deliveries one at a time: the last waits 8 leases of
+        // 10 s, plus one for the poll before, past a 60 s consumer_timeout.
+        (
+            "consumer_timeout",
+            consumer(manager(), "q", &log)
+                .concurrency(1)
+                .max_retry_hold(Duration::from_secs(10))
+                .consumer_timeout(Duration::from_secs(60)),
+        ),
     ];
     for (needle, builder) in cases {
         let error = builder.build().unwrap_err();
@@ -288,4 +297,10 @@ fn inconsistent_configurations_fail_to_build() {
         );
     }
     assert!(consumer(manager(), "q", &log).build().is_ok());
+    // Eight at once: two leases (this poll and the one before) fit in 60 s.
+    assert!(consumer(manager(), "q", &log)
+        .max_retry_hold(Duration::from_secs(10))
+        .consumer_timeout(Duration::from_secs(60))
+        .build()
+        .is_ok());
 }

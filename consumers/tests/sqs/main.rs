@@ -503,3 +503,90 @@ async fn records_shorter_than_the_queues_retention_are_warned_about() {
         );
     }
 }
+
+/// A key function's retryable failure (`Error::Unavailable`: a lookup service
+/// down) is retried, by the same policy as the manager's answers: never
+/// dead-lettered as if the message had no key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_functions_retryable_error_is_retried_not_dead_lettered() {
+    let client = client().await;
+    let url = queue(&client, "keyerr", 30).await;
+    let dlq = queue(&client, "keyerr-dlq", 30).await;
+    let repo = Arc::new(MemoryRepository::new());
+    let consumer = SqsConsumer::builder(
+        client.clone(),
+        manager_on(&repo, config(Duration::from_secs(10), None)),
+        &url,
+    )
+    .wait_time(Duration::from_secs(1))
+    .dead_letter_queue(&dlq)
+    .key(idempotency_consumers::sqs::KeySource::custom(
+        |_m: &SqsMessage| {
+            Err(Error::Unavailable {
+                backend: "key-lookup",
+                message: "the order service timed out".into(),
+                source: None,
+            })
+        },
+    ))
+    .build()
+    .await
+    .unwrap();
+    send(&client, &url, "charge 1", Some("order-1")).await;
+    let runs = Arc::new(AtomicU32::new(0));
+    let report = poll_until_some(&consumer, counting(&runs), Duration::from_secs(10)).await;
+    let handled = &report.messages[0];
+    assert!(
+        handled.disposition.is_retry(),
+        "a transient key error was {:?}; settled {:?}",
+        handled.disposition,
+        report.settled
+    );
+    assert!(
+        matches!(
+            handled.answer,
+            Err(ExecuteError::Idempotency(Error::Unavailable { .. }))
+        ),
+        "{:?}",
+        handled.answer
+    );
+    assert_eq!(runs.load(Ordering::SeqCst), 0);
+    assert_eq!(
+        (report.settled.deleted, report.settled.dead_lettered),
+        (0, 0),
+        "{:?}",
+        report.settled
+    );
+}
+
+/// A backoff that starts at zero would make a failed message visible again
+/// at once (a hot loop): refused when the consumer is built.
+#[tokio::test]
+async fn a_zero_backoff_is_refused() {
+    let client = client().await;
+    let url = queue(&client, "zero-backoff", 30).await;
+    let repo = Arc::new(MemoryRepository::new());
+    for backoff in [
+        idempotency_consumers::Backoff {
+            initial: Duration::ZERO,
+            max: Duration::from_secs(1),
+        },
+        idempotency_consumers::Backoff {
+            initial: Duration::from_secs(2),
+            max: Duration::from_secs(1),
+        },
+    ] {
+        let built = SqsConsumer::builder(
+            client.clone(),
+            manager_on(&repo, config(Duration::from_secs(10), None)),
+            &url,
+        )
+        .backoff(backoff)
+        .build()
+        .await;
+        assert!(
+            matches!(built, Err(Error::Config { .. })),
+            "{backoff:?}: {built:?}"
+        );
+    }
+}
