@@ -146,17 +146,23 @@ impl KafkaWorkload {
         let (library_topic, raw_topic) = (unique("library"), unique("raw"));
         create_topics(&producer, &bootstrap, &[&library_topic, &raw_topic]).await?;
         let manager = manager(repo)?;
-        let library = KafkaConsumer::builder(
-            manager.clone(),
-            client(&bootstrap, &unique("library-group")),
-        )
-        .topics([library_topic.as_str()])
-        .batch_size(BATCH)
-        .linger(LINGER)
-        .concurrency(concurrency)
-        .commit_timeout(COMMIT_TIMEOUT)
-        .on_reject(|_| async { Err("the bench rejects nothing".to_owned()) })
-        .build()?;
+        // A batch's keys run in groups of `concurrency`, one after another:
+        // librdkafka must allow a lease per group between two polls.
+        let groups = u32::try_from(BATCH.div_ceil(concurrency.max(1))).unwrap_or(u32::MAX);
+        let max_poll = (manager.config().processing_timeout * groups)
+            .max(Duration::from_secs(300))
+            .as_millis()
+            .min(86_400_000);
+        let mut library_client = client(&bootstrap, &unique("library-group"));
+        library_client.set("max.poll.interval.ms", max_poll.to_string());
+        let library = KafkaConsumer::builder(manager.clone(), library_client)
+            .topics([library_topic.as_str()])
+            .batch_size(BATCH)
+            .linger(LINGER)
+            .concurrency(concurrency)
+            .commit_timeout(COMMIT_TIMEOUT)
+            .on_reject(|_| async { Err("the bench rejects nothing".to_owned()) })
+            .build()?;
         let raw: StreamConsumer = client(&bootstrap, &unique("raw-group")).create()?;
         raw.subscribe(&[raw_topic.as_str()])?;
         let setup = format!(
