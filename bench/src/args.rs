@@ -254,16 +254,6 @@ impl Args {
                     a.backends = list(&value()?);
                     backends_given = true;
                 }
-                "--brokers" => a.brokers = list(&value()?),
-                "--broker-stores" => a.broker_stores = list(&value()?),
-                "--kafka-messages" => a.kafka_messages = number(&flag, &value()?)?,
-                "--sqs-messages" => a.sqs_messages = number(&flag, &value()?)?,
-                "--rabbitmq-messages" => a.rabbitmq_messages = number(&flag, &value()?)?,
-                "--rabbitmq-url" => a.rabbitmq_url = Some(value()?),
-                "--sqs-pollers" => a.sqs_pollers = number(&flag, &value()?)?,
-                "--kafka-concurrency" => a.kafka_concurrency = number(&flag, &value()?)?,
-                "--kafka-brokers" => a.kafka_brokers = Some(value()?),
-                "--sqs-endpoint" => a.sqs_endpoint = Some(value()?),
                 "--ops" => a.plan.ops = number(&flag, &value()?)?,
                 "--memory-ops" => a.memory_ops = number(&flag, &value()?)?,
                 "--dynamodb-ops" => a.dynamodb_ops = number(&flag, &value()?)?,
@@ -302,7 +292,11 @@ impl Args {
                 "--dynamodb-region" => a.dynamodb_region = value()?,
                 "--sqlite-synchronous" => a.sqlite_synchronous = value()?,
                 "--out" => a.out = PathBuf::from(value()?),
-                other => return Err(format!("unknown option {other}; see --help").into()),
+                other => {
+                    if !a.broker_option(other, &mut value)? {
+                        return Err(format!("unknown option {other}; see --help").into());
+                    }
+                }
             }
         }
         let compiled = compiled_backends();
@@ -325,6 +319,28 @@ impl Args {
         }
         a.plan.warmup = warmup.unwrap_or((a.plan.ops / 10).min(2_000));
         Ok(a)
+    }
+
+    /// Takes `flag` if it is a broker option (`false`: not one).
+    fn broker_option(
+        &mut self,
+        flag: &str,
+        value: &mut dyn FnMut() -> Result<String, BoxError>,
+    ) -> Result<bool, BoxError> {
+        match flag {
+            "--brokers" => self.brokers = list(&value()?),
+            "--broker-stores" => self.broker_stores = list(&value()?),
+            "--kafka-messages" => self.kafka_messages = number(flag, &value()?)?,
+            "--sqs-messages" => self.sqs_messages = number(flag, &value()?)?,
+            "--rabbitmq-messages" => self.rabbitmq_messages = number(flag, &value()?)?,
+            "--rabbitmq-url" => self.rabbitmq_url = Some(value()?),
+            "--sqs-pollers" => self.sqs_pollers = number(flag, &value()?)?,
+            "--kafka-concurrency" => self.kafka_concurrency = number(flag, &value()?)?,
+            "--kafka-brokers" => self.kafka_brokers = Some(value()?),
+            "--sqs-endpoint" => self.sqs_endpoint = Some(value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
     }
 
     /// Checks the broker options; `--brokers` without `--backends` runs
