@@ -44,6 +44,27 @@ OPTIONS:
   --dynamodb-region R     region for the endpoint (default us-east-1)
   --sqlite-synchronous S  SQLite's synchronous for the SQLite file: full (default, the
                           library's default) or normal
+  --brokers LIST          kafka,sqs,rabbitmq: broker benchmarks (needs the features of those names):
+                          each broker's consumer of idempotency-consumers against the same
+                          consumer loop without it, fresh and duplicate messages; alone,
+                          it runs no store benchmark unless --backends is given too
+  --broker-stores LIST    the consumers' stores: memory,redis (default: both; redis needs
+                          its feature; Redis from --redis-url or the harness)
+  --kafka-messages N      measured messages per variant and scenario for Kafka (default
+                          20000; rounds are whole batches of 100)
+  --rabbitmq-messages N   the same for RabbitMQ (default 10000)
+  --sqs-messages N        the same for SQS (default 1000; rounds are whole receives of 10)
+  --kafka-concurrency N   keys of a Kafka batch the consumer reserves and runs at once
+                          (default 16, the consumer's default; each group of that many is
+                          one reservation round trip, one after another)
+  --sqs-pollers N         SQS poll loops per variant (default 10: 10 receives of 10 = a
+                          batch of 100)
+  --kafka-brokers LIST    Kafka bootstrap servers (default $IDEMPOTENCY_BENCH_KAFKA_BROKERS,
+                          else librdkafka's in-process mock cluster)
+  --rabbitmq-url URL      amqp://… (default $IDEMPOTENCY_BENCH_RABBITMQ_URL, else the
+                          harness's broker: $IDEMPOTENCY_TEST_RABBITMQ_URL or a container)
+  --sqs-endpoint URL      SQS endpoint (default $IDEMPOTENCY_BENCH_SQS_ENDPOINT, else the
+                          harness's server: $IDEMPOTENCY_TEST_SQS_ENDPOINT or a container)
   --out DIR               where results.{json,md} and chart.svg go (default
                           $CARGO_TARGET_DIR/bench, else target/bench)
   --quick                 a short run (2000 ops, 2 rounds): checks the setup, not speed
@@ -79,6 +100,26 @@ pub struct Args {
     pub dynamodb_region: String,
     /// SQLite's `synchronous` for the SQLite workload.
     pub sqlite_synchronous: String,
+    /// Brokers to benchmark (`kafka`, `sqs`).
+    pub brokers: Vec<String>,
+    /// Stores the broker consumers run over.
+    pub broker_stores: Vec<String>,
+    /// Measured messages per variant and scenario, Kafka.
+    pub kafka_messages: usize,
+    /// Measured messages per variant and scenario, RabbitMQ.
+    pub rabbitmq_messages: usize,
+    /// RabbitMQ URL, if given.
+    pub rabbitmq_url: Option<String>,
+    /// Measured messages per variant and scenario, SQS.
+    pub sqs_messages: usize,
+    /// SQS poll loops per variant.
+    pub sqs_pollers: usize,
+    /// The Kafka consumer's concurrency.
+    pub kafka_concurrency: usize,
+    /// Kafka bootstrap servers, if given.
+    pub kafka_brokers: Option<String>,
+    /// SQS endpoint, if given.
+    pub sqs_endpoint: Option<String>,
     /// Output directory.
     pub out: PathBuf,
     /// `--help` was asked for.
@@ -165,10 +206,21 @@ impl Args {
             dynamodb_endpoint: env("IDEMPOTENCY_BENCH_DYNAMODB_ENDPOINT"),
             dynamodb_region: "us-east-1".to_owned(),
             sqlite_synchronous: "full".to_owned(),
+            brokers: Vec::new(),
+            broker_stores: crate::brokers::compiled_stores(),
+            kafka_messages: 20_000,
+            sqs_messages: 1_000,
+            rabbitmq_messages: 10_000,
+            rabbitmq_url: env("IDEMPOTENCY_BENCH_RABBITMQ_URL"),
+            sqs_pollers: crate::brokers::SQS_POLLERS,
+            kafka_concurrency: 16,
+            kafka_brokers: env("IDEMPOTENCY_BENCH_KAFKA_BROKERS"),
+            sqs_endpoint: env("IDEMPOTENCY_BENCH_SQS_ENDPOINT"),
             out: default_out(),
             help: false,
         };
         let mut warmup = None;
+        let mut backends_given = false;
         let mut it = args.into_iter();
         while let Some(flag) = it.next() {
             if flag == "-h" || flag == "--help" {
@@ -182,6 +234,9 @@ impl Args {
                 a.plan.count_ops = 50;
                 a.memory_ops = 20_000;
                 a.dynamodb_ops = 200;
+                a.kafka_messages = 2_000;
+                a.sqs_messages = 200;
+                a.rabbitmq_messages = 2_000;
                 continue;
             }
             let (flag, inline) = match flag.split_once('=') {
@@ -195,7 +250,10 @@ impl Args {
                     .ok_or_else(|| BoxError::from(format!("{flag} needs a value")))
             };
             match flag.as_str() {
-                "--backends" => a.backends = list(&value()?),
+                "--backends" => {
+                    a.backends = list(&value()?);
+                    backends_given = true;
+                }
                 "--ops" => a.plan.ops = number(&flag, &value()?)?,
                 "--memory-ops" => a.memory_ops = number(&flag, &value()?)?,
                 "--dynamodb-ops" => a.dynamodb_ops = number(&flag, &value()?)?,
@@ -234,7 +292,11 @@ impl Args {
                 "--dynamodb-region" => a.dynamodb_region = value()?,
                 "--sqlite-synchronous" => a.sqlite_synchronous = value()?,
                 "--out" => a.out = PathBuf::from(value()?),
-                other => return Err(format!("unknown option {other}; see --help").into()),
+                other => {
+                    if !a.broker_option(other, &mut value)? {
+                        return Err(format!("unknown option {other}; see --help").into());
+                    }
+                }
             }
         }
         let compiled = compiled_backends();
@@ -245,6 +307,7 @@ impl Args {
             )
             .into());
         }
+        a.check_brokers(backends_given)?;
         if a.plan.scenarios.is_empty() {
             return Err("--scenarios needs at least one of fresh, duplicate, cached, batch-fresh, batch-duplicate".into());
         }
@@ -256,6 +319,94 @@ impl Args {
         }
         a.plan.warmup = warmup.unwrap_or((a.plan.ops / 10).min(2_000));
         Ok(a)
+    }
+
+    /// Takes `flag` if it is a broker option (`false`: not one).
+    fn broker_option(
+        &mut self,
+        flag: &str,
+        value: &mut dyn FnMut() -> Result<String, BoxError>,
+    ) -> Result<bool, BoxError> {
+        match flag {
+            "--brokers" => self.brokers = list(&value()?),
+            "--broker-stores" => self.broker_stores = list(&value()?),
+            "--kafka-messages" => self.kafka_messages = number(flag, &value()?)?,
+            "--sqs-messages" => self.sqs_messages = number(flag, &value()?)?,
+            "--rabbitmq-messages" => self.rabbitmq_messages = number(flag, &value()?)?,
+            "--rabbitmq-url" => self.rabbitmq_url = Some(value()?),
+            "--sqs-pollers" => self.sqs_pollers = number(flag, &value()?)?,
+            "--kafka-concurrency" => self.kafka_concurrency = number(flag, &value()?)?,
+            "--kafka-brokers" => self.kafka_brokers = Some(value()?),
+            "--sqs-endpoint" => self.sqs_endpoint = Some(value()?),
+            _ => return Ok(false),
+        }
+        Ok(true)
+    }
+
+    /// Checks the broker options; `--brokers` without `--backends` runs
+    /// the brokers alone.
+    fn check_brokers(&mut self, backends_given: bool) -> Result<(), BoxError> {
+        if self.brokers.is_empty() {
+            return Ok(());
+        }
+        if !backends_given {
+            self.backends.clear();
+        }
+        for (kind, given, compiled) in [
+            ("broker", &self.brokers, crate::brokers::compiled_brokers()),
+            (
+                "store",
+                &self.broker_stores,
+                crate::brokers::compiled_stores(),
+            ),
+        ] {
+            if let Some(unknown) = given.iter().find(|b| !compiled.contains(b)) {
+                return Err(format!(
+                    "{kind} {unknown:?} is not compiled into this binary (have: {})",
+                    compiled.join(", ")
+                )
+                .into());
+            }
+        }
+        if self.broker_stores.is_empty() {
+            return Err("--broker-stores needs at least one store".into());
+        }
+        if self.kafka_messages == 0 || self.sqs_messages == 0 || self.sqs_pollers == 0 {
+            return Err(
+                "--kafka-messages, --sqs-messages and --sqs-pollers must be positive".into(),
+            );
+        }
+        if self.broker_plan("kafka").scenarios.is_empty() {
+            return Err("the broker benchmarks run the fresh and duplicate scenarios: --scenarios has neither".into());
+        }
+        Ok(())
+    }
+
+    /// The plan for `broker`: its message count, the rounds and the fresh
+    /// and duplicate scenarios of `--scenarios`.
+    pub fn broker_plan(&self, broker: &str) -> crate::brokers::BrokerPlan {
+        let messages = match broker {
+            "sqs" => self.sqs_messages,
+            "rabbitmq" => self.rabbitmq_messages,
+            _ => self.kafka_messages,
+        };
+        crate::brokers::BrokerPlan {
+            messages,
+            poll: if broker == "sqs" {
+                10
+            } else {
+                crate::brokers::BATCH
+            },
+            rounds: self.plan.rounds,
+            warmup: (messages / 10).clamp(100, 1_000),
+            scenarios: self
+                .plan
+                .scenarios
+                .iter()
+                .copied()
+                .filter(|s| matches!(s, Scenario::Fresh | Scenario::Duplicate))
+                .collect(),
+        }
     }
 
     /// The plan for `backend`: its operation count, the rest shared.
@@ -327,6 +478,27 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn brokers_alone_run_no_store_benchmark() {
+        let a = parse(&[]).unwrap();
+        assert!(a.brokers.is_empty() && !a.backends.is_empty());
+        let compiled = crate::brokers::compiled_brokers();
+        if let Some(broker) = compiled.first() {
+            let b = parse(&["--brokers", broker]).unwrap();
+            assert!(b.backends.is_empty());
+            assert_eq!(
+                b.broker_plan(broker).scenarios,
+                vec![Scenario::Fresh, Scenario::Duplicate]
+            );
+            assert_eq!(b.broker_plan("kafka").per_round(), 2_000);
+            let both = parse(&["--brokers", broker, "--backends", "memory"]).unwrap();
+            assert_eq!(both.backends, vec!["memory"]);
+            assert!(parse(&["--brokers", broker, "--scenarios", "cached"]).is_err());
+            assert!(parse(&["--brokers", broker, "--broker-stores", "etcd"]).is_err());
+        }
+        assert!(parse(&["--brokers", "nats"]).is_err());
     }
 
     #[test]

@@ -15,6 +15,7 @@
 //! See `BENCHMARKS.md` at the workspace root for how to run it and the results.
 
 pub mod args;
+pub mod brokers;
 pub mod driver;
 pub mod report;
 pub mod stats;

@@ -64,6 +64,25 @@ async fn run() -> Result<(), BoxError> {
         }
         results.extend(measured);
     }
+    if !args.backends.is_empty() {
+        write_report(&args, started, results, backends)?;
+    }
+    if let Some(brokers) = idempotency_bench::brokers::run_all(&args).await? {
+        println!("{}", brokers.markdown());
+        for path in brokers.write(&args.out)? {
+            eprintln!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// Prints and writes the store benchmark's report.
+fn write_report(
+    args: &Args,
+    started: Instant,
+    results: Vec<idempotency_bench::stats::Measurement>,
+    backends: BTreeMap<String, String>,
+) -> Result<(), BoxError> {
     let mut config = BTreeMap::new();
     config.insert(
         "ops".to_owned(),

@@ -214,3 +214,115 @@ async fn dynamodb_requests_match_the_raw_client() {
     // Conditional PutItem + UpdateItem; a duplicate is the failed PutItem.
     assert_round_trips(&results, 2.0, 1.0);
 }
+
+/// A tiny broker run: `plan` on `workload`, every round checked as it runs
+/// (each message consumed once; the handler run for every fresh message and,
+/// through the library, for no duplicate), the report written.
+#[cfg(any(feature = "kafka", feature = "sqs", feature = "rabbitmq"))]
+async fn broker_run(
+    workload: &dyn idempotency_bench::brokers::BrokerWorkload,
+    plan: &idempotency_bench::brokers::BrokerPlan,
+) {
+    use idempotency_bench::brokers::{self, BrokerReport};
+    let progress = ProgressBar::hidden();
+    let results = brokers::run(workload, plan, &progress).await.unwrap();
+    assert_eq!(progress.position(), plan.total_messages());
+    // fresh and duplicate × library and raw.
+    assert_eq!(results.len(), 4);
+    for m in &results {
+        assert_eq!(m.messages, plan.per_round() * plan.rounds, "{m:?}");
+        assert_eq!(m.round_messages_per_sec.len(), plan.rounds, "{m:?}");
+        // RabbitMQ's library consumer has no poll of its own to time.
+        let polls_timed = !(m.broker == "rabbitmq" && m.variant == Variant::Library);
+        assert!(m.messages_per_sec > 0.0, "{m:?}");
+        assert_eq!(m.polls > 0, polls_timed, "{m:?}");
+        assert!(m.poll_p50_us <= m.poll_p99_us, "{m:?}");
+    }
+    let comparisons = brokers::compare(&results);
+    assert_eq!(comparisons.len(), 2);
+    assert!(comparisons.iter().all(|c| c.ratio > 0.0));
+    let dir = std::env::temp_dir().join(format!("bench-brokers-{}", rand::random::<u64>()));
+    let report = BrokerReport {
+        generated_at: 0,
+        machine: report::machine(),
+        config: Default::default(),
+        setups: Default::default(),
+        results,
+        comparisons,
+    };
+    let written = report.write(&dir).unwrap();
+    assert_eq!(written.len(), 2);
+    let md = std::fs::read_to_string(dir.join("brokers.md")).unwrap();
+    assert!(md.contains(&format!("| {} | memory | duplicate |", workload.broker())));
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
+/// Kafka on librdkafka's mock cluster: 2 × 2 × (200 + 100 warm-up) messages.
+#[cfg(feature = "kafka")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_consumer_against_its_raw_loop() {
+    use idempotency_bench::brokers::{kafka::KafkaWorkload, store, BrokerPlan};
+    let (repo, setup) = store("memory", None).await.unwrap();
+    let workload = KafkaWorkload::connect(None, "memory", repo, &setup, 16)
+        .await
+        .unwrap();
+    let plan = BrokerPlan {
+        messages: 200,
+        poll: 100,
+        rounds: 2,
+        warmup: 100,
+        scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
+    };
+    broker_run(&workload, &plan).await;
+}
+
+/// SQS on the harness's server (slow: moto): 2 × 2 × 60 messages, no
+/// warm-up round, ten poll loops a variant.
+#[cfg(feature = "sqs")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqs_consumer_against_its_raw_loop() {
+    use idempotency_bench::brokers::sqs::{Endpoint, SqsWorkload};
+    use idempotency_bench::brokers::{store, BrokerPlan, SQS_POLLERS};
+    let server = idempotency_conformance::containers::sqs().await.unwrap();
+    let endpoint = Endpoint {
+        url: server.endpoint().to_owned(),
+        region: server.region().to_owned(),
+        access_key_id: server.access_key_id().to_owned(),
+        secret_access_key: server.secret_access_key().to_owned(),
+    };
+    let (repo, setup) = store("memory", None).await.unwrap();
+    let workload = SqsWorkload::connect(&endpoint, "memory", repo, &setup, SQS_POLLERS)
+        .await
+        .unwrap();
+    let plan = BrokerPlan {
+        messages: 50,
+        poll: 10,
+        rounds: 2,
+        warmup: 0,
+        scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
+    };
+    broker_run(&workload, &plan).await;
+}
+
+/// RabbitMQ on the harness's broker (most of the time is its start): 2 × 2 ×
+/// 200 messages, no warm-up round.
+#[cfg(feature = "rabbitmq")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rabbitmq_consumer_against_its_raw_loop() {
+    use idempotency_bench::brokers::{rabbitmq::RabbitWorkload, store, BrokerPlan};
+    let server = idempotency_conformance::containers::rabbitmq()
+        .await
+        .unwrap();
+    let (repo, setup) = store("memory", None).await.unwrap();
+    let workload = RabbitWorkload::connect(server.url(), "memory", repo, &setup)
+        .await
+        .unwrap();
+    let plan = BrokerPlan {
+        messages: 200,
+        poll: 100,
+        rounds: 2,
+        warmup: 0,
+        scenarios: vec![Scenario::Fresh, Scenario::Duplicate],
+    };
+    broker_run(&workload, &plan).await;
+}
