@@ -169,7 +169,7 @@ async fn shutdown_lets_the_poll_under_way_finish_and_ack() {
     let consumer = consumer(manager(), &queue, &log).build().unwrap();
     let connection = connect(&broker.url).await;
     let (stop, stopped) = oneshot::channel::<()>();
-    let task = {
+    let mut task = {
         let (started, release) = (started.clone(), release.clone());
         tokio::spawn(async move {
             consumer
@@ -194,8 +194,10 @@ async fn shutdown_lets_the_poll_under_way_finish_and_ack() {
         .await
         .unwrap();
     drop(stop);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!task.is_finished(), "shutdown waits for the poll");
+    // A negative check: the run must not end while its poll's handler is
+    // held (50 ms is ample for a run that ignored the poll to return).
+    let early = tokio::time::timeout(Duration::from_millis(50), &mut task).await;
+    assert!(early.is_err(), "shutdown waits for the poll");
     release.notify_one();
     tokio::time::timeout(PATIENCE, task)
         .await
