@@ -217,16 +217,16 @@ impl Problem {
         let mut response = Response::new(IdempotencyBody::full(Bytes::new(), None));
         let headers = response.headers_mut();
         headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(GRPC_STATUS, HeaderValue::from(self.kind.grpc_code()));
-        let message = utf8_percent_encode(&self.detail, GRPC_MESSAGE_SET).to_string();
+        headers.insert(GRPC_STATUS, HeaderValue::from(self.kind().grpc_code()));
+        let message = utf8_percent_encode(self.detail(), GRPC_MESSAGE_SET).to_string();
         if let Ok(message) = HeaderValue::from_str(&message) {
             headers.insert(GRPC_MESSAGE, message);
         }
         headers.insert(
             IDEMPOTENCY_PROBLEM,
-            HeaderValue::from_static(self.kind.slug()),
+            HeaderValue::from_static(self.kind().slug()),
         );
-        if let Some(after) = self.retry_after {
+        if let Some(after) = self.retry_after() {
             headers.insert(
                 http::header::RETRY_AFTER,
                 HeaderValue::from(retry_after_secs(after)),
@@ -368,7 +368,7 @@ mod tests {
     #[test]
     fn problems_are_trailers_only_statuses_with_an_encoded_message() {
         let problem = Problem::new(ProblemKind::InProgress, "100% busy: «wait»\n")
-            .retry_after(Duration::from_millis(1500));
+            .with_retry_after(Duration::from_millis(1500));
         let response = problem.into_grpc_response::<http_body_util::Empty<Bytes>>();
         let h = response.headers();
         assert_eq!(response.status(), http::StatusCode::OK);

@@ -18,7 +18,7 @@ use crate::body::IdempotencyBody;
 use crate::fingerprint::RequestFingerprint;
 use crate::grpc::{Dialect, GrpcStatusFilter};
 use crate::key::{caller_from_header, CallerFn, DEFAULT_MAX_KEY_LENGTH};
-use crate::problem::{Problem, DEFAULT_PROBLEM_TYPE_BASE};
+use crate::problem::{Problem, ProblemResponder, DEFAULT_PROBLEM_TYPE_BASE};
 use crate::stored::RawBytesCodec;
 
 /// The default request header carrying the key.
@@ -185,7 +185,9 @@ pub(crate) struct Settings {
     /// The final gRPC statuses stored (gRPC layers only).
     pub(crate) grpc_store_if: GrpcStatusFilter,
     pub(crate) stored_headers: HeaderSelection,
-    pub(crate) problem_type_base: String,
+    pub(crate) problem_type_base: Arc<str>,
+    /// The API's own answers to problems (HTTP only; problem+json without).
+    pub(crate) problem_responder: Option<ProblemResponder>,
     pub(crate) outage_retry_after: Duration,
     pub(crate) in_progress_retry_after: Duration,
     pub(crate) dialect: Dialect,
@@ -210,6 +212,7 @@ impl fmt::Debug for Settings {
             .field("store_limit", &self.store_limit)
             .field("stored_headers", &self.stored_headers)
             .field("problem_type_base", &self.problem_type_base)
+            .field("problem_responder", &self.problem_responder.is_some())
             .field("outage_retry_after", &self.outage_retry_after)
             .field("in_progress_retry_after", &self.in_progress_retry_after)
             .field("dialect", &self.dialect)
@@ -283,9 +286,12 @@ impl Settings {
         kept
     }
 
+    /// The answer to a problem: the responder's or a problem document in
+    /// HTTP, a trailers-only status in gRPC.
     pub(crate) fn problem<B>(&self, problem: Problem) -> Response<IdempotencyBody<B>> {
+        let problem = problem.with_type_base(self.problem_type_base.clone());
         match self.dialect {
-            Dialect::Http => problem.into_response(&self.problem_type_base),
+            Dialect::Http => problem.into_response(self.problem_responder.as_ref()),
             Dialect::Grpc => problem.into_grpc_response(),
         }
     }
@@ -365,7 +371,7 @@ impl IdempotencyLayer {
         } else {
             tracing::warn!(
                 "the manager's cache_results is off: no response can be replayed, every \
-                 duplicate will get 409 response-not-retained"
+                 duplicate will get 410 response-not-retained"
             );
             0
         };
@@ -391,7 +397,8 @@ impl IdempotencyLayer {
                     is_stored_by_default(head.status)
                 }),
                 stored_headers: HeaderSelection::default(),
-                problem_type_base: DEFAULT_PROBLEM_TYPE_BASE.to_owned(),
+                problem_type_base: Arc::from(DEFAULT_PROBLEM_TYPE_BASE),
+                problem_responder: None,
                 outage_retry_after: Duration::from_secs(1),
                 in_progress_retry_after: Duration::from_secs(1),
                 dialect: Dialect::Http,
@@ -605,7 +612,7 @@ impl IdempotencyLayer {
     /// The largest response body stored for replays (default 1 MiB; the
     /// manager's `max_result_size_bytes` and the store's limit apply too). A
     /// larger body is streamed to the first client as it comes, the key is
-    /// completed without it, and later requests with the key get `409`
+    /// completed without it, and later requests with the key get `410`
     /// [`ResponseNotRetained`](crate::ProblemKind::ResponseNotRetained): the
     /// handler still runs once.
     pub fn max_cached_body(self, max: usize) -> Self {
@@ -670,8 +677,64 @@ impl IdempotencyLayer {
     /// [`DEFAULT_PROBLEM_TYPE_BASE`]); the [`ProblemKind::slug`](crate::ProblemKind::slug)
     /// is appended.
     pub fn problem_type_base(self, base: impl Into<String>) -> Self {
-        let base = base.into();
+        let base: Arc<str> = Arc::from(base.into());
         self.edit(|s| s.problem_type_base = base)
+    }
+
+    /// Answers the layer's own problems in the API's error format instead of
+    /// `application/problem+json` (the default, [`Problem::to_problem_json`]).
+    /// The responder gets every [`Problem`] the layer answers over HTTP
+    /// (every [`ProblemKind`](crate::ProblemKind)), with the status and the
+    /// retry hint the layer decided, and returns the whole response; it may
+    /// fall back to [`Problem::to_problem_json`] for kinds it leaves alone.
+    ///
+    /// The response is sent as returned, with two additions when it lacks
+    /// them: `Retry-After` (the layer's, in whole seconds) for the kinds that
+    /// carry one ([`InProgress`](crate::ProblemKind::InProgress),
+    /// [`StoreUnavailable`](crate::ProblemKind::StoreUnavailable)), so
+    /// retrying clients keep their hint, and `Cache-Control: no-store`. Keep
+    /// the [status](Problem::status): clients decide on it whether to retry
+    /// (`409` and `503` do, `410` and `422` do not).
+    ///
+    /// gRPC layers ([`grpc`](Self::grpc)) ignore it: their answers are gRPC
+    /// statuses, with the detail in `grpc-message` and the kind in the
+    /// `idempotency-problem` trailer, the form gRPC clients read.
+    ///
+    /// Stripe's error format:
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use bytes::Bytes;
+    /// use http::header::{HeaderValue, CONTENT_TYPE};
+    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_http::{IdempotencyLayer, Problem, ProblemKind};
+    ///
+    /// fn stripe_error(problem: &Problem) -> http::Response<Bytes> {
+    ///     let kind = match problem.kind() {
+    ///         ProblemKind::InProgress | ProblemKind::KeyReused => "idempotency_error",
+    ///         ProblemKind::StoreUnavailable | ProblemKind::StoreError
+    ///         | ProblemKind::StoredResponseUnreadable => "api_error",
+    ///         _ => "invalid_request_error",
+    ///     };
+    ///     let body = serde_json::json!({
+    ///         "error": { "type": kind, "code": problem.kind().slug(), "message": problem.detail() }
+    ///     });
+    ///     let mut response = http::Response::new(Bytes::from(body.to_string()));
+    ///     *response.status_mut() = problem.status();
+    ///     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    ///     response // Retry-After is added for in-progress and store-unavailable
+    /// }
+    ///
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let layer = IdempotencyLayer::new(manager).problem_responder(stripe_error);
+    /// # let _ = layer;
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn problem_responder(
+        self,
+        f: impl Fn(&Problem) -> Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|s| s.problem_responder = Some(Arc::new(f)))
     }
 
     /// The `Retry-After` of the `503` answered during a store outage with a

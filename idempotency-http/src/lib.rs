@@ -69,7 +69,7 @@
 //! | no key on a route that requires one | `400` | no |
 //! | key empty, over 255 bytes, bad characters, repeated header | `400` | no |
 //! | body over [`max_request_body`](IdempotencyLayer::max_request_body) (when fingerprinted) | `413` | no |
-//! | retry after a response whose body exceeded the cache cap | `409` (`response-not-retained`, with `original_status`) | no |
+//! | retry after a response whose body exceeded the cache cap | `410 Gone` (`response-not-retained`, with `original_status`; no `Retry-After`: retrying never helps) | no |
 //! | retry after a `5xx` (or `408`, `425`, `429`) | the handler's new response | yes, again |
 //! | store unreachable, fail-closed manager (default) | `503` + `Retry-After` | no |
 //! | store unreachable, fail-open manager | the handler's response, unprotected | yes |
@@ -130,7 +130,7 @@
 //!   larger one, or one still coming shortly before the lease ends (with lease
 //!   extension on, each extension confirmed moves that deadline), streams through to
 //!   the first client, the key completes without it, and retries get
-//!   `409 response-not-retained`, so the handler still runs once. So does a
+//!   `410 response-not-retained`, so the handler still runs once. So does a
 //!   server-sent event stream (`text/event-stream`), streamed through at once
 //!   rather than held back until it ends (it may never end). Responses that are not stored release the key, and so does
 //!   a `4xx` to a request whose body failed while the inner service read it
@@ -143,7 +143,7 @@
 //!   make them look whole, so its transport reports the cut. One gap: a
 //!   response that had already streamed past the cap was recorded as not
 //!   retained when it passed it, so an upload it proxies that fails later
-//!   does not release the key (the full retry gets `409` too); under
+//!   does not release the key (the full retry gets `410` too); under
 //!   `MethodPath`, keep streamed uploads' responses below the cap, or let the
 //!   client use a new key after a cut upload.
 //!
@@ -212,9 +212,11 @@
 #[cfg(feature = "actix")]
 #[cfg_attr(docsrs, doc(cfg(feature = "actix")))]
 pub mod actix;
+mod answers;
 mod body;
 mod fingerprint;
 pub mod grpc;
+mod in_progress;
 mod key;
 mod layer;
 mod problem;
@@ -226,10 +228,11 @@ pub use fingerprint::{FingerprintFn, RequestFingerprint};
 /// The `http` crate (1.x) the layer's types come from: actix-web users, whose
 /// framework uses `http` 0.2, name headers for the layer with it.
 pub use http;
+pub use in_progress::MIN_IN_PROGRESS_RETRY;
 pub use key::{caller_from_header, record_id, CallerFn, KeyError, DEFAULT_MAX_KEY_LENGTH};
 pub use layer::{
     is_stored_by_default, HeaderSelection, Idempotency, IdempotencyLayer, KeyValidator, Protection,
     RouteFn, StorePredicate, DEFAULT_MAX_CACHED_BODY, DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY,
     IDEMPOTENCY_REPLAYED,
 };
-pub use problem::{ProblemKind, DEFAULT_PROBLEM_TYPE_BASE};
+pub use problem::{Problem, ProblemKind, ProblemResponder, DEFAULT_PROBLEM_TYPE_BASE};

@@ -1,5 +1,6 @@
 //! `application/problem+json` answers (RFC 9457) of the layer itself.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -34,10 +35,12 @@ pub enum ProblemKind {
     UnreadableBody,
     /// `409` with `Retry-After`: a request with this key is being processed.
     InProgress,
-    /// `409`: the key's request was processed, but its response was not stored
-    /// (its body exceeded the cache cap, or the store could not hold it), so it
-    /// cannot be replayed. The problem carries the original `original_status`
-    /// where known. Retrying does not help: use a new key.
+    /// `410 Gone`: the key's request was processed, but its response was not
+    /// stored (its body exceeded the cache cap, or the store could not hold
+    /// it), so it cannot be replayed — permanently: no `Retry-After`, and a
+    /// client that retries on `409` must not retry this. The problem carries
+    /// the original `original_status` where known. Use a new key for a new
+    /// request.
     ResponseNotRetained,
     /// `413`: the body is larger than the layer reads to fingerprint it.
     BodyTooLarge,
@@ -61,7 +64,8 @@ impl ProblemKind {
             ProblemKind::MissingKey | ProblemKind::InvalidKey | ProblemKind::UnreadableBody => {
                 StatusCode::BAD_REQUEST
             }
-            ProblemKind::InProgress | ProblemKind::ResponseNotRetained => StatusCode::CONFLICT,
+            ProblemKind::InProgress => StatusCode::CONFLICT,
+            ProblemKind::ResponseNotRetained => StatusCode::GONE,
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::StoredResponseUnreadable | ProblemKind::StoreError => {
@@ -118,13 +122,30 @@ struct ProblemBody<'a> {
     original_status: Option<u16>,
 }
 
-/// One answer: a kind, a detail, and optional extras.
+/// One answer of the layer itself, as a [problem responder](ProblemResponder)
+/// sees it: what happened ([`kind`](Self::kind)), the status and the
+/// `Retry-After` the layer chose, a human-readable [`detail`](Self::detail),
+/// and the first response's status where the answer concerns it.
+///
+/// ```
+/// use http::StatusCode;
+/// use idempotency_http::{Problem, ProblemKind};
+///
+/// fn describe(problem: &Problem) -> String {
+///     match (problem.kind(), problem.retry_after_secs()) {
+///         (ProblemKind::InProgress, Some(secs)) => format!("busy, retry in {secs} s"),
+///         (kind, _) => format!("{} ({})", kind.slug(), problem.status()),
+///     }
+/// }
+/// # let _ = describe;
+/// ```
 #[derive(Debug, Clone)]
-pub(crate) struct Problem {
-    pub(crate) kind: ProblemKind,
-    pub(crate) detail: String,
-    pub(crate) retry_after: Option<Duration>,
-    pub(crate) original_status: Option<StatusCode>,
+pub struct Problem {
+    kind: ProblemKind,
+    detail: String,
+    retry_after: Option<Duration>,
+    original_status: Option<StatusCode>,
+    type_base: Arc<str>,
 }
 
 impl Problem {
@@ -134,23 +155,77 @@ impl Problem {
             detail: detail.into(),
             retry_after: None,
             original_status: None,
+            type_base: Arc::from(DEFAULT_PROBLEM_TYPE_BASE),
         }
     }
 
-    pub(crate) fn retry_after(mut self, after: Duration) -> Self {
+    pub(crate) fn with_retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
         self
     }
 
-    pub(crate) fn original_status(mut self, status: StatusCode) -> Self {
+    pub(crate) fn with_original_status(mut self, status: StatusCode) -> Self {
         self.original_status = Some(status);
         self
     }
 
-    pub(crate) fn into_response<B>(self, type_base: &str) -> Response<IdempotencyBody<B>> {
-        let status = self.kind.status();
+    pub(crate) fn with_type_base(mut self, base: Arc<str>) -> Self {
+        self.type_base = base;
+        self
+    }
+
+    /// What the answer is about.
+    pub fn kind(&self) -> ProblemKind {
+        self.kind
+    }
+
+    /// The HTTP status the layer answers with ([`ProblemKind::status`]).
+    pub fn status(&self) -> StatusCode {
+        self.kind.status()
+    }
+
+    /// When to retry, for the kinds that carry it
+    /// ([`InProgress`](ProblemKind::InProgress),
+    /// [`StoreUnavailable`](ProblemKind::StoreUnavailable)); `None` for the
+    /// others, which a retry with the same key does not fix.
+    pub fn retry_after(&self) -> Option<Duration> {
+        self.retry_after
+    }
+
+    /// [`retry_after`](Self::retry_after) in whole seconds, rounded up and
+    /// at least 1: the `Retry-After` header's value.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after.map(retry_after_secs)
+    }
+
+    /// A sentence for the client (no internals: store errors are logged, not
+    /// echoed).
+    pub fn detail(&self) -> &str {
+        &self.detail
+    }
+
+    /// The status of the first response to the key, for
+    /// [`ResponseNotRetained`](ProblemKind::ResponseNotRetained) when known.
+    pub fn original_status(&self) -> Option<StatusCode> {
+        self.original_status
+    }
+
+    /// The problem's `type` URI: the layer's
+    /// [`problem_type_base`](crate::IdempotencyLayer::problem_type_base)
+    /// followed by the [`slug`](ProblemKind::slug).
+    pub fn type_uri(&self) -> String {
+        format!("{}{}", self.type_base, self.kind.slug())
+    }
+
+    /// The layer's default answer: an `application/problem+json` document
+    /// (RFC 9457) with `type`, `title`, `status`, `detail` and, where known,
+    /// `original_status`; `Cache-Control: no-store` and, for the kinds that
+    /// carry it, `Retry-After`. A responder can fall back to it for the kinds
+    /// it leaves alone.
+    pub fn to_problem_json(&self) -> Response<Bytes> {
+        let status = self.status();
         let body = ProblemBody {
-            kind: format!("{type_base}{}", self.kind.slug()),
+            kind: self.type_uri(),
             title: self.kind.title(),
             status: status.as_u16(),
             detail: &self.detail,
@@ -159,20 +234,45 @@ impl Problem {
         // Serializing these plain fields cannot fail; an empty body would
         // still carry the status.
         let bytes = serde_json::to_vec(&body).unwrap_or_default();
-        let mut response = Response::new(IdempotencyBody::full(Bytes::from(bytes), None));
+        let mut response = Response::new(Bytes::from(bytes));
         *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(
+        response.headers_mut().insert(
             CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),
         );
-        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(after) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(retry_after_secs(after)));
+        self.complete(response)
+    }
+
+    /// Adds what every answer of the kind must carry when the response lacks
+    /// it: `Retry-After` (for the kinds with a [`retry_after`](Self::retry_after))
+    /// and `Cache-Control: no-store`. Headers already set are kept.
+    fn complete(&self, mut response: Response<Bytes>) -> Response<Bytes> {
+        let headers = response.headers_mut();
+        if let (Some(secs), false) = (self.retry_after_secs(), headers.contains_key(RETRY_AFTER)) {
+            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
+        if !headers.contains_key(CACHE_CONTROL) {
+            headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         }
         response
     }
+
+    /// The HTTP answer: the responder's, or the problem document.
+    pub(crate) fn into_response<B>(
+        self,
+        responder: Option<&ProblemResponder>,
+    ) -> Response<IdempotencyBody<B>> {
+        let response = match responder {
+            Some(respond) => self.complete(respond(&self)),
+            None => self.to_problem_json(),
+        };
+        response.map(|body| IdempotencyBody::full(body, None))
+    }
 }
+
+/// Makes the HTTP answer to a [`Problem`] in the API's own error format
+/// ([`IdempotencyLayer::problem_responder`](crate::IdempotencyLayer::problem_responder)).
+pub type ProblemResponder = Arc<dyn Fn(&Problem) -> Response<Bytes> + Send + Sync>;
 
 /// Whole seconds for `Retry-After`, rounded up, at least 1.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
@@ -193,8 +293,9 @@ mod tests {
     fn renders_rfc9457_with_retry_after() {
         let response: Response<IdempotencyBody<Full<Bytes>>> =
             Problem::new(ProblemKind::InProgress, "held")
-                .retry_after(Duration::from_millis(1500))
-                .into_response("urn:x:");
+                .with_retry_after(Duration::from_millis(1500))
+                .with_type_base(Arc::from("urn:x:"))
+                .into_response(None);
         assert_eq!(response.status(), StatusCode::CONFLICT);
         assert_eq!(response.headers()[CONTENT_TYPE], "application/problem+json");
         assert_eq!(response.headers()[RETRY_AFTER], "2");
@@ -240,10 +341,65 @@ mod tests {
             StoreError,
             StoreUnavailable,
         ];
+        let statuses: Vec<u16> = all.iter().map(|k| k.status().as_u16()).collect();
+        assert_eq!(statuses, [400, 400, 400, 409, 410, 413, 422, 500, 500, 503]);
         let slugs: std::collections::HashSet<_> = all.iter().map(|k| k.slug()).collect();
         assert_eq!(slugs.len(), all.len());
         assert!(all
             .iter()
             .all(|k| k.status().is_client_error() || k.status().is_server_error()));
+    }
+
+    fn custom(problem: &Problem) -> Response<Bytes> {
+        let body = format!(r#"{{"error":{{"type":"{}"}}}}"#, problem.kind().slug());
+        let mut response = Response::new(Bytes::from(body));
+        *response.status_mut() = problem.status();
+        response
+    }
+
+    #[test]
+    fn a_responder_gets_the_decided_status_and_retry_after_is_added() {
+        let responder: ProblemResponder = Arc::new(custom);
+        let busy = Problem::new(ProblemKind::InProgress, "held")
+            .with_retry_after(Duration::from_millis(2500));
+        assert_eq!(busy.retry_after_secs(), Some(3));
+        let response: Response<IdempotencyBody<Full<Bytes>>> = busy.into_response(Some(&responder));
+        assert_eq!(response.status(), StatusCode::CONFLICT);
+        assert_eq!(
+            response.headers()[RETRY_AFTER],
+            "3",
+            "added: omitted by the responder"
+        );
+        assert_eq!(response.headers()[CACHE_CONTROL], "no-store");
+        assert!(
+            response.headers().get(CONTENT_TYPE).is_none(),
+            "the responder's own"
+        );
+
+        // A responder's own Retry-After and Cache-Control are kept.
+        let own: ProblemResponder = Arc::new(|problem: &Problem| {
+            let mut response = custom(problem);
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("7"));
+            response
+                .headers_mut()
+                .insert(CACHE_CONTROL, HeaderValue::from_static("private"));
+            response
+        });
+        let response: Response<IdempotencyBody<Full<Bytes>>> =
+            Problem::new(ProblemKind::StoreUnavailable, "down")
+                .with_retry_after(Duration::from_secs(1))
+                .into_response(Some(&own));
+        assert_eq!(response.headers()[RETRY_AFTER], "7");
+        assert_eq!(response.headers()[CACHE_CONTROL], "private");
+
+        // Kinds without a retry hint get none.
+        let gone: Response<IdempotencyBody<Full<Bytes>>> =
+            Problem::new(ProblemKind::ResponseNotRetained, "gone")
+                .with_original_status(StatusCode::CREATED)
+                .into_response(Some(&responder));
+        assert_eq!(gone.status(), StatusCode::GONE);
+        assert!(gone.headers().get(RETRY_AFTER).is_none());
     }
 }

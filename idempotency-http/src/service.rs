@@ -16,10 +16,11 @@ use http::request::Parts;
 use http::{Request, Response, StatusCode};
 use http_body::{Body, Frame};
 use idempotency_core::{
-    BoxError, Error, ExecuteError, ExecutionContext, HandlerError, IdempotencyManager, Outcome,
+    BoxError, ExecuteError, ExecutionContext, HandlerError, IdempotencyManager, Outcome,
 };
 use tower::Service;
 
+use crate::answers;
 use crate::body::{collect_up_to, collect_up_to_by, drain, Collected, IdempotencyBody};
 use crate::grpc::Dialect;
 use crate::key::{parse_key, record_id, KeyError};
@@ -238,18 +239,15 @@ where
             return pass_through(inner, parts, body).await;
         }
         Ok(None) => {
-            let detail = format!(
-                "{} {route} requires an {} header with a unique key per request",
-                parts.method, settings.header
-            );
-            return Ok(settings.problem(Problem::new(ProblemKind::MissingKey, detail)));
+            let problem = answers::missing_key(settings, &parts.method, &route);
+            return Ok(settings.problem(problem));
         }
-        Err(e) => return Ok(settings.problem(Problem::new(ProblemKind::InvalidKey, e.to_string()))),
+        Err(e) => return Ok(settings.problem(answers::invalid_key(settings, &e))),
     };
     if let Some(validate) = &settings.key_validator {
         if let Err(reason) = validate(&key) {
             let e = KeyError::Rejected(reason);
-            return Ok(settings.problem(Problem::new(ProblemKind::InvalidKey, e.to_string())));
+            return Ok(settings.problem(answers::invalid_key(settings, &e)));
         }
     }
     let caller = settings.caller_fn.as_ref().and_then(|f| f(&parts));
@@ -267,18 +265,13 @@ where
                 (IdempotencyBody::full(data, trailers), fingerprint)
             }
             Collected::Overflow { .. } => {
-                let detail = format!(
-                    "requests with an {} may carry at most {} bytes of body",
-                    settings.header, settings.max_request_body
-                );
-                return Ok(settings.problem(Problem::new(ProblemKind::BodyTooLarge, detail)));
+                return Ok(settings.problem(answers::body_too_large(settings)));
             }
             Collected::Failed { error, .. } => {
                 // The transport's own words stay in the log: they may name
                 // internals (addresses, limits) a client has no use for.
                 tracing::debug!(route = %route, error = %error, "reading the request body failed");
-                let detail = "reading the request body failed before its end; send it again";
-                return Ok(settings.problem(Problem::new(ProblemKind::UnreadableBody, detail)));
+                return Ok(settings.problem(answers::unreadable_body(settings)));
             }
         }
     } else {
@@ -299,12 +292,14 @@ where
         request_failed,
         slot: slot.clone(),
     };
-    let outcome = D::execute(settings.manager.clone(), id, fingerprint, job).await;
+    let outcome = D::execute(settings.manager.clone(), id.clone(), fingerprint, job).await;
     let mut produced = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
 
     match outcome {
         Ok(Outcome::Cached(stored)) => Ok(replay(settings, stored)),
-        Ok(Outcome::Duplicate) => Ok(settings.problem(not_retained(None))),
+        Ok(Outcome::Duplicate) => {
+            Ok(settings.problem(answers::not_retained(settings.dialect, None)))
+        }
         Ok(outcome) => {
             match &outcome {
                 Outcome::LeaseLost(_) => tracing::warn!(
@@ -327,10 +322,7 @@ where
             match (produced.take(), outcome.into_value()) {
                 (Some(response), _) => Ok(response),
                 (None, Some(stored)) => Ok(first_response(stored)),
-                (None, None) => Ok(settings.problem(Problem::new(
-                    ProblemKind::StoreError,
-                    "the request ran but produced no response",
-                ))),
+                (None, None) => Ok(settings.problem(answers::no_response(settings))),
             }
         }
         Err(ExecuteError::Handler(Failure::Service(e))) => {
@@ -348,7 +340,10 @@ where
                 Ok(settings.problem(Problem::new(ProblemKind::StoreError, failure.to_string())))
             }
         },
-        Err(ExecuteError::Idempotency(e)) => Ok(settings.problem(problem_for(settings, &route, e))),
+        Err(ExecuteError::Idempotency(e)) => {
+            let problem = answers::problem_for(settings, &route, &id, e).await;
+            Ok(settings.problem(problem))
+        }
     }
 }
 
@@ -583,26 +578,6 @@ fn body_failed<B, E>(
     Ok(StoredResponse::not_retained(status, None))
 }
 
-/// The answer to a retry whose first response was not kept; `outcome` names
-/// it in the dialect (`status 201`, `grpc-status 0`) when known.
-fn not_retained(outcome: Option<(StatusCode, String)>) -> Problem {
-    let detail = match &outcome {
-        Some((_, outcome)) => format!(
-            "a request with this key was processed ({outcome}), but its response was not kept \
-             (too large, too slow or broken while read) and cannot be replayed; send a new \
-             request with a new key"
-        ),
-        None => "a request with this key was processed, but its response was not kept and \
-                 cannot be replayed; send a new request with a new key"
-            .to_owned(),
-    };
-    let problem = Problem::new(ProblemKind::ResponseNotRetained, detail);
-    match outcome {
-        Some((status, _)) => problem.original_status(status),
-        None => problem,
-    }
-}
-
 fn replay<B>(settings: &Settings, stored: StoredResponse) -> Response<IdempotencyBody<B>> {
     let StoredResponse {
         status,
@@ -614,7 +589,10 @@ fn replay<B>(settings: &Settings, stored: StoredResponse) -> Response<Idempotenc
         let outcome = settings
             .dialect
             .outcome(status, &headers, trailers.as_ref());
-        return settings.problem(not_retained(Some((status, outcome))));
+        return settings.problem(answers::not_retained(
+            settings.dialect,
+            Some((status, outcome)),
+        ));
     };
     let mut response = Response::new(IdempotencyBody::full(body, trailers));
     *response.status_mut() = status;
@@ -636,52 +614,4 @@ fn first_response<B>(stored: StoredResponse) -> Response<IdempotencyBody<B>> {
     *response.status_mut() = stored.status;
     *response.headers_mut() = stored.headers;
     response
-}
-
-fn problem_for(settings: &Settings, route: &str, error: Error) -> Problem {
-    match error {
-        Error::InProgress { retry_after, .. } => Problem::new(
-            ProblemKind::InProgress,
-            "a request with this key is being processed; retry after the time in Retry-After",
-        )
-        .retry_after(retry_after.min(settings.in_progress_retry_after)),
-        Error::PayloadMismatch { .. } => Problem::new(
-            ProblemKind::KeyReused,
-            "this key was used before with a different request; use a new key for a new request",
-        ),
-        // The layer never stores a failure (every failure releases the key):
-        // something else sharing the manager's namespace stored this one.
-        Error::PreviouslyFailed { .. } => {
-            tracing::warn!(route = %route, "a failure stored under this key by another writer");
-            Problem::new(
-                ProblemKind::StoreError,
-                "an earlier attempt with this key failed and its failure is stored; it is not \
-                 run again: use a new key",
-            )
-        }
-        e @ (Error::Codec { .. } | Error::Corrupt { .. }) => {
-            tracing::error!(route = %route, error = %e, "a stored response could not be read back");
-            Problem::new(
-                ProblemKind::StoredResponseUnreadable,
-                "the stored response to this key could not be read back",
-            )
-        }
-        e if e.is_store_outage() => {
-            tracing::error!(route = %route, error = %e, "idempotency store unavailable (fail-closed)");
-            Problem::new(
-                ProblemKind::StoreUnavailable,
-                "the idempotency store is unavailable; the request was not processed",
-            )
-            .retry_after(settings.outage_retry_after)
-        }
-        // Includes `InvalidKey`: the layer validated the key, so only the
-        // manager's namespace (configuration) can be at fault.
-        e => {
-            tracing::error!(route = %route, error = %e, "idempotency store error");
-            Problem::new(
-                ProblemKind::StoreError,
-                "the idempotency store failed; the request was not processed",
-            )
-        }
-    }
 }

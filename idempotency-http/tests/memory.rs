@@ -132,7 +132,7 @@ async fn store_limit_caps_the_cached_body() {
     assert_eq!(first.body.len(), 8192);
     app.send(post(uri, Some("k"), ""))
         .await
-        .assert_problem(StatusCode::CONFLICT, "response-not-retained");
+        .assert_problem(StatusCode::GONE, "response-not-retained");
     // Small responses still fit.
     let small = "/big?size=1000";
     assert!(!app.send(post(small, Some("s"), "")).await.replayed());
@@ -141,7 +141,7 @@ async fn store_limit_caps_the_cached_body() {
 }
 
 /// With the manager's result caching off nothing can be replayed: duplicates
-/// are refused (`409 response-not-retained`), never run twice.
+/// are refused (`410 response-not-retained`), never run twice.
 #[tokio::test]
 async fn caching_off_refuses_duplicates_without_running_them() {
     let app = TestApp::with(
@@ -159,7 +159,7 @@ async fn caching_off_refuses_duplicates_without_running_them() {
         StatusCode::CREATED
     );
     let retry = app.send(post("/orders", Some("k"), "a")).await;
-    let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    let problem = retry.assert_problem(StatusCode::GONE, "response-not-retained");
     // Nothing at all is stored, not even the status.
     assert!(problem.get("original_status").is_none(), "{problem}");
     assert_eq!(app.runs("orders"), 1);
@@ -280,7 +280,7 @@ impl idempotency_core::Clock for TokioClock {
 /// retry take the key over and run the handler again. The layer stops reading
 /// a tenth of the processing timeout before the lease ends: the body streams
 /// through to its client, the key is kept as not retained, and a retry while
-/// the body still comes (or after) gets `409`, never a second run. With lease
+/// the body still comes (or after) gets `410`, never a second run. With lease
 /// extension on, the lease moves and the layer reads on: the retry meanwhile
 /// is told the key is in progress, and the whole body is stored and replayed.
 #[tokio::test(start_paused = true)]
@@ -311,7 +311,7 @@ async fn a_response_body_slower_than_the_lease_never_runs_twice() {
         tokio::time::sleep(std::time::Duration::from_secs(60)).await;
         let retry = app.send(post("/slow-body?secs=120", Some("k"), "")).await;
         match extension {
-            None => retry.assert_problem(StatusCode::CONFLICT, "response-not-retained"),
+            None => retry.assert_problem(StatusCode::GONE, "response-not-retained"),
             Some(_) => retry.assert_problem(StatusCode::CONFLICT, "in-progress"),
         };
         let first = first.await.unwrap();
@@ -320,7 +320,7 @@ async fn a_response_body_slower_than_the_lease_never_runs_twice() {
         let after = app.send(post("/slow-body?secs=120", Some("k"), "")).await;
         match extension {
             None => {
-                after.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+                after.assert_problem(StatusCode::GONE, "response-not-retained");
             }
             Some(_) => {
                 assert!(after.replayed(), "kept while the lease was extended");

@@ -798,7 +798,7 @@ pub async fn invalid_keys_are_400(repo: SharedRepository) {
 }
 
 /// A streamed response over the cap reaches the first client whole, is not
-/// cached, and retries get `409 response-not-retained` (with the original
+/// cached, and retries get `410 response-not-retained` (with the original
 /// status) instead of a second run. A body exactly at the cap is cached.
 pub async fn oversized_response_passes_through_uncached(repo: SharedRepository) {
     let app = TestApp::new(repo);
@@ -811,7 +811,7 @@ pub async fn oversized_response_passes_through_uncached(repo: SharedRepository) 
     assert_eq!(first.body.as_ref(), big_body(size).as_slice());
 
     let retry = app.send(post(&uri, Some("big"), "")).await;
-    let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+    let problem = retry.assert_problem(StatusCode::GONE, "response-not-retained");
     assert_eq!(problem["original_status"], 200);
     assert!(retry.headers.get("retry-after").is_none());
     assert_eq!(app.runs("big"), 1, "the handler ran once anyway");
@@ -1135,7 +1135,7 @@ pub async fn failing_response_body_is_kept_not_retained(repo: SharedRepository) 
 async fn refused_as_not_retained(app: &TestApp, path: &str, key: &str, runs: &'static str) {
     for _ in 0..2 {
         let retry = app.send(post(path, Some(key), "")).await;
-        let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+        let problem = retry.assert_problem(StatusCode::GONE, "response-not-retained");
         assert_eq!(problem["original_status"], 200);
         assert_eq!(app.runs(runs), 1, "the handler is not run again");
     }
@@ -1239,7 +1239,7 @@ pub async fn event_streams_flow_through_and_are_not_retained(repo: SharedReposit
     drop(body);
     for _ in 0..2 {
         let retry = app.send(post("/events", Some("ev"), "")).await;
-        let problem = retry.assert_problem(StatusCode::CONFLICT, "response-not-retained");
+        let problem = retry.assert_problem(StatusCode::GONE, "response-not-retained");
         assert_eq!(problem["original_status"], 200);
     }
     assert_eq!(app.runs("events"), 1, "the handler ran once");
