@@ -264,3 +264,49 @@ async fn without_a_fingerprint_another_resource_is_its_own_request() {
     );
     assert_eq!(runs.load(Ordering::SeqCst), 3);
 }
+
+/// The problem responder and the replay marker's name work the same in
+/// actix: a Stripe-style body with the layer's status, and
+/// `Idempotent-Replayed` on replays.
+#[actix_web::test]
+async fn custom_problem_answers_and_replay_marker() {
+    let runs = Arc::new(AtomicUsize::new(0));
+    let layer = IdempotencyLayer::new(manager())
+        .replayed_header(idempotency_http::http::HeaderName::from_static(
+            "idempotent-replayed",
+        ))
+        .problem_responder(|problem| {
+            let body = format!(
+                r#"{{"error":{{"type":"invalid_request_error","code":"{}"}}}}"#,
+                problem.kind().slug()
+            );
+            let mut response = idempotency_http::http::Response::new(bytes::Bytes::from(body));
+            *response.status_mut() = problem.status();
+            response
+        });
+    let app = app(layer, runs.clone()).await;
+
+    let missing =
+        test::call_service(&app, test::TestRequest::post().uri("/orders").to_request()).await;
+    assert_eq!(missing.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(missing.headers().get("cache-control").unwrap(), "no-store");
+    let body = test::read_body(missing).await;
+    assert_eq!(
+        body,
+        r#"{"error":{"type":"invalid_request_error","code":"missing-key"}}"#
+    );
+
+    let request = || {
+        test::TestRequest::post()
+            .uri("/orders")
+            .insert_header(("idempotency-key", "k"))
+            .to_request()
+    };
+    let first = test::call_service(&app, request()).await;
+    assert!(!first.headers().contains_key("idempotent-replayed"));
+    let retry = test::call_service(&app, request()).await;
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    assert!(!retry.headers().contains_key("idempotency-replayed"));
+    assert_eq!(test::read_body(retry).await, "run 1");
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+}
