@@ -21,6 +21,18 @@
 //! | store unreachable (fail-closed) | `UNAVAILABLE`, with `retry-after` | `store-unavailable` |
 //! | store failure, unreadable record | `INTERNAL` | `store-error`, `stored-response-unreadable` |
 //!
+//! The `grpc-message` speaks of calls, metadata and answers
+//! (``/shop.Orders/Create requires `idempotency-key` metadata with a unique
+//! key per call``). The in-progress pushback is the time the running call has
+//! left as well as the layer can tell (see
+//! [`in_progress_retry_after`](crate::IdempotencyLayer::in_progress_retry_after)),
+//! in milliseconds, and `retry-after` the same in whole seconds, rounded up:
+//! a client whose retry policy honours `grpc-retry-pushback-ms` (gRPC's retry
+//! design lets it override the backoff) comes back when the call should be
+//! done rather than spending its few attempts at once. A layer's
+//! [`problem_responder`](crate::IdempotencyLayer::problem_responder) does not
+//! apply: gRPC clients read the status and message from trailers.
+//!
 //! Stored answers: `OK` and the deterministic client errors `INVALID_ARGUMENT`,
 //! `FAILED_PRECONDITION` and `OUT_OF_RANGE` (the same request fails the same
 //! way again). Every other status (`UNAVAILABLE`, `INTERNAL`, `UNAUTHENTICATED`,

@@ -463,7 +463,20 @@ impl IdempotencyLayer {
     }
 
     /// The response header set to `true` on replays (default
-    /// [`IDEMPOTENCY_REPLAYED`]).
+    /// [`IDEMPOTENCY_REPLAYED`], `Idempotency-Replayed`; Stripe's clients read
+    /// `Idempotent-Replayed`). A header of that name in a handler's response
+    /// is never stored.
+    ///
+    /// ```
+    /// # use std::sync::Arc;
+    /// # use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// # use idempotency_http::IdempotencyLayer;
+    /// # let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let layer = IdempotencyLayer::new(manager)
+    ///     .replayed_header(http::HeaderName::from_static("idempotent-replayed"));
+    /// # let _ = layer;
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
     pub fn replayed_header(self, name: HeaderName) -> Self {
         self.edit(|s| s.replayed_header = name)
     }
@@ -743,10 +756,15 @@ impl IdempotencyLayer {
         self.edit(|s| s.outage_retry_after = after)
     }
 
-    /// The longest `Retry-After` of the `409` answered while a request with the
-    /// key is in flight (default 1 s). The answer is the smaller of this and
-    /// the time until the holder's lease ends (after which a retry would take
-    /// the key over): HTTP handlers usually finish long before their lease.
+    /// The longest `Retry-After` of the `409` (gRPC: `ABORTED` with
+    /// `grpc-retry-pushback-ms`) answered while a request with the key is in
+    /// flight (default 1 s). The hint is the time the running request has
+    /// left, estimated from its record (one store read per such answer): a
+    /// typical execution of the manager minus the time it has run, or this
+    /// longest hint when it runs longer than usual or nothing is known yet;
+    /// never past the holder's lease (after which a retry would take the key
+    /// over), never below [`MIN_IN_PROGRESS_RETRY`](crate::MIN_IN_PROGRESS_RETRY)
+    /// (100 ms, or this if shorter).
     pub fn in_progress_retry_after(self, after: Duration) -> Self {
         self.edit(|s| s.in_progress_retry_after = after)
     }

@@ -63,7 +63,7 @@
 //! |---|---|---|
 //! | first request with a key | the handler's response | yes |
 //! | retry after a stored response | the stored status, headers (with the handler's sensitive marks, which keep HTTP/2 from indexing them) and body, plus `Idempotency-Replayed: true` | no |
-//! | retry while the first is in flight | `409` + `Retry-After` (or wait, with the manager's `InProgressPolicy::Wait`) | no |
+//! | retry while the first is in flight | `409` + `Retry-After`, the time the first has left as well as the layer can tell (or wait, with the manager's `InProgressPolicy::Wait`) | no |
 //! | same key, same route and method, different request (path, query string, body) | `422` | no |
 //! | same key on another route or method | a record of its own (the scope below): the handler's response | yes |
 //! | no key on a route that requires one | `400` | no |
@@ -78,6 +78,14 @@
 //!
 //! Every answer of the layer itself is `application/problem+json` (RFC 9457)
 //! with `type`, `title`, `status` and `detail`; [`ProblemKind`] lists them.
+//! An API with its own error format answers them itself with
+//! [`IdempotencyLayer::problem_responder`] (the layer still adds
+//! `Retry-After` where the kind carries one). The two answers a retrying
+//! client must tell apart have distinct statuses: in progress is `409
+//! Conflict` with `Retry-After` (the IETF draft's and Stripe's answer to a
+//! concurrent request: retrying after the hint gets the replay), a response
+//! that was not retained `410 Gone` without it (permanent: a client that
+//! retries `409` must not retry this key).
 //!
 //! # The model
 //!
