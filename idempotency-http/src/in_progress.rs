@@ -18,9 +18,10 @@
 //! - never past the holder's lease (a retry then may take over a crashed
 //!   holder), never beyond the longest hint, never below
 //!   [`MIN_IN_PROGRESS_RETRY`] (retrying sooner only spends attempts);
-//! - a record no longer in progress (done, or released for a retry) is worth
-//!   retrying at once: the floor; a record that cannot be read, the manager's
-//!   hint within those bounds.
+//! - a record no longer in progress (completed) is worth retrying at once:
+//!   the floor; a record that cannot be read or is not there (released, or
+//!   held by a transaction not yet committed), the manager's hint within
+//!   those bounds.
 
 use std::time::Duration;
 
@@ -41,9 +42,9 @@ pub(crate) enum Holder {
         elapsed: Duration,
         lease_left: Duration,
     },
-    /// No longer in progress: completed, failed or released (or gone).
+    /// No longer in progress: completed or failed.
     Done,
-    /// The record could not be read.
+    /// The record could not be read, or is not there.
     Unknown,
 }
 
@@ -59,7 +60,10 @@ impl Holder {
             Ok(Some(record)) if record.status == Status::Processing => {
                 Holder::running(&record, now, manager.config().clock_skew)
             }
-            Ok(_) => Holder::Done,
+            Ok(Some(_)) => Holder::Done,
+            // Released for a retry, or held by a transaction not yet
+            // committed (PostgreSQL), which the manager's hint accounts for.
+            Ok(None) => Holder::Unknown,
             Err(e) => {
                 tracing::debug!(error = %e, "reading an in-progress record for its retry hint failed");
                 Holder::Unknown

@@ -8,6 +8,7 @@ use http::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 
 use crate::body::IdempotencyBody;
+use crate::layer::IdempotencyLayer;
 
 /// The default base of problem `type` URIs: the crate README's section on
 /// problems, one anchor per [`ProblemKind::slug`].
@@ -273,6 +274,72 @@ impl Problem {
 /// Makes the HTTP answer to a [`Problem`] in the API's own error format
 /// ([`IdempotencyLayer::problem_responder`](crate::IdempotencyLayer::problem_responder)).
 pub type ProblemResponder = Arc<dyn Fn(&Problem) -> Response<Bytes> + Send + Sync>;
+
+impl IdempotencyLayer {
+    /// The base of the problem `type` URIs (default
+    /// [`DEFAULT_PROBLEM_TYPE_BASE`]); the [`ProblemKind::slug`](crate::ProblemKind::slug)
+    /// is appended.
+    pub fn problem_type_base(self, base: impl Into<String>) -> Self {
+        let base: Arc<str> = Arc::from(base.into());
+        self.edit(|s| s.problem_type_base = base)
+    }
+
+    /// Answers the layer's own problems in the API's error format instead of
+    /// `application/problem+json` (the default, [`Problem::to_problem_json`]).
+    /// The responder gets every [`Problem`] the layer answers over HTTP
+    /// (every [`ProblemKind`](crate::ProblemKind)), with the status and the
+    /// retry hint the layer decided, and returns the whole response; it may
+    /// fall back to [`Problem::to_problem_json`] for kinds it leaves alone.
+    ///
+    /// The response is sent as returned, with two additions when it lacks
+    /// them: `Retry-After` (the layer's, in whole seconds) for the kinds that
+    /// carry one ([`InProgress`](crate::ProblemKind::InProgress),
+    /// [`StoreUnavailable`](crate::ProblemKind::StoreUnavailable)), so
+    /// retrying clients keep their hint, and `Cache-Control: no-store`. Keep
+    /// the [status](Problem::status): clients decide on it whether to retry
+    /// (`409` and `503` do, `410` and `422` do not).
+    ///
+    /// gRPC layers ([`grpc`](Self::grpc)) ignore it: their answers are gRPC
+    /// statuses, with the detail in `grpc-message` and the kind in the
+    /// `idempotency-problem` trailer, the form gRPC clients read.
+    ///
+    /// Stripe's error format:
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use bytes::Bytes;
+    /// use http::header::{HeaderValue, CONTENT_TYPE};
+    /// use idempotency_core::{Config, IdempotencyManager, MemoryRepository};
+    /// use idempotency_http::{IdempotencyLayer, Problem, ProblemKind};
+    ///
+    /// fn stripe_error(problem: &Problem) -> http::Response<Bytes> {
+    ///     let kind = match problem.kind() {
+    ///         ProblemKind::InProgress | ProblemKind::KeyReused => "idempotency_error",
+    ///         ProblemKind::StoreUnavailable | ProblemKind::StoreError
+    ///         | ProblemKind::StoredResponseUnreadable => "api_error",
+    ///         _ => "invalid_request_error",
+    ///     };
+    ///     let body = serde_json::json!({
+    ///         "error": { "type": kind, "code": problem.kind().slug(), "message": problem.detail() }
+    ///     });
+    ///     let mut response = http::Response::new(Bytes::from(body.to_string()));
+    ///     *response.status_mut() = problem.status();
+    ///     response.headers_mut().insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    ///     response // Retry-After is added for in-progress and store-unavailable
+    /// }
+    ///
+    /// let manager = IdempotencyManager::new(Arc::new(MemoryRepository::new()), Config::default())?;
+    /// let layer = IdempotencyLayer::new(manager).problem_responder(stripe_error);
+    /// # let _ = layer;
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    pub fn problem_responder(
+        self,
+        f: impl Fn(&Problem) -> Response<Bytes> + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|s| s.problem_responder = Some(Arc::new(f)))
+    }
+}
 
 /// Whole seconds for `Retry-After`, rounded up, at least 1.
 pub(crate) fn retry_after_secs(after: Duration) -> u64 {
