@@ -384,3 +384,49 @@ async fn in_progress_and_missing_key_answers_speak_grpc() {
         "/shop.Orders/Create requires `idempotency-key` metadata with a unique key per call"
     );
 }
+
+/// With calls that typically take 800 ms, a duplicate 300 ms into a running
+/// one is pushed back by the 500 ms it has left (read from its record's
+/// start), not by a whole typical execution; its retry then gets the replay.
+#[tokio::test(start_paused = true)]
+async fn the_pushback_is_what_the_running_call_has_left() {
+    let orders = Orders::default();
+    let channel = start(orders.clone()).await;
+    let plain = client(channel);
+    let call = |key: &'static str| Call {
+        key,
+        order: CreateOrder {
+            item: "lamp".to_owned(),
+            delay_ms: 800,
+        },
+    };
+    for key in ["typical-1", "typical-2"] {
+        plain.clone().oneshot(call(key)).await.unwrap();
+    }
+
+    let started = orders.started.notified();
+    let first = tokio::spawn(plain.clone().oneshot(call("k")));
+    started.await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let busy = plain.clone().oneshot(call("k")).await.unwrap_err();
+    assert_eq!(busy.code(), Code::Aborted);
+    let pushback: u64 = busy
+        .metadata()
+        .get("grpc-retry-pushback-ms")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((490..=510).contains(&pushback), "{pushback} ms");
+    assert_eq!(busy.metadata().get("retry-after").unwrap(), "1");
+
+    tokio::time::sleep(Duration::from_millis(pushback)).await;
+    let replayed = plain.oneshot(call("k")).await.unwrap();
+    assert_eq!(
+        replayed.metadata().get("idempotency-replayed").unwrap(),
+        "true"
+    );
+    assert_eq!(replayed.get_ref(), first.await.unwrap().unwrap().get_ref());
+    assert_eq!(orders.runs.load(Ordering::SeqCst), 3);
+}
