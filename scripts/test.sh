@@ -8,6 +8,8 @@
 #   - else, with a Docker engine: the official images (or IDEMPOTENCY_TEST_*_IMAGE) when
 #     present or pullable; when a registry is unreachable, images are baked from Debian
 #     packages (scripts/bake-images.sh) and IDEMPOTENCY_TEST_*_IMAGE point at them.
+#   - idempotency-http's client tests (requests, Stripe's SDK) always run in the baked
+#     python-clients image (no official one): baked here when missing.
 #
 # Environment:
 #   CARGO_TARGET_DIR          build directory, reused between runs
