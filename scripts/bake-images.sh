@@ -99,7 +99,7 @@ for arg in "$@"; do
     case "$arg" in
         --print-env) print_env; exit 0 ;;
         --force) FORCE=1 ;;
-        -h | --help) sed -n '2,45p' "$SCRIPT_PATH"; exit 0 ;;
+        -h | --help) sed -n '2,41p' "$SCRIPT_PATH"; exit 0 ;;
         -*) die "unknown argument: $arg (try --help)" ;;
         *)
             image_of "$arg" >/dev/null || die "unknown image kind: $arg (one of: ${ALL_KINDS[*]})"
@@ -328,8 +328,8 @@ EOF
     wants postgres && packages+=(postgresql)
     wants mariadb && packages+=(mariadb-server)
     wants rabbitmq && packages+=(rabbitmq-server)
-    wants dynamodb && packages+=(python3-venv)
-    wants python-clients && packages+=(python3-venv python3-requests)
+    if wants dynamodb || wants python-clients; then packages+=(python3-venv); fi
+    wants python-clients && packages+=(python3-requests)
     log "apt-get install ${packages[*]}"
     in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
     in_root apt-get install -y -qq "${packages[@]}" >>"$WORK/apt.log" 2>&1 ||
