@@ -5,16 +5,23 @@
 #   scripts/bake-images.sh            # bake what is missing or outdated
 #   scripts/bake-images.sh --print-env  # only print the IDEMPOTENCY_TEST_*_IMAGE lines
 #   scripts/bake-images.sh --force    # rebuild even when up to date
+#   scripts/bake-images.sh [--force] KIND...  # only these images, e.g. `python-clients`
+#                                     # (the root then holds only their packages: faster)
 #
-# Produces (TAG = the Debian suite, `bookworm` by default) five images that
-# share one layer — a debootstrapped root holding all five servers, imported
-# once — each with its own command, user and port:
+# Produces (TAG = the Debian suite, `bookworm` by default) six images that
+# share one layer — a debootstrapped root holding all five servers and the
+# clients, imported once — each with its own command, user and port:
 #   idempotency-test/redis:TAG     redis-server on 6379  (drop-in for `redis`)
 #   idempotency-test/postgres:TAG  PostgreSQL on 5432    (drop-in for `postgres`: same env vars)
 #   idempotency-test/dynamodb:TAG  moto's DynamoDB API on 8000 (drop-in for `amazon/dynamodb-local`)
 #   idempotency-test/mariadb:TAG   MariaDB on 3306       (drop-in for `mariadb`: same env vars)
 #   idempotency-test/rabbitmq:TAG  RabbitMQ (AMQP 0-9-1) on 5672, guest/guest from anywhere
 #                                  (drop-in for `rabbitmq:3`)
+#   idempotency-test/python-clients:TAG  HTTP client libraries nobody on this project wrote,
+#                                  for idempotency-http's tests: Debian's python3,
+#                                  python3-requests (with its urllib3) and the Stripe
+#                                  Python SDK (pip, pinned) in /opt/clients (entrypoint:
+#                                  its python3; no server, no port)
 #
 # The packages come from the mirror the host's apt already uses (asked from
 # `apt-get indextargets`, so sources.list, deb822 .sources files and proxies are
@@ -27,12 +34,17 @@
 #   IDEMPOTENCY_BAKE_PREFIX   image name prefix            (default: idempotency-test)
 #   IDEMPOTENCY_BAKE_SUITE    Debian suite to bootstrap    (default: the host's codename, else bookworm)
 #   IDEMPOTENCY_BAKE_MOTO     pip requirement for moto     (default: moto[server])
+#   IDEMPOTENCY_BAKE_STRIPE   pip requirement for the Stripe SDK (default: stripe==16.1.0)
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST
+#                             pip's index; unset, the host's pip configuration
+#                             (`pip config get global.index-url`, …) is used when it has one
 #   TMPDIR                    where the temporary root goes (default: /var/tmp)
 set -euo pipefail
 
 readonly SCRIPT_PATH="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")"
 readonly PREFIX="${IDEMPOTENCY_BAKE_PREFIX:-idempotency-test}"
 readonly MOTO_REQUIREMENT="${IDEMPOTENCY_BAKE_MOTO:-moto[server]}"
+readonly STRIPE_REQUIREMENT="${IDEMPOTENCY_BAKE_STRIPE:-stripe==16.1.0}"
 readonly LABEL_KEY="org.idempotency-rs.recipe"
 
 host_codename() {
@@ -45,13 +57,15 @@ host_codename() {
 }
 readonly SUITE="${IDEMPOTENCY_BAKE_SUITE:-$(host_codename)}"
 readonly TAG="$SUITE"
-readonly RECIPE="$({ cat "$SCRIPT_PATH"; echo "suite=$SUITE moto=$MOTO_REQUIREMENT"; } | sha256sum | cut -c1-16)"
+readonly RECIPE="$({ cat "$SCRIPT_PATH"; echo "suite=$SUITE moto=$MOTO_REQUIREMENT stripe=$STRIPE_REQUIREMENT"; } | sha256sum | cut -c1-16)"
 
 readonly REDIS_IMAGE="$PREFIX/redis:$TAG"
 readonly POSTGRES_IMAGE="$PREFIX/postgres:$TAG"
 readonly DYNAMODB_IMAGE="$PREFIX/dynamodb:$TAG"
 readonly MARIADB_IMAGE="$PREFIX/mariadb:$TAG"
 readonly RABBITMQ_IMAGE="$PREFIX/rabbitmq:$TAG"
+readonly PYTHON_CLIENTS_IMAGE="$PREFIX/python-clients:$TAG"
+readonly ALL_KINDS=(redis postgres dynamodb mariadb rabbitmq python-clients)
 
 log() { printf '[bake %3ds] %s\n' "$SECONDS" "$*" >&2; }
 die() { printf '[bake] error: %s\n' "$*" >&2; exit 1; }
@@ -64,16 +78,39 @@ print_env() {
     # SQS: the same moto image, started with moto's threaded server by the harness.
     echo "IDEMPOTENCY_TEST_SQS_IMAGE=$DYNAMODB_IMAGE"
     echo "IDEMPOTENCY_TEST_RABBITMQ_IMAGE=$RABBITMQ_IMAGE"
+    echo "IDEMPOTENCY_TEST_PYTHON_CLIENTS_IMAGE=$PYTHON_CLIENTS_IMAGE"
+}
+
+image_of() {
+    case "$1" in
+        redis) echo "$REDIS_IMAGE" ;;
+        postgres) echo "$POSTGRES_IMAGE" ;;
+        dynamodb) echo "$DYNAMODB_IMAGE" ;;
+        mariadb) echo "$MARIADB_IMAGE" ;;
+        rabbitmq) echo "$RABBITMQ_IMAGE" ;;
+        python-clients) echo "$PYTHON_CLIENTS_IMAGE" ;;
+        *) return 1 ;;
+    esac
 }
 
 FORCE=0
-case "${1:-}" in
-    --print-env) print_env; exit 0 ;;
-    --force) FORCE=1 ;;
-    "") ;;
-    -h | --help) sed -n '2,30p' "$SCRIPT_PATH"; exit 0 ;;
-    *) die "unknown argument: $1 (try --help)" ;;
-esac
+KINDS=()
+for arg in "$@"; do
+    case "$arg" in
+        --print-env) print_env; exit 0 ;;
+        --force) FORCE=1 ;;
+        -h | --help) sed -n '2,41p' "$SCRIPT_PATH"; exit 0 ;;
+        -*) die "unknown argument: $arg (try --help)" ;;
+        *)
+            image_of "$arg" >/dev/null || die "unknown image kind: $arg (one of: ${ALL_KINDS[*]})"
+            KINDS+=("$arg")
+            ;;
+    esac
+done
+if [ "${#KINDS[@]}" = 0 ]; then KINDS=("${ALL_KINDS[@]}"); fi
+readonly KINDS
+# wants KIND: whether this run bakes that image.
+wants() { case " ${KINDS[*]} " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
 
 command -v docker >/dev/null || die "the docker CLI is required"
 docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is it running, may this user use it?)"
@@ -81,9 +118,12 @@ docker info >/dev/null 2>&1 || die "cannot reach the Docker engine (is it runnin
 image_recipe() { docker image inspect --format "{{ index .Config.Labels \"$LABEL_KEY\" }}" "$1" 2>/dev/null || true; }
 is_current() { [ "$FORCE" = 0 ] && [ "$(image_recipe "$1")" = "$RECIPE" ]; }
 
-if is_current "$REDIS_IMAGE" && is_current "$POSTGRES_IMAGE" && is_current "$DYNAMODB_IMAGE" &&
-    is_current "$MARIADB_IMAGE" && is_current "$RABBITMQ_IMAGE"; then
-    log "images are up to date (recipe $RECIPE): $REDIS_IMAGE $POSTGRES_IMAGE $DYNAMODB_IMAGE $MARIADB_IMAGE $RABBITMQ_IMAGE"
+IMAGES=()
+for kind in "${KINDS[@]}"; do IMAGES+=("$(image_of "$kind")"); done
+all_current=1
+for image in "${IMAGES[@]}"; do is_current "$image" || all_current=0; done
+if [ "$all_current" = 1 ]; then
+    log "images are up to date (recipe $RECIPE): ${IMAGES[*]}"
     exit 0
 fi
 
@@ -138,6 +178,54 @@ trap 'exit 129' HUP
 repo_uri_for() {
     apt-get indextargets --format '$(RELEASE) $(REPO_URI)' 'Identifier: Packages' 2>/dev/null |
         awk -v want="$1" '$1 == want { print $2; exit }'
+}
+
+# A setting of the host's pip configuration (`index-url`, …) from its global or
+# install section, empty when pip or the setting is missing.
+host_pip_config() {
+    local pip section
+    for pip in pip3 pip; do
+        command -v "$pip" >/dev/null || continue
+        for section in global install; do
+            "$pip" config get "$section.$1" 2>/dev/null && return 0
+        done
+        return 0
+    done
+}
+
+# Users, data directories and configuration of the servers baked in this run.
+prepare_servers() {
+    if wants postgres; then
+        local pg_bin
+        pg_bin="$(cd "$ROOTFS" && ls -d usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
+        [ -n "$pg_bin" ] || die "no PostgreSQL server binaries found in the root"
+        ln -sfn "/$pg_bin" "$ROOTFS/usr/local/lib/postgresql-bin"
+        mkdir -p "$ROOTFS/var/lib/postgresql/data" "$ROOTFS/run/postgresql"
+        in_root chown postgres:postgres /var/lib/postgresql/data /run/postgresql
+        chmod 700 "$ROOTFS/var/lib/postgresql/data"
+        chmod 2775 "$ROOTFS/run/postgresql"
+    fi
+    if wants dynamodb; then
+        in_root useradd --system --home-dir /nonexistent --shell /usr/sbin/nologin dynamodb
+    fi
+    if wants redis; then
+        mkdir -p "$ROOTFS/data"
+        in_root chown redis:redis /data
+    fi
+    if wants mariadb; then
+        # Like PostgreSQL's, MariaDB's data directory is initialised at first start
+        # (the package's post-install may have made one with socket-only root access).
+        rm -rf "$ROOTFS/var/lib/mysql"
+        mkdir -p "$ROOTFS/var/lib/mysql" "$ROOTFS/run/mysqld"
+        in_root chown mysql:mysql /var/lib/mysql /run/mysqld
+    fi
+    if wants rabbitmq; then
+        # RabbitMQ's node state is made at first start (the package never started it).
+        rm -rf "$ROOTFS/var/lib/rabbitmq/mnesia" "$ROOTFS/var/lib/rabbitmq/.erlang.cookie"
+        mkdir -p "$ROOTFS/var/lib/rabbitmq" "$ROOTFS/var/log/rabbitmq" "$ROOTFS/etc/rabbitmq"
+        in_root chown rabbitmq:rabbitmq /var/lib/rabbitmq /var/log/rabbitmq
+        printf '%s\n' 'loopback_users = none' 'listeners.tcp.default = 5672' >"$ROOTFS/etc/rabbitmq/rabbitmq.conf"
+    fi
 }
 
 bake_root() {
@@ -213,49 +301,57 @@ EOF
         pip_env+=(PIP_CERT=/tmp/idempotency-bake-ca.pem)
         echo 'Acquire::https::CaInfo "/tmp/idempotency-bake-ca.pem";' >>"$ROOTFS/etc/apt/apt.conf.d/90idempotency-bake"
     fi
-    local var
+    local var setting value
     for var in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_TRUSTED_HOST PIP_DEFAULT_TIMEOUT; do
-        if [ -n "${!var:-}" ]; then pip_env+=("$var=${!var}"); fi
+        value="${!var:-}"
+        if [ -z "$value" ]; then
+            # PIP_INDEX_URL -> index-url, as `pip config` names it.
+            setting="$(echo "${var#PIP_}" | tr 'A-Z_' 'a-z-')"
+            value="$(host_pip_config "$setting")"
+        fi
+        if [ -n "$value" ]; then pip_env+=("$var=$value"); fi
     done
 
     in_root() { run chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root \
         DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 \
         ${http_proxy:+http_proxy="$http_proxy"} ${https_proxy:+https_proxy="$https_proxy"} "$@"; }
+    # pip_install VENV REQUIREMENT...
+    pip_install() {
+        local venv="$1"
+        shift
+        in_root /usr/bin/env "${pip_env[@]+"${pip_env[@]}"}" "$venv/bin/pip" install --quiet --no-cache-dir \
+            --disable-pip-version-check "$@" >>"$WORK/pip.log" 2>&1 || { tail -n 30 "$WORK/pip.log" >&2; die "pip install $* failed"; }
+    }
 
-    log "apt-get install redis-server postgresql mariadb-server rabbitmq-server python3-venv"
+    local packages=()
+    wants redis && packages+=(redis-server)
+    wants postgres && packages+=(postgresql)
+    wants mariadb && packages+=(mariadb-server)
+    wants rabbitmq && packages+=(rabbitmq-server)
+    if wants dynamodb || wants python-clients; then packages+=(python3-venv); fi
+    wants python-clients && packages+=(python3-requests)
+    log "apt-get install ${packages[*]}"
     in_root apt-get update -qq >"$WORK/apt.log" 2>&1 || { tail -n 30 "$WORK/apt.log" >&2; die "apt-get update failed"; }
-    in_root apt-get install -y -qq redis-server postgresql mariadb-server rabbitmq-server python3-venv >>"$WORK/apt.log" 2>&1 ||
+    in_root apt-get install -y -qq "${packages[@]}" >>"$WORK/apt.log" 2>&1 ||
         { tail -n 30 "$WORK/apt.log" >&2; die "apt-get install failed"; }
 
-    log "python venv with $MOTO_REQUIREMENT"
-    in_root python3 -m venv /opt/moto
-    in_root /usr/bin/env "${pip_env[@]+"${pip_env[@]}"}" /opt/moto/bin/pip install --quiet --no-cache-dir --disable-pip-version-check \
-        "$MOTO_REQUIREMENT" >"$WORK/pip.log" 2>&1 || { tail -n 30 "$WORK/pip.log" >&2; die "pip install failed"; }
+    if wants dynamodb; then
+        log "python venv with $MOTO_REQUIREMENT"
+        in_root python3 -m venv /opt/moto
+        pip_install /opt/moto "$MOTO_REQUIREMENT"
+    fi
+    if wants python-clients; then
+        # Debian's requests and urllib3 (system site packages); only the SDK,
+        # and what it needs beyond Debian's packages, from PyPI.
+        log "python venv with Debian's python3-requests and $STRIPE_REQUIREMENT"
+        in_root python3 -m venv --system-site-packages /opt/clients
+        pip_install /opt/clients "$STRIPE_REQUIREMENT"
+        in_root /opt/clients/bin/python3 -c 'import requests, stripe, sys; sys.exit(not requests.__file__.startswith("/usr/lib/python3/dist-packages/"))' ||
+            die "the Stripe SDK did not take Debian's python3-requests"
+    fi
 
     install_entrypoints "$ROOTFS"
-
-    local pg_bin
-    pg_bin="$(cd "$ROOTFS" && ls -d usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
-    [ -n "$pg_bin" ] || die "no PostgreSQL server binaries found in the root"
-    ln -sfn "/$pg_bin" "$ROOTFS/usr/local/lib/postgresql-bin"
-
-    in_root useradd --system --home-dir /nonexistent --shell /usr/sbin/nologin dynamodb
-    mkdir -p "$ROOTFS/data" "$ROOTFS/var/lib/postgresql/data" "$ROOTFS/run/postgresql"
-    in_root chown redis:redis /data
-    in_root chown postgres:postgres /var/lib/postgresql/data /run/postgresql
-    chmod 700 "$ROOTFS/var/lib/postgresql/data"
-    chmod 2775 "$ROOTFS/run/postgresql"
-    # Like PostgreSQL's, MariaDB's data directory is initialised at first start
-    # (the package's post-install may have made one with socket-only root access).
-    rm -rf "$ROOTFS/var/lib/mysql"
-    mkdir -p "$ROOTFS/var/lib/mysql" "$ROOTFS/run/mysqld"
-    in_root chown mysql:mysql /var/lib/mysql /run/mysqld
-    # RabbitMQ's node state is made at first start (the package never started it).
-    rm -rf "$ROOTFS/var/lib/rabbitmq/mnesia" "$ROOTFS/var/lib/rabbitmq/.erlang.cookie"
-    mkdir -p "$ROOTFS/var/lib/rabbitmq" "$ROOTFS/var/log/rabbitmq" "$ROOTFS/etc/rabbitmq"
-    in_root chown rabbitmq:rabbitmq /var/lib/rabbitmq /var/log/rabbitmq
-    printf '%s\n' 'loopback_users = none' 'listeners.tcp.default = 5672' >"$ROOTFS/etc/rabbitmq/rabbitmq.conf"
-
+    prepare_servers
     in_root apt-get clean
     umount "$ROOTFS/proc"
     rm -rf "$ROOTFS"/var/lib/apt/lists/* "$ROOTFS"/var/cache/apt/*.bin "$ROOTFS"/var/log/*.log \
@@ -285,7 +381,7 @@ import_root() {
     ROOT_IMAGE_ID="$id"
 }
 
-# make_image NAME USER WORKDIR PORT ENTRYPOINT-JSON CMD-JSON|null [ENV=VALUE...]
+# make_image NAME USER WORKDIR PORT|"" ENTRYPOINT-JSON CMD-JSON|null [ENV=VALUE...]
 make_image() {
     local name="$1" user="$2" workdir="$3" port="$4" entrypoint="$5" cmd="$6"
     shift 6
@@ -294,13 +390,14 @@ make_image() {
         *" PATH="*) ;;
         *) envs=("PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" "$@") ;;
     esac
-    local env_json="" e now dir
+    local env_json="" ports_json="" e now dir
+    if [ -n "$port" ]; then ports_json="\"$port/tcp\":{}"; fi
     for e in "${envs[@]}"; do env_json+="${env_json:+,}\"$e\""; done
     now="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
     dir="$WORK/image-${name//[^a-z0-9]/-}"
     mkdir -p "$dir"
-    printf '{"architecture":"%s","os":"linux","created":"%s","config":{"User":"%s","WorkingDir":"%s","ExposedPorts":{"%s/tcp":{}},"Env":[%s],"Entrypoint":%s,"Cmd":%s,"Labels":{"%s":"%s"}},"rootfs":{"type":"layers","diff_ids":["%s"]},"history":[{"created":"%s","created_by":"scripts/bake-images.sh"}]}' \
-        "$ARCH" "$now" "$user" "$workdir" "$port" "$env_json" "$entrypoint" "$cmd" "$LABEL_KEY" "$RECIPE" "$LAYER" "$now" \
+    printf '{"architecture":"%s","os":"linux","created":"%s","config":{"User":"%s","WorkingDir":"%s","ExposedPorts":{%s},"Env":[%s],"Entrypoint":%s,"Cmd":%s,"Labels":{"%s":"%s"}},"rootfs":{"type":"layers","diff_ids":["%s"]},"history":[{"created":"%s","created_by":"scripts/bake-images.sh"}]}' \
+        "$ARCH" "$now" "$user" "$workdir" "$ports_json" "$env_json" "$entrypoint" "$cmd" "$LABEL_KEY" "$RECIPE" "$LAYER" "$now" \
         >"$dir/config.json"
     printf '[{"Config":"config.json","RepoTags":["%s"],"Layers":["root.tar"]}]' "$name" >"$dir/manifest.json"
     if tar -C "$dir" -c manifest.json config.json | docker load >/dev/null 2>"$dir/load.log"; then
@@ -309,7 +406,8 @@ make_image() {
     fi
     log "docker load refused a config-only image ($(head -c 200 "$dir/load.log")); importing $name"
     local changes=(--change "LABEL $LABEL_KEY=$RECIPE" --change "USER $user" --change "WORKDIR $workdir"
-        --change "EXPOSE $port" --change "ENTRYPOINT $entrypoint")
+        --change "ENTRYPOINT $entrypoint")
+    if [ -n "$port" ]; then changes+=(--change "EXPOSE $port"); fi
     if [ "$cmd" != null ]; then changes+=(--change "CMD $cmd"); fi
     for e in "${envs[@]}"; do changes+=(--change "ENV $e"); done
     root_tar | docker import "${changes[@]}" - "$name" >/dev/null
@@ -503,7 +601,7 @@ EOF
 }
 
 old_ids=()
-for image in "$REDIS_IMAGE" "$POSTGRES_IMAGE" "$DYNAMODB_IMAGE" "$MARIADB_IMAGE" "$RABBITMQ_IMAGE"; do
+for image in "${IMAGES[@]}"; do
     id="$(docker image inspect --format '{{.Id}}' "$image" 2>/dev/null || true)"
     if [ -n "$id" ]; then old_ids+=("$id"); fi
 done
@@ -513,25 +611,31 @@ bake_root
 ROOT_IMAGE_ID=""
 import_root
 
-make_image "$REDIS_IMAGE" redis /data 6379 \
+wants redis && make_image "$REDIS_IMAGE" redis /data 6379 \
     '["/usr/local/bin/idem-redis-entrypoint"]' '["redis-server"]'
 
-make_image "$POSTGRES_IMAGE" postgres /var/lib/postgresql 5432 \
+wants postgres && make_image "$POSTGRES_IMAGE" postgres /var/lib/postgresql 5432 \
     '["/usr/local/bin/idem-postgres-entrypoint"]' '["postgres"]' \
     PATH=/usr/local/lib/postgresql-bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     PGDATA=/var/lib/postgresql/data
 
-make_image "$DYNAMODB_IMAGE" dynamodb /tmp 8000 \
+wants dynamodb && make_image "$DYNAMODB_IMAGE" dynamodb /tmp 8000 \
     '["/usr/local/bin/idem-dynamodb-server"]' null
 
-make_image "$MARIADB_IMAGE" mysql /var/lib/mysql 3306 \
+wants mariadb && make_image "$MARIADB_IMAGE" mysql /var/lib/mysql 3306 \
     '["/usr/local/bin/idem-mariadb-entrypoint"]' '["mariadbd"]'
 
-make_image "$RABBITMQ_IMAGE" rabbitmq /var/lib/rabbitmq 5672 \
+wants rabbitmq && make_image "$RABBITMQ_IMAGE" rabbitmq /var/lib/rabbitmq 5672 \
     '["/usr/local/bin/idem-rabbitmq-entrypoint"]' '["rabbitmq-server"]' \
     HOME=/var/lib/rabbitmq
 
-# The bare import (its layer lives on in the five images), and images replaced
+# `docker run -i IMAGE - ARGS < script.py` runs a script with the clients.
+wants python-clients && make_image "$PYTHON_CLIENTS_IMAGE" nobody /tmp "" \
+    '["/opt/clients/bin/python3"]' '["--version"]' \
+    PATH=/opt/clients/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+    PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1
+
+# The bare import (its layer lives on in the images), and images replaced
 # by this run; ignore those still used by a container.
 for id in "$ROOT_IMAGE_ID" "${old_ids[@]+"${old_ids[@]}"}"; do
     docker image rm "$id" >/dev/null 2>&1 || true

@@ -8,6 +8,8 @@
 #   - else, with a Docker engine: the official images (or IDEMPOTENCY_TEST_*_IMAGE) when
 #     present or pullable; when a registry is unreachable, images are baked from Debian
 #     packages (scripts/bake-images.sh) and IDEMPOTENCY_TEST_*_IMAGE point at them.
+#   - idempotency-http's client tests (requests, Stripe's SDK) always run in the baked
+#     python-clients image (no official one): baked here when missing.
 #
 # Environment:
 #   CARGO_TARGET_DIR          build directory, reused between runs
@@ -72,7 +74,8 @@ if [ "${SKIP_LINT:-0}" != 1 ]; then
 fi
 
 # --- test servers -------------------------------------------------------------
-# kind  image-variable  official-image  external-variable
+# kind  image-variable  official-image  external-variable ("-": none; such a kind
+# only comes from a local image, else is baked)
 KINDS=(
     "redis IDEMPOTENCY_TEST_REDIS_IMAGE redis:7 IDEMPOTENCY_TEST_REDIS_URL"
     "postgres IDEMPOTENCY_TEST_POSTGRES_IMAGE postgres:16 IDEMPOTENCY_TEST_POSTGRES_URL"
@@ -80,6 +83,9 @@ KINDS=(
     "mariadb IDEMPOTENCY_TEST_MARIADB_IMAGE mariadb:11 IDEMPOTENCY_TEST_MARIADB_URL"
     "sqs IDEMPOTENCY_TEST_SQS_IMAGE motoserver/moto:latest IDEMPOTENCY_TEST_SQS_ENDPOINT"
     "rabbitmq IDEMPOTENCY_TEST_RABBITMQ_IMAGE rabbitmq:3 IDEMPOTENCY_TEST_RABBITMQ_URL"
+    # HTTP clients for idempotency-http's tests (requests, urllib3, Stripe's SDK): no
+    # official image has them, so the baked one is the default.
+    "python-clients IDEMPOTENCY_TEST_PYTHON_CLIENTS_IMAGE - -"
 )
 
 bake() {
@@ -88,8 +94,8 @@ bake() {
         command -v sudo >/dev/null || { say "baking images needs root (debootstrap, chroot) and there is no sudo"; exit 1; }
         runner=(sudo --preserve-env=http_proxy,https_proxy,PIP_INDEX_URL,PIP_CERT,TMPDIR)
     fi
-    say "baking test images from Debian packages (scripts/bake-images.sh)"
-    "${runner[@]+"${runner[@]}"}" bash scripts/bake-images.sh 2>&1 | tee -a "$LOG"
+    say "baking test images from Debian packages (scripts/bake-images.sh $*)"
+    "${runner[@]+"${runner[@]}"}" bash scripts/bake-images.sh "$@" 2>&1 | tee -a "$LOG"
 }
 
 if [ "$DOCKER_OK" = 1 ]; then
@@ -97,8 +103,20 @@ if [ "$DOCKER_OK" = 1 ]; then
     need_bake=()
     for entry in "${KINDS[@]}"; do
         read -r kind image_var official external_var <<<"$entry"
-        if [ -n "${!external_var:-}" ]; then
+        if [ "$external_var" != - ] && [ -n "${!external_var:-}" ]; then
             say "$kind: using $external_var=${!external_var}"
+            continue
+        fi
+        if [ "$official" = - ]; then
+            image="${!image_var:-$(bash scripts/bake-images.sh --print-env | sed -n "s/^$image_var=//p")}"
+            if [ "$IMAGES_MODE" != baked ] && docker image inspect "$image" >/dev/null 2>&1; then
+                say "$kind: image $image is present"
+                export "$image_var=$image"
+            elif [ "$IMAGES_MODE" = official ]; then
+                say "$kind: $image is not available and IDEMPOTENCY_TEST_IMAGES=official: its tests will fail"
+            else
+                need_bake+=("$kind $image_var")
+            fi
             continue
         fi
         image="${!image_var:-$official}"
@@ -126,7 +144,14 @@ if [ "$DOCKER_OK" = 1 ]; then
         need_bake+=("$kind $image_var")
     done
     if [ "${#need_bake[@]}" -gt 0 ]; then
-        bake
+        # Only the images missing (SQS runs in the DynamoDB image).
+        bake_kinds=()
+        for entry in "${need_bake[@]}"; do
+            read -r kind _ <<<"$entry"
+            [ "$kind" = sqs ] && kind=dynamodb
+            case " ${bake_kinds[*]-} " in *" $kind "*) ;; *) bake_kinds+=("$kind") ;; esac
+        done
+        bake "${bake_kinds[@]}"
         baked_env="$(bash scripts/bake-images.sh --print-env)"
         for entry in "${need_bake[@]}"; do
             read -r kind image_var <<<"$entry"
@@ -137,7 +162,8 @@ if [ "$DOCKER_OK" = 1 ]; then
     fi
 else
     say "no reachable Docker engine: backend tests fail unless IDEMPOTENCY_TEST_REDIS_URL, \
-IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT, IDEMPOTENCY_TEST_MARIADB_URL and IDEMPOTENCY_TEST_RABBITMQ_URL name servers"
+IDEMPOTENCY_TEST_POSTGRES_URL, IDEMPOTENCY_TEST_DYNAMODB_ENDPOINT, IDEMPOTENCY_TEST_MARIADB_URL and IDEMPOTENCY_TEST_RABBITMQ_URL name servers; \
+idempotency-http's client tests (requests, Stripe's SDK) need Docker and fail"
 fi
 
 # --- tests ---------------------------------------------------------------------
