@@ -7,7 +7,9 @@
 //! contract states), every message acknowledged (the queue empty, the
 //! partitions committed to their ends), none lost, no poll past its bound.
 //! A failure prints the seed (`IDEMPOTENCY_RELIABILITY_SEED` replays it) and
-//! the failing key's history. Broker restarts: see RELIABILITY.md (Brokers).
+//! the failing key's history. Broker restarts: RabbitMQ's for real (a
+//! dedicated broker, stopped and started), Kafka's mock and SQS's moto
+//! differently (see RELIABILITY.md, Brokers).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "brokers/kafka.rs"]
@@ -89,7 +91,9 @@ async fn kafka() {
 async fn rabbitmq() {
     run(&[
         |s| Box::pin(rabbitmq::killed_and_restarted(s)),
+        |s| Box::pin(rabbitmq::slower_than_consumer_timeout(s)),
         |s| Box::pin(rabbitmq::sent_twice(s)),
+        |s| Box::pin(rabbitmq::broker_restarted(s)),
     ])
     .await;
 }

@@ -7,7 +7,10 @@ use std::time::Instant;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::docker::{announce, keep_for_process, on_harness, start_ready, Kind, Origin, Probe};
+use super::docker::{
+    announce, keep_for_process, on_harness, start_dedicated, start_ready, Dedicated, Kind, Origin,
+    Probe,
+};
 use super::error::HarnessError;
 use super::external::{tcp_probe, External};
 
@@ -85,6 +88,58 @@ pub async fn rabbitmq() -> Result<RabbitMqServer, HarnessError> {
 }
 
 impl RabbitMqServer {
+    /// A RabbitMQ broker in a container of its own (always a container, also
+    /// when `IDEMPOTENCY_TEST_RABBITMQ_URL` is set), for tests that stop,
+    /// restart or pause it. It keeps its port, its definitions and its
+    /// persistent messages across [`restart`](Dedicated::restart) (same
+    /// container, same node name, same data directory).
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError`] when Docker is unavailable or the broker does not answer.
+    pub async fn dedicated() -> Result<Dedicated<RabbitMqServer>, HarnessError> {
+        RabbitMqServer::dedicated_with_settings(&[]).await
+    }
+
+    /// Like [`RabbitMqServer::dedicated`], with settings of the broker's
+    /// `rabbit` application, each passed as `-rabbit NAME VALUE` to the Erlang
+    /// VM (`RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS`, read by both the official
+    /// image and Debian's `rabbitmq-server`). E.g.
+    /// `[("consumer_timeout", "3000"), ("channel_tick_interval", "250")]`
+    /// for a broker that closes a channel whose delivery stayed unacknowledged
+    /// for 3 s, checked four times a second (RabbitMQ checks the timeout on
+    /// each channel's tick, every 60 s by default).
+    ///
+    /// # Errors
+    ///
+    /// [`HarnessError`] when Docker is unavailable, a setting is not a plain
+    /// Erlang term, or the broker does not answer.
+    pub async fn dedicated_with_settings(
+        settings: &[(&str, &str)],
+    ) -> Result<Dedicated<RabbitMqServer>, HarnessError> {
+        let args = erl_args(settings)?;
+        let env = if args.is_empty() {
+            Vec::new()
+        } else {
+            vec![("RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS", args)]
+        };
+        on_harness(async move {
+            let begun = Instant::now();
+            let (started, probe) =
+                start_dedicated(Kind::RabbitMq, env, Vec::new(), probe).await?;
+            let server = RabbitMqServer::local(started.port, started.origin.clone());
+            announce(
+                Kind::RabbitMq,
+                "dedicated",
+                &server.origin,
+                &server.url,
+                begun.elapsed(),
+            );
+            Ok(Dedicated::new(server, Kind::RabbitMq, started, probe))
+        })
+        .await
+    }
+
     fn local(port: u16, origin: Origin) -> Self {
         RabbitMqServer {
             url: format!("amqp://{USER}:{PASSWORD}@127.0.0.1:{port}/%2f"),
@@ -120,6 +175,27 @@ impl RabbitMqServer {
     pub fn unique_queue_name(&self, prefix: &str) -> String {
         super::unique_namespace(prefix)
     }
+}
+
+/// `-rabbit NAME VALUE ...`; names and values are plain atoms or numbers, so
+/// nothing needs quoting through the shell scripts that pass them on.
+fn erl_args(settings: &[(&str, &str)]) -> Result<String, HarnessError> {
+    let plain = |s: &str| {
+        !s.is_empty()
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.')
+    };
+    let mut out = Vec::with_capacity(settings.len());
+    for (name, value) in settings {
+        if !plain(name) || !plain(value) {
+            return Err(HarnessError::operation(
+                "a RabbitMQ setting",
+                format!("{name:?} = {value:?} is not a plain Erlang atom or number"),
+            ));
+        }
+        out.push(format!("-rabbit {name} {value}"));
+    }
+    Ok(out.join(" "))
 }
 
 fn probe(port: u16) -> Probe {
@@ -211,6 +287,18 @@ fn short_string(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[allow(clippy::unwrap_used)]
+    fn settings_become_erl_args_and_odd_ones_are_refused() {
+        assert_eq!(erl_args(&[]).unwrap(), "");
+        assert_eq!(
+            erl_args(&[("consumer_timeout", "3000"), ("channel_tick_interval", "250")]).unwrap(),
+            "-rabbit consumer_timeout 3000 -rabbit channel_tick_interval 250"
+        );
+        assert!(erl_args(&[("consumer_timeout", "3000 -s init stop")]).is_err());
+        assert!(erl_args(&[("", "1")]).is_err());
+    }
 
     #[test]
     fn start_ok_is_one_well_formed_frame() {

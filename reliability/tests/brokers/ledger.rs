@@ -96,6 +96,15 @@ impl Ledger {
         self.entries().poll_errors.push(format!("c{c}: {error}"));
     }
 
+    /// The poll errors so far that contain `needle`.
+    pub(crate) fn poll_errors_with(&self, needle: &str) -> usize {
+        self.entries()
+            .poll_errors
+            .iter()
+            .filter(|e| e.contains(needle))
+            .count()
+    }
+
     /// `key`'s effect by a killed consumer was not recorded in the store
     /// when it was killed: one more effect is within the contract.
     pub(crate) fn allow_extra(&self, key: &str) {
@@ -172,6 +181,9 @@ pub(crate) struct Row {
     pub(crate) retried: u64,
     /// The first poll error, if any.
     pub(crate) first_poll_error: Option<String>,
+    /// What the scenario set out to provoke and did not (it then tested
+    /// nothing): fails the verdict.
+    pub(crate) missing: Vec<String>,
     failing_history: Option<String>,
 }
 
@@ -216,6 +228,7 @@ impl Row {
             poll_errors: e.poll_errors.len(),
             retried: e.retried,
             first_poll_error: e.poll_errors.first().cloned(),
+            missing: Vec::new(),
             failing_history: failing,
             setting,
         }
@@ -226,7 +239,7 @@ impl Row {
     /// held; else what broke, with the seed and the failing key's history.
     pub(crate) fn verdict(&self) -> Result<(), String> {
         let s = &self.setting;
-        let mut broken = Vec::new();
+        let mut broken = self.missing.clone();
         if !self.over_bound.is_empty() {
             broken.push(format!("keys with a double effect: {:?}", self.over_bound));
         }

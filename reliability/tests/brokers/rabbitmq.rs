@@ -3,13 +3,15 @@
 //! connection of its own; the ledger learns each delivery's answer from the
 //! `on_answer` hook (the consumer has no `poll_once`: no poll times).
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use idempotency_conformance::containers;
+use idempotency_conformance::containers::{self, RabbitMqServer};
 use idempotency_consumers::rabbitmq::lapin::options::{
-    BasicPublishOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use idempotency_consumers::rabbitmq::lapin::types::{FieldTable, ShortString};
 use idempotency_consumers::rabbitmq::lapin::{
@@ -28,16 +30,22 @@ use crate::ledger::{allow_unrecorded, handler_times, keys, until, Ledger, Row, S
 
 /// How long a scenario may take before what is left counts as unacked.
 const LIMIT: Duration = Duration::from_secs(25);
+/// The same for the broker restart (a graceful stop and a start of RabbitMQ
+/// take 5–15 s of it).
+const RESTART_LIMIT: Duration = Duration::from_secs(60);
 
 type Times = Arc<std::collections::BTreeMap<String, Duration>>;
 
 struct Queue {
     url: String,
     name: String,
-    _connection: Connection,
-    channel: Channel,
+    /// The test's own channel (declare, publish, count), opened again after
+    /// a broker restart.
+    admin: tokio::sync::Mutex<Option<(Connection, Channel)>>,
     store: Arc<MemoryRepository>,
     config: Config,
+    /// The broker's `consumer_timeout`, when the scenario set one.
+    consumer_timeout: Option<Duration>,
     /// Deliveries answered `Ack` (by every consumer).
     acked: Arc<AtomicU64>,
 }
@@ -48,42 +56,84 @@ async fn connect(url: &str) -> Connection {
         .expect("a RabbitMQ connection")
 }
 
+fn config(lease: Duration, extension: Option<Duration>) -> Config {
+    Config {
+        processing_timeout: lease,
+        store_timeout: Duration::from_millis(500),
+        lease_extension_interval: extension,
+        ..Config::default()
+    }
+}
+
 impl Queue {
+    /// A transient queue on the harness's shared broker.
     async fn new(lease: Duration) -> Queue {
         let server = containers::rabbitmq().await.expect("a RabbitMQ broker");
-        let url = server.url().to_owned();
-        let connection = connect(&url).await;
-        let channel = connection.create_channel().await.expect("a channel");
         let name = server.unique_queue_name("brokers");
-        channel
-            .queue_declare(
-                name.as_str().into(),
-                QueueDeclareOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("queue.declare");
-        Queue {
-            url,
-            name,
-            _connection: connection,
-            channel,
-            store: Arc::new(MemoryRepository::new()),
-            config: Config {
-                processing_timeout: lease,
-                store_timeout: Duration::from_millis(500),
-                ..Config::default()
-            },
-            acked: Arc::default(),
-        }
+        Queue::declare(server.url(), name, config(lease, None), false).await
     }
 
-    /// Publishes one message per entry of `order` (its key the `message_id`).
+    /// A queue on `url` (durable, its messages persistent, when `durable`).
+    async fn declare(url: &str, name: String, config: Config, durable: bool) -> Queue {
+        let queue = Queue {
+            url: url.to_owned(),
+            name,
+            admin: tokio::sync::Mutex::new(None),
+            store: Arc::new(MemoryRepository::new()),
+            config,
+            consumer_timeout: None,
+            acked: Arc::default(),
+        };
+        let options = QueueDeclareOptions {
+            durable,
+            ..QueueDeclareOptions::default()
+        };
+        queue
+            .channel()
+            .await
+            .expect("a channel")
+            .queue_declare(queue.name.as_str().into(), options, FieldTable::default())
+            .await
+            .expect("queue.declare");
+        queue
+    }
+
+    /// The admin channel, opened (again) when it is not open.
+    async fn channel(&self) -> Option<Channel> {
+        let mut admin = self.admin.lock().await;
+        if let Some((_, channel)) = admin.as_ref().filter(|(c, _)| c.status().connected()) {
+            if channel.status().connected() {
+                return Some(channel.clone());
+            }
+        }
+        let open = async {
+            let connection = Connection::connect(&self.url, ConnectionProperties::default())
+                .await
+                .ok()?;
+            let channel = connection.create_channel().await.ok()?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .ok()?;
+            Some((connection, channel))
+        };
+        let (connection, channel) = tokio::time::timeout(Duration::from_secs(5), open)
+            .await
+            .ok()
+            .flatten()?;
+        *admin = Some((connection, channel.clone()));
+        Some(channel)
+    }
+
+    /// Publishes one persistent message per entry of `order` (its key the
+    /// `message_id`), each confirmed by the broker.
     async fn publish(&self, order: &[String]) {
+        let channel = self.channel().await.expect("a channel");
         for key in order {
-            let properties =
-                BasicProperties::default().with_message_id(ShortString::from(key.as_str()));
-            self.channel
+            let properties = BasicProperties::default()
+                .with_message_id(ShortString::from(key.as_str()))
+                .with_delivery_mode(2);
+            let confirm = channel
                 .basic_publish(
                     "".into(),
                     self.name.as_str().into(),
@@ -95,33 +145,52 @@ impl Queue {
                 .expect("basic.publish")
                 .await
                 .expect("published");
+            assert!(confirm.is_ack(), "the broker confirmed {key}");
         }
     }
 
-    /// Messages ready in the queue (unacknowledged ones do not count).
+    /// Messages ready in the queue (unacknowledged ones do not count);
+    /// `u32::MAX` while the broker does not answer.
     async fn ready(&self) -> u32 {
         let passive = QueueDeclareOptions {
             passive: true,
             ..QueueDeclareOptions::default()
         };
-        self.channel
+        let Some(channel) = self.channel().await else {
+            return u32::MAX;
+        };
+        channel
             .queue_declare(self.name.as_str().into(), passive, FieldTable::default())
             .await
             .map_or(u32::MAX, |q| q.message_count())
+    }
+
+    async fn delete(&self) {
+        if let Some(channel) = self.channel().await {
+            let _ = channel
+                .queue_delete(self.name.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
     }
 
     fn consumer(&self, c: usize, ledger: &Ledger) -> (IdempotencyManager, RabbitConsumer) {
         let manager =
             IdempotencyManager::new(self.store.clone(), self.config.clone()).expect("a manager");
         let (ledger, acked) = (ledger.clone(), self.acked.clone());
-        let consumer = RabbitConsumer::builder(manager.clone(), self.name.as_str())
+        let mut builder = RabbitConsumer::builder(manager.clone(), self.name.as_str())
             .prefetch(10)
             .min_retry_delay(Duration::from_millis(100))
             .operation_timeout(Duration::from_secs(3))
             .backoff(Backoff {
                 initial: Duration::from_millis(100),
                 max: Duration::from_millis(500),
-            })
+            });
+        if let Some(timeout) = self.consumer_timeout {
+            builder = builder
+                .consumer_timeout(timeout)
+                .max_retry_hold(Duration::from_secs(1));
+        }
+        let consumer = builder
             .on_answer(move |message, disposition| {
                 if disposition.is_ack() {
                     acked.fetch_add(1, Ordering::SeqCst);
@@ -141,46 +210,120 @@ impl Queue {
     }
 }
 
-/// A running consumer: its connection (closed to kill it) and its task.
+/// A running consumer: its connection (closed to kill it; none for a
+/// supervised one, which opens its own) and its task.
 struct Running {
-    connection: Arc<Connection>,
+    connection: Option<Arc<Connection>>,
     task: JoinHandle<Result<(), RabbitError>>,
 }
 
+type Handler = Arc<
+    dyn Fn(
+            Arc<idempotency_consumers::rabbitmq::Message>,
+            idempotency_core::ExecutionContext,
+        ) -> Pin<
+            Box<dyn Future<Output = Result<u32, idempotency_core::HandlerError<String>>> + Send>,
+        > + Send
+        + Sync,
+>;
+
+/// The scenarios' handler: notes its call, sleeps the key's time, applies
+/// the effect.
+fn handler(c: usize, ledger: &Ledger, times: &Times) -> Handler {
+    let (ledger, times) = (ledger.clone(), times.clone());
+    Arc::new(move |message, _ctx| {
+        let key = message.key.clone();
+        let time = times.get(&key).copied().unwrap_or_default();
+        let ledger = ledger.clone();
+        Box::pin(async move {
+            ledger.call(&key, c);
+            tokio::time::sleep(time).await;
+            ledger.apply(&key, c);
+            Ok(1u32)
+        })
+    })
+}
+
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// A consumer that runs once on a connection of its own (killed by closing it).
 async fn spawn(
     queue: &Queue,
     c: usize,
     consumer: RabbitConsumer,
     ledger: &Ledger,
     times: &Times,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) -> Running {
     let connection = Arc::new(connect(&queue.url).await);
-    let (ledger, times, conn) = (ledger.clone(), times.clone(), connection.clone());
+    let (handler, conn) = (handler(c, ledger, times), connection.clone());
     let task = tokio::spawn(async move {
-        let handler = move |message: Arc<idempotency_consumers::rabbitmq::Message>, _ctx| {
-            let key = message.key.clone();
-            let time = times.get(&key).copied().unwrap_or_default();
-            let ledger = ledger.clone();
-            async move {
-                ledger.call(&key, c);
-                tokio::time::sleep(time).await;
-                ledger.apply(&key, c);
-                Ok::<_, idempotency_core::HandlerError<String>>(1u32)
-            }
-        };
-        let shutdown = async move {
-            let _ = stop.wait_for(|s| *s).await;
-        };
-        consumer.run(&conn, handler, shutdown).await
+        consumer
+            .run(&conn, move |m, ctx| handler(m, ctx), stopped(stop))
+            .await
     });
-    Running { connection, task }
+    Running {
+        connection: Some(connection),
+        task,
+    }
+}
+
+/// A consumer as a service runs one: `run` again after each retryable
+/// failure (a closed channel, a broker gone), on a new connection when the
+/// old one died, 200 ms apart (the reconnect backoff: real time, as the
+/// broker's own restart is), until `stop`.
+fn supervise(
+    queue: &Queue,
+    c: usize,
+    consumer: RabbitConsumer,
+    ledger: &Ledger,
+    times: &Times,
+    stop: watch::Receiver<bool>,
+) -> Running {
+    let (url, handler, ledger) = (queue.url.clone(), handler(c, ledger, times), ledger.clone());
+    let task = tokio::spawn(async move {
+        let mut connection: Option<Connection> = None;
+        loop {
+            if *stop.borrow() {
+                return Ok(());
+            }
+            if !connection.as_ref().is_some_and(|c| c.status().connected()) {
+                let connect = Connection::connect(&url, ConnectionProperties::default());
+                connection = tokio::time::timeout(Duration::from_secs(3), connect)
+                    .await
+                    .ok()
+                    .and_then(Result::ok);
+            }
+            if let Some(conn) = &connection {
+                let handler = handler.clone();
+                match consumer
+                    .run(conn, move |m, ctx| handler(m, ctx), stopped(stop.clone()))
+                    .await
+                {
+                    Ok(()) => return Ok(()),
+                    Err(error) if error.is_retryable() => ledger.poll_error(c, error.to_string()),
+                    Err(error) => return Err(error),
+                }
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                () = stopped(stop.clone()) => return Ok(()),
+            }
+        }
+    });
+    Running {
+        connection: None,
+        task,
+    }
 }
 
 /// Until every key has its effect, every delivery is acknowledged and the
-/// queue is empty (or [`LIMIT`]); then the consumers stop (their channels
+/// queue is empty (or `limit`); then the consumers stop (their channels
 /// close: anything unacknowledged goes back to the queue), and the messages
 /// left are counted.
+#[allow(clippy::too_many_arguments)]
 async fn finish(
     queue: &Queue,
     ledger: &Ledger,
@@ -189,8 +332,9 @@ async fn finish(
     running: Vec<Running>,
     stop: watch::Sender<bool>,
     started: Instant,
+    limit: Duration,
 ) -> u64 {
-    until(started + LIMIT, || async {
+    until(started + limit, || async {
         ledger.effected() == keys
             && queue.acked.load(Ordering::SeqCst) >= messages
             && queue.ready().await == 0
@@ -205,10 +349,7 @@ async fn finish(
         }
     }
     let left = u64::from(queue.ready().await);
-    let _ = queue
-        .channel
-        .queue_delete(queue.name.as_str().into(), QueueDeleteOptions::default())
-        .await;
+    queue.delete().await;
     left
 }
 
@@ -243,7 +384,9 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
     tokio::time::sleep(extra).await;
     victim.task.abort();
     let _ = victim.task.await;
-    let _ = victim.connection.close(320, "killed".into()).await;
+    if let Some(connection) = &victim.connection {
+        let _ = connection.close(320, "killed".into()).await;
+    }
     allow_unrecorded(&ledger, &victim_manager, 0).await;
     let (_, fresh) = queue.consumer(3, &ledger);
     running.push(spawn(&queue, 3, fresh, &ledger, &times, stopped.clone()).await);
@@ -256,6 +399,7 @@ pub(crate) async fn killed_and_restarted(seed: u64) -> Row {
         running,
         stop,
         started,
+        LIMIT,
     )
     .await;
     let setting = Setting {
@@ -302,6 +446,7 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
         running,
         stop,
         started,
+        LIMIT,
     )
     .await;
     let setting = Setting {
@@ -319,4 +464,147 @@ pub(crate) async fn sent_twice(seed: u64) -> Row {
         keys,
     };
     Row::collect(setting, &ledger)
+}
+
+/// Three supervised consumers over `queue` until done (or `limit`): the
+/// scenario's ledger and what it measured.
+async fn run_supervised(
+    queue: &Queue,
+    order: &[String],
+    keys: usize,
+    times: &Times,
+    limit: Duration,
+    during: impl Future<Output = String>,
+) -> (Ledger, u64, Duration, String) {
+    let ledger = Ledger::default();
+    let started = Instant::now();
+    let (stop, stopped) = watch::channel(false);
+    let running: Vec<Running> = (0..3)
+        .map(|c| {
+            let (_, consumer) = queue.consumer(c, &ledger);
+            supervise(queue, c, consumer, &ledger, times, stopped.clone())
+        })
+        .collect();
+    let note = during.await;
+    let messages = order.len() as u64;
+    let unacked = finish(queue, &ledger, keys, messages, running, stop, started, limit).await;
+    (ledger, unacked, started.elapsed(), note)
+}
+
+/// 2. Handlers slower than the broker's own redelivery timer: RabbitMQ's is
+///    the `consumer_timeout`, past which it closes the channel under the
+///    unacknowledged delivery and requeues everything the channel held. A
+///    broker of its own with a `consumer_timeout` of 3 s, checked every
+///    250 ms (`channel_tick_interval`; 60 s by default); six keys of 30 take
+///    4–4.5 s; lease 1 s extended every 300 ms (the consumer told the
+///    timeout: its lease and holds stay below it). The requeued delivery
+///    meets its key held by the running handler (*retried*) until the
+///    outcome is recorded, then is answered as a duplicate and acked; the
+///    closed channel's `run` fails and is run again. One handler call per
+///    key; the row fails if no channel was closed (nothing tested).
+pub(crate) async fn slower_than_consumer_timeout(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let settings = [("consumer_timeout", "3000"), ("channel_tick_interval", "250")];
+    let server = RabbitMqServer::dedicated_with_settings(&settings)
+        .await
+        .expect("a dedicated RabbitMQ broker");
+    let lease = config(Duration::from_secs(1), Some(Duration::from_millis(300)));
+    let name = server.unique_queue_name("slow");
+    let mut queue = Queue::declare(server.url(), name, lease, false).await;
+    queue.consumer_timeout = Some(Duration::from_secs(3));
+    let keys = keys(30);
+    let mut times = (*handler_times(&keys, seed, 20..200)).clone();
+    let slow: Vec<String> = keys.choose_multiple(&mut rng, 6).cloned().collect();
+    for key in &slow {
+        times.insert(key.clone(), Duration::from_millis(rng.random_range(4000..4500)));
+    }
+    let times = Arc::new(times);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    queue.publish(&order).await;
+    let (ledger, unacked, took, _) =
+        run_supervised(&queue, &order, keys.len(), &times, LIMIT, async { String::new() }).await;
+    let closed = ledger.poll_errors_with("timed out");
+    let setting = Setting {
+        broker: "RabbitMQ",
+        scenario: "handlers (6 of 4–4.5 s) slower than consumer_timeout (3 s), lease extension",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: Duration::MAX,
+        deliveries_bound: None,
+        calls_bound: Some(1),
+        took,
+        note: format!("channels closed by the broker's consumer_timeout: {closed}; slow keys: {slow:?}"),
+        keys,
+    };
+    let mut row = Row::collect(setting, &ledger);
+    if closed == 0 {
+        row.missing
+            .push("the broker closed no channel for its consumer_timeout".to_owned());
+    }
+    row
+}
+
+/// 4. The broker restarted under load: a broker of its own, a durable queue
+///    of persistent messages (confirmed when published); once a third of the
+///    keys are applied it is stopped (`docker stop`: RabbitMQ shuts down
+///    cleanly) and started again (same node, same data: the queue and its
+///    unacknowledged messages come back). Every consumer's `run` fails and is
+///    run again on a new connection once the broker answers; acks written
+///    before the stop and lost with it bring their messages back, answered
+///    from the store. Lease 2 s.
+pub(crate) async fn broker_restarted(seed: u64) -> Row {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let server = RabbitMqServer::dedicated()
+        .await
+        .expect("a dedicated RabbitMQ broker");
+    let name = server.unique_queue_name("restart");
+    let lease = config(Duration::from_secs(2), None);
+    let queue = Queue::declare(server.url(), name, lease, true).await;
+    let keys = keys(60);
+    let times = handler_times(&keys, seed, 20..200);
+    let mut order = keys.clone();
+    order.shuffle(&mut rng);
+    queue.publish(&order).await;
+    let third = keys.len() / 3;
+    let (ledger, unacked, took, note) = {
+        let (server, queue_ref) = (&server, &queue);
+        run_supervised(&queue, &order, keys.len(), &times, RESTART_LIMIT, async move {
+            let begun = Instant::now();
+            let reached = until(begun + Duration::from_secs(15), || async {
+                queue_ref.acked.load(Ordering::SeqCst) >= third as u64
+            })
+            .await;
+            let down = Instant::now();
+            server.restart().await.expect("the broker restarted");
+            format!(
+                "restarted in {:.1}s after {third} acks (reached: {reached})",
+                down.elapsed().as_secs_f64()
+            )
+        })
+        .await
+    };
+    let restarts = ledger.poll_errors_with("c");
+    let setting = Setting {
+        broker: "RabbitMQ",
+        scenario: "broker restarted (docker stop, start), durable queue",
+        seed,
+        messages: order.len(),
+        consumers: (3, 3),
+        unacked,
+        poll_bound: Duration::MAX,
+        deliveries_bound: None,
+        calls_bound: None,
+        took,
+        note,
+        keys,
+    };
+    let mut row = Row::collect(setting, &ledger);
+    if restarts == 0 {
+        row.missing
+            .push("no consumer saw the broker go away".to_owned());
+    }
+    row
 }
