@@ -56,7 +56,8 @@
 //! [`DynamoDbServer::unique_table_name`], [`SqsServer::unique_queue_name`],
 //! [`RabbitMqServer::unique_queue_name`], never by flushing. Tests that stop a
 //! server (outage tests) take a [`Dedicated`] container of their own, e.g.
-//! [`RedisServer::dedicated`], which keeps its port across
+//! [`RedisServer::dedicated`] or [`RabbitMqServer::dedicated_with_settings`]
+//! (a broker with its own `consumer_timeout`), which keeps its port across
 //! [`Dedicated::stop`] / [`Dedicated::start`].
 //!
 //! The harness drives Docker and its connections on a runtime of its own, so

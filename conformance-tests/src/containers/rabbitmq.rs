@@ -125,8 +125,7 @@ impl RabbitMqServer {
         };
         on_harness(async move {
             let begun = Instant::now();
-            let (started, probe) =
-                start_dedicated(Kind::RabbitMq, env, Vec::new(), probe).await?;
+            let (started, probe) = start_dedicated(Kind::RabbitMq, env, Vec::new(), probe).await?;
             let server = RabbitMqServer::local(started.port, started.origin.clone());
             announce(
                 Kind::RabbitMq,
@@ -293,7 +292,11 @@ mod tests {
     fn settings_become_erl_args_and_odd_ones_are_refused() {
         assert_eq!(erl_args(&[]).unwrap(), "");
         assert_eq!(
-            erl_args(&[("consumer_timeout", "3000"), ("channel_tick_interval", "250")]).unwrap(),
+            erl_args(&[
+                ("consumer_timeout", "3000"),
+                ("channel_tick_interval", "250")
+            ])
+            .unwrap(),
             "-rabbit consumer_timeout 3000 -rabbit channel_tick_interval 250"
         );
         assert!(erl_args(&[("consumer_timeout", "3000 -s init stop")]).is_err());
