@@ -6,8 +6,8 @@
 //!
 //! Options (defaults in brackets): `--consumers N` [3] (clocks 0, 1, 0, 1, …
 //! ticks ahead: within the two-tick allowance), `--offsets a,b,…` (each
-//! consumer's clock offset, instead), `--deliveries N` [2], `--time N` [8],
-//! `--faults N` [2], `--crashes N` [1], `--drops N` [1], `--extension`,
+//! consumer's clock offset, instead), `--deliveries N` [2], `--time N` [4],
+//! `--faults N` [0], `--crashes N` [1], `--drops N` [0], `--extension`,
 //! `--handler-failures`, `--store-failures` (failure policy
 //! store_and_retry), `--release-on-cancel`, `--answer-cache TICKS`,
 //! `--broken skew|owner`, `--threads N` [2].
@@ -31,9 +31,9 @@ fn main() -> ExitCode {
 fn run() -> Result<bool, String> {
     let mut config = ModelConfig {
         clock_offsets: vec![0, 1, 0],
-        max_time: 8,
-        faults: 2,
-        drops: 1,
+        max_time: 4,
+        faults: 0,
+        crashes: 1,
         ..ModelConfig::default()
     };
     let mut threads = 2;

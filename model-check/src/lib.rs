@@ -32,7 +32,7 @@ pub mod trace;
 use std::fmt;
 use std::time::{Duration, Instant};
 
-use stateright::{Checker, HasDiscoveries, Model};
+use stateright::{Checker, Expectation, HasDiscoveries, Model};
 
 pub use config::{Broken, ModelConfig};
 pub use model::{Action, IdempotencyModel};
@@ -128,12 +128,23 @@ pub fn check(config: ModelConfig, threads: usize) -> Result<Report, idempotency_
     let found = checker.discoveries();
     let mut discoveries: Vec<Discovery> = found
         .iter()
-        .map(|(name, path)| Discovery {
-            property: name,
-            failure: properties
-                .iter()
-                .any(|p| p.name == *name && p.expectation.discovery_is_failure()),
-            trace: trace::format_path(&model, path),
+        .filter_map(|(name, path)| {
+            let property = properties.iter().find(|p| p.name == *name)?;
+            // The ghost flags stay set: cut an invariant's path at the first
+            // state that breaks it.
+            let states = path.clone().into_states();
+            let end = match property.expectation {
+                Expectation::Always => states
+                    .iter()
+                    .position(|s| !(property.condition)(&model, s))
+                    .unwrap_or(states.len().saturating_sub(1)),
+                _ => states.len().saturating_sub(1),
+            };
+            Some(Discovery {
+                property: name,
+                failure: property.expectation.discovery_is_failure(),
+                trace: trace::format_path(&model, path, end),
+            })
         })
         .collect();
     discoveries.sort_by_key(|d| d.property);

@@ -132,11 +132,12 @@ pub fn summary(model: &IdempotencyModel, s: &State) -> String {
     )
 }
 
-/// A path as numbered steps, each with the state it leads to.
-pub fn format_path(model: &IdempotencyModel, path: &Path<State, Action>) -> String {
+/// A path as numbered steps, each with the state it leads to, up to its
+/// `last` state.
+pub fn format_path(model: &IdempotencyModel, path: &Path<State, Action>, last: usize) -> String {
     let mut out = String::new();
     let steps = path.clone().into_vec();
-    for (n, (state, action)) in steps.iter().enumerate() {
+    for (n, (state, action)) in steps.iter().enumerate().take(last) {
         if n == 0 {
             let _ = writeln!(out, "  0. start: {}", summary(model, state));
         }
