@@ -10,7 +10,7 @@
 //! `--faults N` [0], `--crashes N` [1], `--drops N` [0], `--extension`,
 //! `--handler-failures`, `--store-failures` (failure policy
 //! store_and_retry), `--release-on-cancel`, `--answer-cache TICKS`,
-//! `--broken skew|owner`, `--threads N` [2].
+//! `--broken skew|owner|no-time-box`, `--threads N` [2].
 
 use std::process::ExitCode;
 
@@ -67,7 +67,8 @@ fn run() -> Result<bool, String> {
                 config.broken = Some(match value()?.as_str() {
                     "skew" => Broken::TakeoverWithoutSkew,
                     "owner" => Broken::OwnerUncheckedComplete,
-                    other => return Err(format!("--broken skew|owner, not {other}")),
+                    "no-time-box" => Broken::NoTimeBox,
+                    other => return Err(format!("--broken skew|owner|no-time-box, not {other}")),
                 })
             }
             other => return Err(format!("unknown option {other}")),

@@ -30,6 +30,9 @@ pub enum Broken {
     /// The store applies a `complete` to any live `Processing` record,
     /// whoever holds it (the owner check left out).
     OwnerUncheckedComplete,
+    /// Consumers wait for a lost call for ever (no store time box): shows
+    /// the liveness properties catch a delivery left unanswered.
+    NoTimeBox,
 }
 
 /// The model's parameters. Durations are in ticks ([`TICK_MS`]).

@@ -23,6 +23,7 @@
 //! ```
 
 pub mod config;
+mod consumer;
 pub mod model;
 pub mod properties;
 pub mod state;

@@ -4,7 +4,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use idempotency_core::{CancelPolicy, FailurePolicy};
-use idempotency_model::properties::{EXAMPLES, NO_STALE_EFFECT, NO_STALE_WRITE, ONE_EFFECT};
+use idempotency_model::properties::{
+    EVERY_DELIVERY_ANSWERED, EXAMPLES, NOTHING_HANGS, NO_STALE_EFFECT, NO_STALE_WRITE, ONE_EFFECT,
+};
 use idempotency_model::{check, Broken, ModelConfig, Report};
 
 fn run(config: ModelConfig) -> Report {
@@ -154,6 +156,26 @@ fn clocks_beyond_the_allowance_run_the_handler_twice() {
     });
     assert!(
         report.failure(NO_STALE_EFFECT).is_some() || report.failure(ONE_EFFECT).is_some(),
+        "{report}"
+    );
+}
+
+/// The liveness properties are not vacuous: consumers that wait for a lost
+/// call for ever (no time box) leave a delivery unanswered, and the checker
+/// says so.
+#[test]
+fn a_call_without_a_time_box_hangs_and_is_caught() {
+    let report = run(ModelConfig {
+        max_time: 3,
+        faults: 1,
+        crashes: 0,
+        deliveries: 1,
+        broken: Some(Broken::NoTimeBox),
+        ..ModelConfig::default()
+    });
+    assert!(
+        report.failure(NOTHING_HANGS).is_some()
+            || report.failure(EVERY_DELIVERY_ANSWERED).is_some(),
         "{report}"
     );
 }
