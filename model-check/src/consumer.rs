@@ -64,17 +64,22 @@ impl IdempotencyModel {
         }
     }
 
-    pub(crate) fn end(state: &mut State, i: u8) {
-        Self::settle(state, i, Phase::Done);
+    pub(crate) fn end(&self, state: &mut State, i: u8) {
+        self.settle(state, i, Phase::Done);
     }
 
-    /// The execution ends (`Done`) or its process crashes: an effect whose
-    /// outcome is not recorded excuses its life (the contract's condition
-    /// failed), and what no longer matters is cleared, so that states that
-    /// differ only there are one.
-    pub(crate) fn settle(state: &mut State, i: u8, phase: Phase) {
+    /// The execution ends (`Done`) or its process crashes, and what no
+    /// longer matters is cleared, so that states that differ only there are
+    /// one. An effect whose outcome is not recorded excuses its life if the
+    /// process crashed or the lease has ended on its own clock (the
+    /// contract's condition "the completion can be recorded before the lease
+    /// ends" failed); not if its completion was refused while its lease was
+    /// still live — that is a takeover of a live lease.
+    pub(crate) fn settle(&self, state: &mut State, i: u8, phase: Phase) {
+        let local = self.local(state, i);
         let c = &state.consumers[usize::from(i)];
-        if let (Some(life), false) = (c.effect, c.recorded) {
+        let lease_over = phase == Phase::Crashed || local >= c.deadline;
+        if let (Some(life), false, true) = (c.effect, c.recorded, lease_over) {
             if let Some(l) = state.lives.get_mut(usize::from(life)) {
                 l.excused = true;
             }
@@ -113,7 +118,7 @@ impl IdempotencyModel {
             _ => None,
         };
         let write = match (on_drop(phase, self.core.on_cancel), pending) {
-            (DropAction::Keep, _) => return Self::end(state, i),
+            (DropAction::Keep, _) => return self.end(state, i),
             (DropAction::Record, Some(write)) => write,
             (DropAction::Release | DropAction::Record, _) => FinishWrite::Release,
         };
@@ -185,7 +190,7 @@ impl IdempotencyModel {
                 if unsettled.is_some() {
                     self.guard_drops(state, i, DropPhase::Reserving, true);
                 } else {
-                    Self::end(state, i);
+                    self.end(state, i);
                 }
             }
             (Phase::Recording { write, .. }, Answer::Ok) => self.applied(state, i, write),
@@ -220,7 +225,7 @@ impl IdempotencyModel {
                         },
                     };
                     Self::answer(state, i, outcome);
-                    Self::end(state, i);
+                    self.end(state, i);
                 }
             }
             // Nothing else is sent by the phase that waits for it.
@@ -282,7 +287,7 @@ impl IdempotencyModel {
             };
             self.send_write(state, i, FinishWrite::Release);
         } else {
-            Self::end(state, i);
+            self.end(state, i);
         }
     }
 
@@ -330,7 +335,7 @@ impl IdempotencyModel {
                         },
                     };
                     Self::answer(state, i, outcome);
-                    Self::end(state, i);
+                    self.end(state, i);
                 }
             }
             _ => {}
@@ -362,7 +367,7 @@ impl IdempotencyModel {
                     state.stale_answer = true;
                 }
                 Self::answer(state, i, Outcome::LocalAnswer);
-                return Self::end(state, i);
+                return self.end(state, i);
             }
             state.consumers[usize::from(i)].cache = None;
         }

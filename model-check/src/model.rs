@@ -239,7 +239,7 @@ impl Model for IdempotencyModel {
             }
             Action::Crashes(i) => {
                 state.crashes -= 1;
-                Self::settle(&mut state, i, Phase::Crashed);
+                self.settle(&mut state, i, Phase::Crashed);
             }
             Action::Drops(i) => {
                 state.drops -= 1;
