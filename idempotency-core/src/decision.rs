@@ -13,6 +13,13 @@ use crate::record::{Record, Status};
 use crate::repository::ReserveRequest;
 use crate::time::Timestamp;
 
+mod writes;
+
+pub use writes::{
+    answer_serve_until, cached_answer, extend_record, finish_margin, finish_record, finished_by,
+    holds, on_drop, DropAction, DropPhase, FinishWrite,
+};
+
 /// What `reserve` does to the record it finds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ReserveTransition {

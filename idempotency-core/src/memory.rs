@@ -10,7 +10,9 @@ use hashbrown::HashTable;
 use parking_lot::Mutex;
 
 use crate::admin::{Admin, Check, DoctorOptions, ListFilter, Listing, Stats};
-use crate::decision::{reserve_transition, reserved_record, ReserveTransition};
+use crate::decision::{
+    extend_record, finish_record, holds, reserve_transition, reserved_record, ReserveTransition,
+};
 use crate::error::Error;
 use crate::key::{OwnerToken, RecordKey};
 use crate::record::{Record, Status};
@@ -157,7 +159,7 @@ impl MemoryRepository {
         let (hash, shard) = self.locate(key);
         let mut shard = shard.lock();
         match shard.get_mut(hash, key) {
-            Some(r) if !r.is_expired(now) && r.status == Status::Processing && r.owner == owner => {
+            Some(r) if holds(r, owner, now) => {
                 if !f(r) {
                     shard.remove(hash, key);
                 }
@@ -187,16 +189,7 @@ impl MemoryRepository {
             value,
         )?;
         self.with_owned(key, owner, now, |r| {
-            r.status = status;
-            let value = value.map(<[u8]>::to_vec);
-            if status == Status::Completed {
-                r.result = value;
-            } else {
-                r.error = value;
-            }
-            r.retryable = retryable;
-            r.expires_at = expires_at;
-            r.updated_at = now;
+            finish_record(r, status, value, retryable, expires_at, now);
             true
         })
     }
@@ -305,9 +298,7 @@ impl Repository for MemoryRepository {
         now: Timestamp,
     ) -> Result<(), Error> {
         self.with_owned(key, owner, now, |r| {
-            r.lease_until = r.lease_until.max(lease_until);
-            r.expires_at = r.expires_at.max(expires_at);
-            r.updated_at = now;
+            extend_record(r, lease_until, expires_at, now);
             true
         })
     }

@@ -64,7 +64,7 @@ impl fmt::Display for Status {
 }
 
 /// One idempotency record, as a repository returns it (contract §2).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Record {
     /// Where the record is in its life.
     pub status: Status,

@@ -36,6 +36,7 @@ use crate::error::Error;
 use crate::key::RecordKey;
 use crate::manager::{ExecuteError, Outcome};
 
+pub use crate::engine::reserve::RESERVE_RETRIES;
 pub use crate::engine::reserve_request;
 pub use crate::manager::front::Front;
 

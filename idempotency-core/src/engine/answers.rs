@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::AnswerCacheConfig;
-use crate::decision::{fingerprints_conflict, DuplicateDecision};
+use crate::decision::{answer_serve_until, cached_answer, DuplicateDecision};
 use crate::key::{Fingerprint, RecordKey};
 use crate::metrics::Counter;
 use crate::record::{Record, Status};
@@ -117,20 +117,17 @@ impl Answers {
         now: Timestamp,
     ) -> Option<DuplicateDecision> {
         let answer = self.cache.get(key)?;
-        if now >= answer.serve_until {
+        let decision = cached_answer(
+            answer.fingerprint.as_ref(),
+            answer.result.as_deref(),
+            answer.serve_until,
+            fingerprint,
+            now,
+        );
+        if decision.is_none() {
             self.cache.invalidate(key);
-            return None;
         }
-        Some(
-            if fingerprints_conflict(answer.fingerprint.as_ref(), fingerprint) {
-                DuplicateDecision::PayloadMismatch
-            } else {
-                match &answer.result {
-                    Some(bytes) => DuplicateDecision::Replay(bytes.to_vec()),
-                    None => DuplicateDecision::Duplicate,
-                }
-            },
-        )
+        decision
     }
 
     /// Keeps a completed record's answer, read from (or written to) the store
@@ -143,12 +140,11 @@ impl Answers {
         expires_at: Timestamp,
         read_at: Timestamp,
     ) {
-        let serve_until = expires_at
-            .saturating_sub(self.clock_skew)
-            .min(read_at.saturating_add(self.max_staleness));
-        if serve_until <= read_at {
+        let Some(serve_until) =
+            answer_serve_until(expires_at, read_at, self.clock_skew, self.max_staleness)
+        else {
             return;
-        }
+        };
         let answer = Answer {
             fingerprint,
             result,

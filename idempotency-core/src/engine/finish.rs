@@ -7,14 +7,12 @@
 //! re-sent our write after a lost reply (the Redis cluster client, the AWS SDK)
 //! makes our own applied write look like somebody else's.
 
-use std::time::Duration;
-
 use tokio::time::Instant;
 
 use crate::codec::Codec;
+use crate::decision::{finish_margin, finished_by, FinishWrite};
 use crate::error::Error;
 use crate::metrics::Op;
-use crate::record::Status;
 
 use super::completions::Participant;
 use super::guard::{ExecutionGuard, Phase};
@@ -105,7 +103,7 @@ impl Engine {
     }
 
     fn before_end(&self, end: Instant) -> Instant {
-        let margin = (self.config.processing_timeout / 10).min(Duration::from_secs(1));
+        let margin = finish_margin(self.config.processing_timeout);
         end.checked_sub(margin).unwrap_or(end)
     }
 
@@ -282,12 +280,11 @@ impl Engine {
         let record = self
             .store(Op::Get, self.repo.get(&lease.key, self.now()))
             .await?;
-        let ours =
-            |status| matches!(&record, Some(r) if r.owner == lease.owner && r.status == status);
-        Ok(match pending {
-            Pending::Complete(_) => ours(Status::Completed),
-            Pending::Fail { .. } => ours(Status::Failed),
-            Pending::Release => record.is_none(),
-        })
+        let write = match pending {
+            Pending::Complete(_) => FinishWrite::Complete,
+            Pending::Fail { .. } => FinishWrite::Fail,
+            Pending::Release => FinishWrite::Release,
+        };
+        Ok(finished_by(record.as_ref(), lease.owner, write))
     }
 }

@@ -7,7 +7,7 @@
 //! | dropped while | the record | why |
 //! |---|---|---|
 //! | reserving | released in the background | no handler ran; a reserve whose reply was lost may have created it under our token |
-//! | the handler runs | [`CancelPolicy`]: kept until its lease ends (default), or released | the handler may already have applied its effect |
+//! | the handler runs | [`CancelPolicy`](crate::CancelPolicy): kept until its lease ends (default), or released | the handler may already have applied its effect |
 //! | the outcome is recorded | the outcome is recorded in the background | the effect happened; only its record is missing |
 //!
 //! A reserve that failed for good also leaves the reserving phase behind, so
@@ -19,7 +19,7 @@
 
 use std::sync::Arc;
 
-use crate::config::CancelPolicy;
+use crate::decision::{on_drop, DropAction, DropPhase};
 
 use super::finish::{Finished, Pending};
 use super::lease::Lease;
@@ -56,17 +56,19 @@ impl Drop for ExecutionGuard {
     fn drop(&mut self) {
         // Whatever happened, this execution no longer keeps the lease.
         self.lease.mark_lost();
-        let pending = match std::mem::replace(&mut self.phase, Phase::Done) {
+        let (phase, pending) = match std::mem::replace(&mut self.phase, Phase::Done) {
             Phase::Done => return,
-            Phase::Reserving => Pending::Release,
-            Phase::Running => match self.engine.config.on_cancel {
-                CancelPolicy::KeepLease => {
-                    tracing::info!(key = %self.lease.key, lease_until = %self.lease.until(), "execution dropped while the handler ran; the record keeps its lease until it ends");
-                    return;
-                }
-                CancelPolicy::Release => Pending::Release,
-            },
-            Phase::Recording(pending) => pending,
+            Phase::Reserving => (DropPhase::Reserving, None),
+            Phase::Running => (DropPhase::Running, None),
+            Phase::Recording(pending) => (DropPhase::Recording, Some(pending)),
+        };
+        let pending = match (on_drop(phase, self.engine.config.on_cancel), pending) {
+            (DropAction::Keep, _) => {
+                tracing::info!(key = %self.lease.key, lease_until = %self.lease.until(), "execution dropped while the handler ran; the record keeps its lease until it ends");
+                return;
+            }
+            (DropAction::Record, Some(pending)) => pending,
+            (DropAction::Release | DropAction::Record, _) => Pending::Release,
         };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             tracing::warn!(key = %self.lease.key, "execution dropped outside a Tokio runtime; the record stays as it is until its lease ends");

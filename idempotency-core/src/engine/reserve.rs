@@ -25,7 +25,7 @@ use super::lease::Lease;
 use super::{backoff, reserve_request, Engine};
 
 /// How many times a reserve that failed ambiguously is sent again.
-pub(crate) const RESERVE_RETRIES: u32 = 2;
+pub const RESERVE_RETRIES: u32 = 2;
 
 /// The answer of the reservation stage.
 #[derive(Debug)]
