@@ -326,8 +326,11 @@ async fn run(cli: Cli) -> Result<String, Failure> {
         skew,
         json: cli.format == Format::Json,
     };
-    let connect_url = store::connect_url(&url, cli.command.access())?;
-    let store = within(ctx.limit, idempotency::connect(&connect_url)).await?;
+    let access = cli.command.access();
+    let connect_url = store::connect_url(&url, access)?;
+    let store = within(ctx.limit, idempotency::connect(&connect_url))
+        .await
+        .map_err(|failure| store::connect_failure(&url, access, failure))?;
     match cli.command {
         Command::Get(key) => commands::get(&store, &key, ctx).await,
         Command::List(filter) => {

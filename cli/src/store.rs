@@ -58,6 +58,23 @@ pub(crate) fn connect_url(url: &str, access: Access) -> Result<String, Failure> 
     Ok(url)
 }
 
+/// A failure to connect, explained for the command: a SQLite file opened
+/// read-only that is not in WAL mode (every database the library migrated
+/// is) cannot be read without changing it, so it was never set up.
+pub(crate) fn connect_failure(url: &str, access: Access, failure: Failure) -> Failure {
+    let read_only_sqlite = access == Access::Read
+        && StoreKind::from_url(url).ok() == Some(StoreKind::Sqlite)
+        && failure.message.contains("read-only");
+    match (read_only_sqlite, sqlite_file(url)) {
+        (true, Some(file)) => Failure::permanent(format!(
+            "cannot read the SQLite database at {} without changing it: it is not in WAL mode,              as every database idempotency migrated is, so it was never set up for              idempotency (or another program created it). Set it up with {}",
+            file.display(),
+            command(url, "migrate")
+        )),
+        _ => failure,
+    }
+}
+
 /// The file a `sqlite:` URL names; `None` for an in-memory database.
 fn sqlite_file(url: &str) -> Option<PathBuf> {
     let rest = url.strip_prefix("sqlite:")?;

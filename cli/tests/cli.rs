@@ -387,8 +387,11 @@ fn the_clock_skew_is_documented_in_help() {
 async fn sqlite_from_unmigrated_to_purged() {
     let url = sqlite_url();
     // The tool never creates the file on its own (tests/operator.rs), nor
-    // migrates it: doctor finds an empty file unmigrated.
-    std::fs::File::create(url.trim_start_matches("sqlite://")).unwrap();
+    // migrates it: doctor finds a database opened without migrating
+    // (`migrate=false`) unmigrated.
+    idempotency::connect(&format!("{url}?migrate=false"))
+        .await
+        .unwrap();
     let (code, report, err) = tool(&url, &["doctor"]);
     assert_eq!(code, 3, "{err}");
     assert_eq!(verdict(&report, "schema version"), "fail");

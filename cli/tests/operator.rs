@@ -217,7 +217,7 @@ async fn http_records_are_named_by_their_request_and_shown_decoded() {
 
     let mut evict = by_request.to_vec();
     evict[0] = "evict";
-    evict[4] = "post";
+    evict[3] = "post";
     let evicted = json(&url, &evict);
     assert_eq!(
         (evicted.code, &evicted.json["removed"]),
@@ -231,8 +231,8 @@ async fn http_records_are_named_by_their_request_and_shown_decoded() {
 /// A read-only command on a mistyped SQLite path creates nothing and names
 /// the command that would create the database; on a file never migrated,
 /// every hint names `idempotency … migrate`, not a Rust function.
-#[test]
-fn read_only_commands_never_create_a_file_and_hints_name_commands() {
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn read_only_commands_never_create_a_file_and_hints_name_commands() {
     let path = common::sqlite_path();
     let url = format!("sqlite://{}", path.display());
     for args in [
@@ -254,8 +254,23 @@ fn read_only_commands_never_create_a_file_and_hints_name_commands() {
             out.stderr
         );
     }
-    // A file that exists but was never migrated (empty).
+    // An empty file is no database set up by the library: said so, with the
+    // command that sets it up.
     std::fs::File::create(&path).unwrap();
+    let empty = json(&url, &["stats"]);
+    assert_eq!(empty.code, 1, "{}", empty.stderr);
+    assert!(
+        empty
+            .stderr
+            .contains(&format!("`idempotency --url '{url}' migrate`")),
+        "{}",
+        empty.stderr
+    );
+    std::fs::remove_file(&path).unwrap();
+    // A database an application opened without migrating (`migrate=false`).
+    idempotency::connect(&format!("{url}?migrate=false"))
+        .await
+        .unwrap();
     let stats = json(&url, &["stats"]);
     assert_eq!(stats.code, 1, "{}", stats.stderr);
     assert!(
