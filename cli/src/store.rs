@@ -90,11 +90,10 @@ fn query(url: &str) -> &str {
 
 fn option<'a>(url: &'a str, name: &str) -> Option<&'a str> {
     query(url)
-        .split('&')
+        .rsplit('&')
         .filter_map(|pair| pair.split_once('='))
-        .filter(|(n, _)| *n == name)
+        .find(|(n, _)| *n == name)
         .map(|(_, v)| v)
-        .last()
 }
 
 fn has_option(url: &str, name: &str) -> bool {

@@ -415,6 +415,7 @@ pub fn parse_bool(s: &str) -> Option<bool> {
 ///     redact_url("mysql://app@db/shop?password=x&table=t"),
 ///     "mysql://app@db/shop?password=***&table=t"
 /// );
+/// assert_eq!(redact_url("postgres://app:a/b@c@db/shop"), "postgres://app:***@db/shop");
 /// assert_eq!(redact_url("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
 /// ```
 pub fn redact_url(url: &str) -> String {
@@ -427,10 +428,9 @@ pub fn redact_url(url: &str) -> String {
         Some((scheme, rest)) => {
             out.push_str(scheme);
             out.push_str("://");
-            // The user information ends at the last `@` of the authority.
-            let authority_end = rest.find('/').unwrap_or(rest.len());
-            let (authority, path) = rest.split_at(authority_end);
-            match authority.rsplit_once('@') {
+            // The user information ends at the last `@` (a password with an
+            // unescaped `/` or `@` is redacted whole too).
+            match rest.rsplit_once('@') {
                 Some((userinfo, host)) => {
                     match userinfo.split_once(':') {
                         Some((user, _)) => {
@@ -442,9 +442,8 @@ pub fn redact_url(url: &str) -> String {
                     out.push('@');
                     out.push_str(host);
                 }
-                None => out.push_str(authority),
+                None => out.push_str(rest),
             }
-            out.push_str(path);
         }
         None => out.push_str(head),
     }
