@@ -9,7 +9,10 @@
 //! ```text
 //! cargo run --example quickstart
 //! IDEMPOTENCY_STORE_URL=redis://127.0.0.1:6379 cargo run --example quickstart --features redis
+//! IDEMPOTENCY_STORE_URL="sqlite://${TMPDIR:-/tmp}/idempotency-quickstart.db" cargo run --example quickstart --features sqlite
 //! ```
+//!
+//! The store's URL is printed with its password redacted (`redact_url`).
 //!
 //! Time is simulated with a `ManualClock`: the broker's redelivery delay moves
 //! it forward instead of sleeping.
@@ -73,6 +76,17 @@ fn next(seed: &mut u64) -> u64 {
     *seed
 }
 
+/// The file a `sqlite:` URL names, as an absolute path (so a relative URL
+/// says where it put the database); `None` for other stores and in memory.
+fn sqlite_file(url: &str) -> Option<std::path::PathBuf> {
+    let path = url.strip_prefix("sqlite:")?.split('?').next()?;
+    let path = path.strip_prefix("//").unwrap_or(path);
+    if path.is_empty() || path == ":memory:" {
+        return None;
+    }
+    std::path::absolute(path).ok()
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Unset or empty (`IDEMPOTENCY_STORE_URL= cargo run …`): the in-memory store.
@@ -114,7 +128,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         w.queue = all.into();
     }
 
-    println!("store: {url} ({} backend)", store.capabilities().backend);
+    // Never the password: the URL is printed with its credentials redacted.
+    println!(
+        "store: {} ({} backend)",
+        idempotency::redact_url(&url),
+        store.capabilities().backend
+    );
+    if let Some(file) = sqlite_file(&url) {
+        println!("database file: {}", file.display());
+    }
     println!("{EVENTS} events, {CONSUMERS} consumers, consumer 0 crashes while handling event {CRASHING_EVENT}\n");
 
     let mut round = 0;

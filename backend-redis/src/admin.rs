@@ -179,13 +179,20 @@ impl RedisRepository {
     async fn persistence_check(&self) -> Result<Check, Error> {
         let name = "persistence";
         let fsync = self.config("appendfsync").await.unwrap_or_default();
+        let save = self.config("save").await.unwrap_or_default();
         let nodes = self.info("persistence").await?;
         Ok(worst(nodes.into_iter().map(|(node, info)| {
             let aof = info.get("aof_enabled").map(String::as_str) == Some("1");
-            let node_fsync = fsync
-                .iter()
-                .find(|(n, _)| *n == node || n == "server")
-                .map(|(_, v)| v.as_str());
+            let of_node = |values: &[(String, String)]| {
+                values
+                    .iter()
+                    .find(|(n, _)| *n == node || n == "server")
+                    .map(|(_, v)| v.clone())
+            };
+            let node_fsync = of_node(&fsync);
+            let node_fsync = node_fsync.as_deref();
+            // `save ""`: no snapshot points; unknown where CONFIG GET is refused.
+            let snapshots = of_node(&save).map(|points| !points.trim().is_empty());
             let check = match (aof, node_fsync) {
                 (true, Some("always")) => Check::pass(
                     name,
@@ -200,10 +207,27 @@ impl RedisRepository {
                     ),
                     "appendfsync always, when a repeated effect after a crash is unacceptable",
                 ),
+                (false, _) if snapshots == Some(false) => Check::fail(
+                    name,
+                    "no persistence at all (appendonly no, save \"\"): a restart loses every \
+                     record, and every key's next delivery runs its handler again",
+                    "CONFIG SET appendonly yes and appendfsync always (and in redis.conf); \
+                     snapshots alone (save) keep only the records of the last snapshot",
+                ),
                 (false, _) => Check::warn(
                     name,
-                    "no append-only file: a restart loses the records written since the last \
-                     snapshot (or all of them), and their next deliveries run again",
+                    match snapshots {
+                        Some(_) => {
+                            "snapshots only (appendonly no): a restart loses the records \
+                             written since the last snapshot, and their next deliveries run \
+                             again"
+                        }
+                        None => {
+                            "no append-only file, snapshot settings unknown (CONFIG GET \
+                             refused): a restart loses the records written since the last \
+                             snapshot (or all of them), and their next deliveries run again"
+                        }
+                    },
                     "appendonly yes, appendfsync always",
                 ),
             };

@@ -10,7 +10,7 @@ use idempotency::consumers::kafka::topic_retention;
 use idempotency::consumers::retention::{judge, CHECK};
 use idempotency::consumers::sqs::message_retention;
 
-use crate::Failure;
+use crate::exit::Failure;
 
 /// The brokers `doctor` looks at.
 #[derive(Debug, Clone, Default, clap::Args)]
@@ -53,11 +53,9 @@ pub(crate) async fn retention_checks(
         return Ok(Vec::new());
     }
     let ttl = brokers.ttl.ok_or_else(|| {
-        Failure(
+        Failure::usage(
             "--sqs-queue and --kafka-topic are judged against the consumers' record ttl: \
-             give --ttl (their Config::ttl) or IDEMPOTENCY_TTL"
-                .to_owned(),
-            2,
+             give --ttl (the consumers' ttl) or IDEMPOTENCY_TTL",
         )
     })?;
     let mut checks = Vec::new();

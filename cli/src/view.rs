@@ -4,11 +4,13 @@
 use std::io::IsTerminal;
 use std::time::Duration;
 
-use comfy_table::{presets, Cell, Color, ContentArrangement, Table};
+use comfy_table::{presets, Cell, Color, ColumnConstraint, ContentArrangement, Table};
 use idempotency::admin::{Check, Listed, Stats, Verdict};
 use idempotency::decision::{lease_ended, stuck};
 use idempotency::{Clock, Record, Status, SystemClock, Timestamp};
 use serde_json::{json, Value};
+
+use crate::{http_view, keys};
 
 /// How much of a result or stored error a table shows.
 const PREVIEW_BYTES: usize = 2048;
@@ -110,9 +112,16 @@ fn truncate(text: &str, limit: Option<usize>) -> String {
 /// The whole record as JSON (values in full). `lease_ended`: the lease is
 /// over for every consumer (ended at least the clock skew ago); `stuck`:
 /// that, and processing.
+///
+/// `key` is the key as the tool prints it and reads it back (`--key`). A
+/// record the HTTP layer wrote also has `http_request` (caller, method,
+/// route, key) and `http_response` (status, headers, body) when its result
+/// is a stored response.
 pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, at: At) -> Value {
     let now = at.now;
+    let response = r.result.as_deref().and_then(http_view::response);
     json!({
+        "key": keys::shown_parts(namespace, id),
         "namespace": namespace,
         "id": id,
         "status": r.status.as_str(),
@@ -131,6 +140,10 @@ pub(crate) fn record_json(namespace: &str, id: &str, r: &Record, at: At) -> Valu
         "result": r.result.as_deref().map(|b| value(b, None)),
         "error": r.error.as_deref().map(|b| value(b, None)),
         "retryable": r.retryable,
+        "http_request": http_view::request_json(id),
+        "http_response": response
+            .as_ref()
+            .map(|resp| http_view::response_json(resp, |b| value(b, None))),
     })
 }
 
@@ -141,7 +154,12 @@ pub(crate) fn record_table(namespace: &str, id: &str, r: &Record, at: At) -> Str
     let mut row = |k: &str, v: String| {
         table.add_row(vec![Cell::new(k), Cell::new(v)]);
     };
-    row("key", format!("{namespace} : {id}"));
+    row("key", keys::shown_parts(namespace, id));
+    row("namespace", namespace.to_owned());
+    row("id", id.to_owned());
+    if let Some(request) = http_view::request_text(id) {
+        row("http request", request);
+    }
     row("status", status_text(r, at));
     row("owner", r.owner.to_string());
     row("attempt", r.attempt.to_string());
@@ -168,7 +186,22 @@ pub(crate) fn record_table(namespace: &str, id: &str, r: &Record, at: At) -> Str
     }
     if let Some(result) = &r.result {
         row("result", format!("{} bytes", result.len()));
-        row("preview", preview(result));
+        match http_view::response(result) {
+            Some(response) => {
+                row("http response", http_view::head_text(&response));
+                row(
+                    "body",
+                    response.body().map_or_else(
+                        || "not retained (larger than the layer's cap)".to_owned(),
+                        |body| format!("{} bytes\n{}", body.len(), preview(body)),
+                    ),
+                );
+                if let Some(trailers) = http_view::trailers_text(&response) {
+                    row("trailers", trailers);
+                }
+            }
+            None => row("preview", preview(result)),
+        }
     }
     if let Some(error) = &r.error {
         row("error", preview(error));
@@ -202,8 +235,7 @@ pub(crate) fn listing_table(records: &[Listed], at: At) -> String {
     let now = at.now;
     let mut table = table();
     table.set_header(vec![
-        "namespace",
-        "id",
+        "key (namespace:id, as --key takes it)",
         "status",
         "attempt",
         "lease",
@@ -213,8 +245,7 @@ pub(crate) fn listing_table(records: &[Listed], at: At) -> String {
     for l in records {
         let r = &l.record;
         table.add_row(vec![
-            Cell::new(&l.namespace),
-            Cell::new(&l.id),
+            Cell::new(keys::shown_parts(&l.namespace, &l.id)),
             status_cell(r, at),
             Cell::new(r.attempt),
             Cell::new(relative(r.lease_until, now)),
@@ -225,6 +256,10 @@ pub(crate) fn listing_table(records: &[Listed], at: At) -> String {
                     .map_or("–".to_owned(), |v| format!("{} B", v.len())),
             ),
         ]);
+    }
+    // A key is copied whole: its column is never wrapped.
+    if let Some(column) = table.column_mut(0) {
+        column.set_constraint(ColumnConstraint::ContentWidth);
     }
     table.to_string()
 }

@@ -402,6 +402,73 @@ pub fn parse_bool(s: &str) -> Option<bool> {
     }
 }
 
+/// A store URL fit to print: the password of its user information and the
+/// values of query options that carry secrets (`password`, `secret`, `token`,
+/// keys) replaced by `***`. Everything else is kept, so the URL still says
+/// which store it names.
+///
+/// ```
+/// use idempotency_core::redact_url;
+/// assert_eq!(redact_url("postgres://app:s3cret@db/shop"), "postgres://app:***@db/shop");
+/// assert_eq!(redact_url("redis://:pw@127.0.0.1:6379/0"), "redis://:***@127.0.0.1:6379/0");
+/// assert_eq!(
+///     redact_url("mysql://app@db/shop?password=x&table=t"),
+///     "mysql://app@db/shop?password=***&table=t"
+/// );
+/// assert_eq!(redact_url("postgres://app:a/b@c@db/shop"), "postgres://app:***@db/shop");
+/// assert_eq!(redact_url("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
+/// ```
+pub fn redact_url(url: &str) -> String {
+    let (head, query) = match url.split_once('?') {
+        Some((head, query)) => (head, Some(query)),
+        None => (url, None),
+    };
+    let mut out = String::with_capacity(url.len());
+    match head.split_once("://") {
+        Some((scheme, rest)) => {
+            out.push_str(scheme);
+            out.push_str("://");
+            // The user information ends at the last `@` (a password with an
+            // unescaped `/` or `@` is redacted whole too).
+            match rest.rsplit_once('@') {
+                Some((userinfo, host)) => {
+                    match userinfo.split_once(':') {
+                        Some((user, _)) => {
+                            out.push_str(user);
+                            out.push_str(":***");
+                        }
+                        None => out.push_str(userinfo),
+                    }
+                    out.push('@');
+                    out.push_str(host);
+                }
+                None => out.push_str(rest),
+            }
+        }
+        None => out.push_str(head),
+    }
+    if let Some(query) = query {
+        out.push('?');
+        let pairs: Vec<String> = query
+            .split('&')
+            .map(|pair| match pair.split_once('=') {
+                Some((name, _)) if is_secret_option(name) => format!("{name}=***"),
+                _ => pair.to_owned(),
+            })
+            .collect();
+        out.push_str(&pairs.join("&"));
+    }
+    out
+}
+
+fn is_secret_option(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    ["password", "passwd", "pass", "secret", "token", "key"]
+        .iter()
+        .any(|secret| name.contains(secret))
+        && !matches!(name.as_str(), "partition_key")
+}
+
 fn format_duration(d: &Duration) -> String {
     let ms = d.as_millis();
     if ms.is_multiple_of(1000) {

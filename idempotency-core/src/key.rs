@@ -104,6 +104,41 @@ impl RecordKey {
         }
     }
 
+    /// The key of a record as a store lists or logs it: like
+    /// [`new`](Self::new), except that an id which already is a digest
+    /// ([`DIGEST_PREFIX`] and 64 lowercase hex digits, the form `new` gives a
+    /// long id) is kept as it is, not digested a second time. Operator tools
+    /// use it to address a record whose listed id is a digest.
+    ///
+    /// ```
+    /// use idempotency_core::RecordKey;
+    /// let long = RecordKey::new("orders", "x".repeat(1000), 256)?;
+    /// let listed = RecordKey::from_stored("orders", long.id(), 256)?;
+    /// assert_eq!(listed, long);
+    /// // Anything else is built as `new` builds it.
+    /// assert_eq!(RecordKey::from_stored("orders", "o-1", 256)?, RecordKey::new("orders", "o-1", 256)?);
+    /// # Ok::<(), idempotency_core::Error>(())
+    /// ```
+    ///
+    /// # Errors
+    /// As [`new`](Self::new).
+    pub fn from_stored(
+        namespace: impl Into<String>,
+        id: impl AsRef<str>,
+        max_id_bytes: usize,
+    ) -> Result<Self, Error> {
+        let id = id.as_ref();
+        let key = Self::new(namespace, id, max_id_bytes)?;
+        if !is_digest(id) {
+            return Ok(key);
+        }
+        Ok(RecordKey {
+            namespace: key.namespace,
+            id: Arc::from(id),
+            digested: true,
+        })
+    }
+
     /// The namespace (prefix and scope).
     pub fn namespace(&self) -> &str {
         &self.namespace
@@ -145,12 +180,16 @@ impl RecordKey {
 
     /// The key whose [`encode`](Self::encode)d form is `encoded` (what an
     /// operator copies from a store or a log), with ids longer than
-    /// `max_id_bytes` digested as [`new`](Self::new) does.
+    /// `max_id_bytes` digested as [`new`](Self::new) does; an id that already
+    /// is a digest is kept (see [`from_stored`](Self::from_stored)), so
+    /// `decode(&key.encode())` is `key` for every key.
     ///
     /// ```
     /// use idempotency_core::RecordKey;
     /// let key = RecordKey::new("idempotency:payments", "order:42", 256)?;
     /// assert_eq!(RecordKey::decode(&key.encode(), 256)?, key);
+    /// let long = RecordKey::new("idempotency:payments", "y".repeat(300), 256)?;
+    /// assert_eq!(RecordKey::decode(&long.encode(), 256)?, long);
     /// assert!(RecordKey::decode("no separator", 256).is_err());
     /// # Ok::<(), idempotency_core::Error>(())
     /// ```
@@ -183,8 +222,15 @@ impl RecordKey {
         }
         let namespace =
             String::from_utf8(bytes).map_err(|_| invalid("the namespace is not UTF-8"))?;
-        RecordKey::new(namespace, id, max_id_bytes)
+        RecordKey::from_stored(namespace, id, max_id_bytes)
     }
+}
+
+/// Whether `id` is the digest form [`RecordKey::new`] gives a long id.
+fn is_digest(id: &str) -> bool {
+    id.strip_prefix(DIGEST_PREFIX).is_some_and(|hex| {
+        hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
 }
 
 /// One part of a composed key or namespace, with `%` and `:` percent-escaped so

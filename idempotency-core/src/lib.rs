@@ -75,7 +75,7 @@ pub mod tls;
 pub use canonical::canonical_json_text;
 pub use codec::{Codec, JsonCodec};
 pub use config::{
-    parse_bool, parse_duration, AnswerCacheConfig, CancelPolicy, Config, FailurePolicy,
+    parse_bool, parse_duration, redact_url, AnswerCacheConfig, CancelPolicy, Config, FailurePolicy,
     InProgressPolicy, OutagePolicy, MAX_DURATION,
 };
 pub use decision::FailureKind;

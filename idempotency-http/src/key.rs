@@ -175,6 +175,65 @@ pub fn record_id(caller: Option<&str>, method: &Method, route: &str, key: &str) 
     id
 }
 
+/// The parts of a record id [`record_id`] built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordIdParts<'a> {
+    /// The caller identity (`None`: anonymous).
+    pub caller: Option<&'a str>,
+    /// The request method.
+    pub method: &'a str,
+    /// The route (template or request target).
+    pub route: &'a str,
+    /// The `Idempotency-Key`.
+    pub key: &'a str,
+}
+
+/// The parts of an id [`record_id`] built; `None` for an id of another
+/// form (a record not written by this layer). The inverse of `record_id`,
+/// for operator tools that show what request a record answers.
+///
+/// ```
+/// use http::Method;
+/// use idempotency_http::{parse_record_id, record_id, RecordIdParts};
+///
+/// let id = record_id(Some("t|1"), &Method::POST, "/orders", "k:1");
+/// assert_eq!(
+///     parse_record_id(&id),
+///     Some(RecordIdParts { caller: Some("t|1"), method: "POST", route: "/orders", key: "k:1" })
+/// );
+/// assert_eq!(parse_record_id("evt-42"), None);
+/// ```
+pub fn parse_record_id(id: &str) -> Option<RecordIdParts<'_>> {
+    let (caller, rest) = match id.strip_prefix("-|") {
+        Some(rest) => (None, rest),
+        None => {
+            let (caller, rest) = take_prefixed(id)?;
+            (Some(caller), rest)
+        }
+    };
+    let (method, rest) = take_prefixed(rest)?;
+    let (route, key) = take_prefixed(rest)?;
+    Method::from_bytes(method.as_bytes()).ok()?;
+    (!key.is_empty()).then_some(RecordIdParts {
+        caller,
+        method,
+        route,
+        key,
+    })
+}
+
+/// `<bytes>:<text>|` at the start of `s`: the text and what follows the `|`.
+fn take_prefixed(s: &str) -> Option<(&str, &str)> {
+    let (len, rest) = s.split_once(':')?;
+    if len.is_empty() || !len.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let len: usize = len.parse().ok()?;
+    let part = rest.get(..len)?;
+    let rest = rest.get(len..)?.strip_prefix('|')?;
+    Some((part, rest))
+}
+
 fn push_prefixed(out: &mut String, part: &str) {
     out.push_str(&part.len().to_string());
     out.push(':');
@@ -295,8 +354,16 @@ mod tests {
                 for route in parts {
                     for key in parts.iter().filter(|k| !k.is_empty()) {
                         n += 1;
+                        let id = record_id(caller, method, route, key);
+                        let parts = RecordIdParts {
+                            caller,
+                            method: method.as_str(),
+                            route,
+                            key,
+                        };
+                        assert_eq!(parse_record_id(&id), Some(parts), "{id:?}");
                         assert!(
-                            seen.insert(record_id(caller, method, route, key)),
+                            seen.insert(id),
                             "collision: {caller:?} {method} {route:?} {key:?}"
                         );
                     }

@@ -237,10 +237,14 @@ pub use fingerprint::{FingerprintFn, RequestFingerprint};
 /// framework uses `http` 0.2, name headers for the layer with it.
 pub use http;
 pub use in_progress::MIN_IN_PROGRESS_RETRY;
-pub use key::{caller_from_header, record_id, CallerFn, KeyError, DEFAULT_MAX_KEY_LENGTH};
+pub use key::{
+    caller_from_header, parse_record_id, record_id, CallerFn, KeyError, RecordIdParts,
+    DEFAULT_MAX_KEY_LENGTH,
+};
 pub use layer::{
     is_stored_by_default, HeaderSelection, Idempotency, IdempotencyLayer, KeyValidator, Protection,
     RouteFn, StorePredicate, DEFAULT_MAX_CACHED_BODY, DEFAULT_MAX_REQUEST_BODY, IDEMPOTENCY_KEY,
     IDEMPOTENCY_REPLAYED,
 };
 pub use problem::{Problem, ProblemKind, ProblemResponder, DEFAULT_PROBLEM_TYPE_BASE};
+pub use stored::{FormatError as StoredResponseError, StoredResponse};

@@ -33,9 +33,17 @@ const MAGIC: &[u8; 4] = b"IDH1";
 const FLAG_BODY: u8 = 1;
 const FLAG_TRAILERS: u8 = 2;
 
-/// A response as the store keeps it.
+/// A response as the store keeps it: the bytes of a record's result written by
+/// the layer. Operator tools read one back with [`decode`](Self::decode) to
+/// show it (`idempotency get` prints its status, headers and body).
+///
+/// ```
+/// use idempotency_http::StoredResponse;
+/// // A record written by another codec (JSON) is not a stored response.
+/// assert!(StoredResponse::decode(br#"{"id":1}"#).is_err());
+/// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct StoredResponse {
+pub struct StoredResponse {
     pub(crate) status: StatusCode,
     pub(crate) headers: HeaderMap,
     /// `None`: the body was larger than the cap and was passed through
@@ -46,7 +54,9 @@ pub(crate) struct StoredResponse {
 
 /// Why stored bytes could not be read back (or a response not be written).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct FormatError(pub(crate) String);
+pub struct FormatError(pub(crate) String);
+
+impl std::error::Error for FormatError {}
 
 impl fmt::Display for FormatError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -106,12 +116,36 @@ impl StoredResponse {
         Ok(out)
     }
 
-    /// Decodes the layout above.
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The headers, in the order they were sent (sensitive values keep
+    /// their mark: [`HeaderValue::is_sensitive`]).
+    pub fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    /// The body; `None` when it was larger than the layer's cap and was
+    /// passed through without being kept (a replay cannot reproduce it).
+    pub fn body(&self) -> Option<&Bytes> {
+        self.body.as_ref()
+    }
+
+    /// The trailers (a gRPC call's final status), when any were kept.
+    pub fn trailers(&self) -> Option<&HeaderMap> {
+        self.trailers.as_ref()
+    }
+
+    /// Decodes the bytes the layer stored (the layout in this module's
+    /// source: `IDH1`, status, flags, headers, body, trailers).
     ///
     /// # Errors
-    /// On any inconsistency: wrong magic, truncation, invalid status, header
-    /// name or value, unknown flags, trailing bytes.
-    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
+    /// On any inconsistency: wrong magic (a record not written by this
+    /// layer), truncation, invalid status, header name or value, unknown
+    /// flags, trailing bytes.
+    pub fn decode(bytes: &[u8]) -> Result<Self, FormatError> {
         let mut r = Reader { bytes, pos: 0 };
         if r.take(4)? != MAGIC {
             return Err(err("unknown format (not written by idempotency-http)"));
