@@ -416,49 +416,66 @@ pub fn parse_bool(s: &str) -> Option<bool> {
 ///     "mysql://app@db/shop?password=***&table=t"
 /// );
 /// assert_eq!(redact_url("postgres://app:a/b@c@db/shop"), "postgres://app:***@db/shop");
+/// assert_eq!(redact_url("postgres://app:se?cret@db/shop"), "postgres://app:***@db/shop");
+/// assert_eq!(
+///     redact_url("postgres://db/shop?user=a@b.c&password=x"),
+///     "postgres://db/shop?user=a@b.c&password=***"
+/// );
 /// assert_eq!(redact_url("sqlite:///tmp/a.db"), "sqlite:///tmp/a.db");
 /// ```
 pub fn redact_url(url: &str) -> String {
-    let (head, query) = match url.split_once('?') {
-        Some((head, query)) => (head, Some(query)),
-        None => (url, None),
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return redact_query(url);
     };
-    let mut out = String::with_capacity(url.len());
-    match head.split_once("://") {
-        Some((scheme, rest)) => {
-            out.push_str(scheme);
-            out.push_str("://");
-            // The user information ends at the last `@` (a password with an
-            // unescaped `/` or `@` is redacted whole too).
-            match rest.rsplit_once('@') {
-                Some((userinfo, host)) => {
-                    match userinfo.split_once(':') {
-                        Some((user, _)) => {
-                            out.push_str(user);
-                            out.push_str(":***");
-                        }
-                        None => out.push_str(userinfo),
-                    }
-                    out.push('@');
-                    out.push_str(host);
+    let mut out = format!("{scheme}://");
+    let after = match split_userinfo(rest) {
+        Some((userinfo, after)) => {
+            match userinfo.split_once(':') {
+                Some((user, _)) => {
+                    out.push_str(user);
+                    out.push_str(":***");
                 }
-                None => out.push_str(rest),
+                None => out.push_str(userinfo),
             }
+            out.push('@');
+            after
         }
-        None => out.push_str(head),
-    }
-    if let Some(query) = query {
-        out.push('?');
-        let pairs: Vec<String> = query
-            .split('&')
-            .map(|pair| match pair.split_once('=') {
-                Some((name, _)) if is_secret_option(name) => format!("{name}=***"),
-                _ => pair.to_owned(),
-            })
-            .collect();
-        out.push_str(&pairs.join("&"));
-    }
+        None => rest,
+    };
+    out.push_str(&redact_query(after));
     out
+}
+
+/// The user information of what follows a URL's `://` and the rest after
+/// its `@`. It ends at the last `@` before the query; a password holding an
+/// unescaped `/`, `@` or `?` is taken whole (`user:pa?ss@host`: what comes
+/// before the first `?` has a `:` and no `/`, so it cannot be a host's path).
+fn split_userinfo(rest: &str) -> Option<(&str, &str)> {
+    let query = rest.find('?').unwrap_or(rest.len());
+    if let Some(at) = rest[..query].rfind('@') {
+        return Some((&rest[..at], &rest[at + 1..]));
+    }
+    let before = &rest[..query];
+    if !before.contains(':') || before.contains('/') {
+        return None;
+    }
+    let at = query + rest[query..].find('@')?;
+    Some((&rest[..at], &rest[at + 1..]))
+}
+
+/// `head?query` with the values of secret query options replaced by `***`.
+fn redact_query(url: &str) -> String {
+    let Some((head, query)) = url.split_once('?') else {
+        return url.to_owned();
+    };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if is_secret_option(name) => format!("{name}=***"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    format!("{head}?{}", pairs.join("&"))
 }
 
 fn is_secret_option(name: &str) -> bool {

@@ -49,14 +49,21 @@ pub(crate) enum Holder {
 }
 
 impl Holder {
-    /// Reads the holder of `id` from the manager's store.
+    /// Reads the holder of `id` from the manager's store, within the
+    /// manager's `store_timeout` (a store that does not answer leaves the
+    /// hint to the manager, never the answer waiting).
     async fn of(settings: &Settings, id: &str) -> Holder {
         let manager = &settings.manager;
         let Ok(key) = manager.record_key(id) else {
             return Holder::Unknown;
         };
         let now = manager.now();
-        match manager.repository().get(&key, now).await {
+        let read = manager.repository().get(&key, now);
+        let Ok(read) = tokio::time::timeout(manager.config().store_timeout, read).await else {
+            tracing::debug!("reading an in-progress record for its retry hint timed out");
+            return Holder::Unknown;
+        };
+        match read {
             Ok(Some(record)) if record.status == Status::Processing => {
                 Holder::running(&record, now, manager.config().clock_skew)
             }

@@ -293,7 +293,17 @@ where
         slot: slot.clone(),
     };
     let outcome = D::execute(settings.manager.clone(), id.clone(), fingerprint, job).await;
-    let mut produced = slot.lock().unwrap_or_else(PoisonError::into_inner).take();
+    // Only a replay carries the replay marker: a handler that forwards one
+    // (a proxy to an API that sends the same header) must not mark the
+    // first response as a replay.
+    let mut produced = slot
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()
+        .map(|mut response| {
+            response.headers_mut().remove(&settings.replayed_header);
+            response
+        });
 
     match outcome {
         Ok(Outcome::Cached(stored)) => Ok(replay(settings, stored)),

@@ -1,6 +1,7 @@
-//! Review: the in-progress answer's extra record read (`in_progress.rs`)
-//! goes to the repository directly, without the manager's `store_timeout`,
-//! so a store whose `get` never answers makes a duplicate's 409 never come.
+//! The in-progress answer's read of the holder's record (`in_progress.rs`)
+//! is bounded by the manager's `store_timeout`: a store whose `get` never
+//! answers still gets the duplicate its 409 (with the manager's hint). And a
+//! handler's own response never carries the replay marker.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
