@@ -1563,11 +1563,24 @@ impl Admin for Fixture {
                     stats.add(key.namespace(), r.status, stuck, 1);
                 }
                 Flaw::StatsStuckIgnoresSkew => stats.count(key.namespace(), r, now, Duration::ZERO),
-                Flaw::StatsStuckIgnoresStatus if !r.is_expired(now) => {
-                    let stuck = lease_ended(r.lease_until, now, clock_skew);
-                    stats.add(key.namespace(), r.status, stuck, 1);
-                }
                 _ => stats.count(key.namespace(), r, now, clock_skew),
+            }
+        }
+        if self.is(Flaw::StatsStuckIgnoresStatus) {
+            // A second count of its own, `WHERE lease_until <= cutoff`
+            // without the status.
+            for counts in &mut stats.namespaces {
+                counts.stuck = self
+                    .map
+                    .lock()
+                    .iter()
+                    .filter(|(k, r)| {
+                        RecordKey::decode(k, usize::MAX)
+                            .is_ok_and(|key| key.namespace() == counts.namespace)
+                            && !r.is_expired(now)
+                            && lease_ended(r.lease_until, now, clock_skew)
+                    })
+                    .count() as u64;
             }
         }
         Ok(stats)
