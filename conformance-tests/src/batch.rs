@@ -298,28 +298,101 @@ async fn check_answer(
     Ok(())
 }
 
+/// How the two sides of a [`check_reserve_many_races_single_reserves`]
+/// round meet.
+#[derive(Debug, Clone, Copy)]
+enum ManyRace {
+    /// Joined in one task, the batch polled first.
+    BatchFirst,
+    /// Joined in one task, the single reservations polled first.
+    SinglesFirst,
+    /// Spawned on separate threads behind a barrier.
+    Spawned,
+    /// Two batches of the same keys, in opposite orders, joined.
+    TwoBatches,
+}
+
 /// A `reserve_many` and single `reserve`s of other owners race on the same
 /// fresh keys: each key has exactly one winner, and its record is the
 /// winner's (per-key atomicity; no lock or script spans two keys wrongly).
+/// Four rounds: joined in one task with the batch polled first, then the
+/// singles first (the racers interleave at every await point, so a batch
+/// that reads every key and then writes loses to a store whose `reserve`
+/// is itself a read then a compare-and-swap in one of them), spawned on
+/// separate threads behind a barrier, and two batches of the same keys in
+/// opposite orders.
 pub async fn check_reserve_many_races_single_reserves(repo: SharedRepository) -> CheckResult {
-    let cx = Ctx::new(repo);
-    let keys: Vec<RecordKey> = (0..40).map(|i| cx.key(&format!("race-{i}"))).collect();
+    let cx = Arc::new(Ctx::new(repo));
+    for race in [
+        ManyRace::BatchFirst,
+        ManyRace::SinglesFirst,
+        ManyRace::Spawned,
+        ManyRace::TwoBatches,
+    ] {
+        many_race_round(&cx, race).await?;
+    }
+    Ok(())
+}
+
+async fn many_race_round(cx: &Arc<Ctx>, race: ManyRace) -> CheckResult {
+    let keys: Vec<RecordKey> = (0..40)
+        .map(|i| cx.key(&format!("race-{race:?}-{i}")))
+        .collect();
     let batch_owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
     let single_owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
-    let requests = keys
-        .iter()
-        .zip(&batch_owners)
-        .map(|(k, o)| cx.req(k, *o))
-        .collect();
-    // The singles go in reverse order, so that the two sides meet half way.
-    let singles = keys
-        .iter()
-        .zip(&single_owners)
-        .rev()
-        .map(|(k, o)| cx.repo.reserve(cx.req(k, *o)));
-    let (batch, singles) = futures::join!(cx.repo.reserve_many(requests), join_all(singles));
-    ensure_eq!(batch.len(), keys.len(), "one answer per request");
-    let singles: Vec<_> = singles.into_iter().rev().collect();
+    let (batch, singles) = match race {
+        ManyRace::BatchFirst => futures::join!(
+            batch_of(cx, &keys, &batch_owners),
+            singles_of(cx, &keys, &single_owners)
+        ),
+        ManyRace::SinglesFirst => {
+            let (s, b) = futures::join!(
+                singles_of(cx, &keys, &single_owners),
+                batch_of(cx, &keys, &batch_owners)
+            );
+            (b, s)
+        }
+        ManyRace::TwoBatches => {
+            let (rev_keys, rev_owners): (Vec<RecordKey>, Vec<OwnerToken>) = keys
+                .iter()
+                .cloned()
+                .zip(single_owners.iter().copied())
+                .rev()
+                .unzip();
+            let (b, mut s) = futures::join!(
+                batch_of(cx, &keys, &batch_owners),
+                batch_of(cx, &rev_keys, &rev_owners)
+            );
+            s.reverse();
+            (b, s)
+        }
+        ManyRace::Spawned => {
+            let start = Arc::new(Barrier::new(2));
+            let batch = {
+                let (cx, keys, owners, start) = (
+                    cx.clone(),
+                    keys.clone(),
+                    batch_owners.clone(),
+                    start.clone(),
+                );
+                tokio::spawn(async move {
+                    start.wait().await;
+                    batch_of(&cx, &keys, &owners).await
+                })
+            };
+            let singles = {
+                let (cx, keys, owners) = (cx.clone(), keys.clone(), single_owners.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    singles_of(&cx, &keys, &owners).await
+                })
+            };
+            let b = batch.await.map_err(|e| failure(e.to_string()))?;
+            let s = singles.await.map_err(|e| failure(e.to_string()))?;
+            (b, s)
+        }
+    };
+    ensure_eq!(batch.len(), keys.len(), "{race:?}: one answer per request");
     for (i, (b, s)) in batch.into_iter().zip(singles).enumerate() {
         let key = &keys[i];
         let won = |r: &Reservation| matches!(r, Reservation::Acquired { attempt: 1 });
@@ -329,18 +402,49 @@ pub async fn check_reserve_many_races_single_reserves(repo: SharedRepository) ->
             (false, true) => single_owners[i],
             (b_won, s_won) => {
                 return Err(failure(format!(
-                    "{key}: batch acquired {b_won}, single acquired {s_won}: exactly one must \
-                     ({b:?} / {s:?})"
+                    "{race:?}, {key}: batch acquired {b_won}, the other side acquired {s_won}: \
+                     exactly one must ({b:?} / {s:?})"
                 )))
             }
         };
         ensure_eq!(
             cx.record(key).await?.owner,
             winner,
-            "{key}: the winner's record"
+            "{race:?}, {key}: the winner's record"
         );
     }
     Ok(())
+}
+
+/// One `reserve_many` of `keys`, each by its owner.
+async fn batch_of(
+    cx: &Ctx,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+) -> Vec<Result<Reservation, Error>> {
+    let requests = keys
+        .iter()
+        .zip(owners)
+        .map(|(k, o)| cx.req(k, *o))
+        .collect();
+    cx.repo.reserve_many(requests).await
+}
+
+/// Single `reserve`s of `keys` joined, sent in reverse order (so that they
+/// meet a batch half way); the answers in the keys' order.
+async fn singles_of(
+    cx: &Ctx,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+) -> Vec<Result<Reservation, Error>> {
+    let singles = keys
+        .iter()
+        .zip(owners)
+        .rev()
+        .map(|(k, o)| cx.repo.reserve(cx.req(k, *o)));
+    let mut answers = join_all(singles).await;
+    answers.reverse();
+    answers
 }
 
 /// Keys per round of [`check_complete_many_races_takeovers`].

@@ -652,6 +652,36 @@ pub async fn check_large_result_up_to_limit(repo: SharedRepository) -> CheckResu
         r.result.as_deref() == Some(&big[..]),
         "a {size}-byte result did not round-trip through get"
     );
+    if cx.caps.max_result_bytes.is_none() {
+        unlimited_result_round_trips(&cx).await?;
+    }
+    Ok(())
+}
+
+/// The size standing for "any" when a store declares no result limit.
+const UNLIMITED_PROBE: usize = 16 << 20;
+
+/// A store that declares no result limit enforces none: a 16 MiB result (a
+/// size past common server packet and item limits) round-trips. A limit the
+/// store has must be declared, so the manager and callers can keep to it.
+async fn unlimited_result_round_trips(cx: &Ctx) -> CheckResult {
+    let huge = vec![0xa5u8; UNLIMITED_PROBE];
+    let key = cx.key("unlimited");
+    let owner = cx.acquire(&key).await?;
+    let stored = cx
+        .repo
+        .complete(&key, owner, Some(&huge), cx.now() + TTL, cx.now())
+        .await;
+    ensure!(
+        stored.is_ok(),
+        "no result limit is declared, yet a {UNLIMITED_PROBE}-byte result was refused: \
+         {stored:?} (declare the limit in Capabilities::max_result_bytes)"
+    );
+    let r = cx.record(&key).await?;
+    ensure!(
+        r.result.as_deref() == Some(&huge[..]),
+        "no result limit is declared, yet a {UNLIMITED_PROBE}-byte result did not round-trip"
+    );
     Ok(())
 }
 
@@ -1201,9 +1231,42 @@ pub async fn check_purge_expired(repo: SharedRepository) -> CheckResult {
 }
 
 /// Expired records re-created while a purge runs: every re-created record
-/// survives the purge.
+/// survives the purge. Three rounds, the racers joined in one task and
+/// interleaving at every await point: the purge polled first, the
+/// re-creations first (a store whose `reserve` is a read then a
+/// compare-and-swap has read before the purge lists), then both spawned on
+/// separate threads behind a barrier. A purge that lists expired keys, then
+/// deletes those keys without checking their expiry again, deletes a
+/// re-created record in the first or second round, whatever the store's
+/// `reserve` looks like.
 async fn purge_races_recreate(cx: &Ctx, start: Timestamp, purge_at: Timestamp) -> CheckResult {
-    let keys: Vec<RecordKey> = (0..8).map(|i| cx.key(&format!("purge-race-{i}"))).collect();
+    for order in [
+        RaceOrder::PurgeFirst,
+        RaceOrder::RecreateFirst,
+        RaceOrder::Spawned,
+    ] {
+        purge_race_round(cx, start, purge_at, order).await?;
+    }
+    Ok(())
+}
+
+/// Which racer a race check polls first.
+#[derive(Debug, Clone, Copy)]
+enum RaceOrder {
+    PurgeFirst,
+    RecreateFirst,
+    Spawned,
+}
+
+async fn purge_race_round(
+    cx: &Ctx,
+    start: Timestamp,
+    purge_at: Timestamp,
+    order: RaceOrder,
+) -> CheckResult {
+    let keys: Vec<RecordKey> = (0..8)
+        .map(|i| cx.key(&format!("purge-race-{order:?}-{i}")))
+        .collect();
     for key in &keys {
         let req = ReserveRequest {
             now: start,
@@ -1213,32 +1276,89 @@ async fn purge_races_recreate(cx: &Ctx, start: Timestamp, purge_at: Timestamp) -
         };
         cx.repo.reserve(req).await?;
     }
-    let purge = async {
-        for _ in 0..keys.len() {
-            cx.repo.purge_expired(purge_at, 1).await?;
-            tokio::task::yield_now().await;
-        }
-        Ok::<_, Error>(())
-    };
-    let recreate = join_all(keys.iter().map(|key| async move {
-        let owner = OwnerToken::random();
-        cx.repo
-            .reserve(cx.req(key, owner))
+    let owners: Vec<OwnerToken> = keys.iter().map(|_| OwnerToken::random()).collect();
+    let (purged, recreated) = match order {
+        RaceOrder::PurgeFirst => {
+            futures::future::join(
+                purge_each(cx, purge_at, keys.len()),
+                recreate_all(cx, &keys, &owners),
+            )
             .await
-            .map(|r| (r, owner))
-    }));
-    let (purged, recreated) = futures::future::join(purge, recreate).await;
+        }
+        RaceOrder::RecreateFirst => {
+            let (r, p) = futures::future::join(
+                recreate_all(cx, &keys, &owners),
+                purge_each(cx, purge_at, keys.len()),
+            )
+            .await;
+            (p, r)
+        }
+        RaceOrder::Spawned => {
+            let start = Arc::new(tokio::sync::Barrier::new(2));
+            let purge = {
+                let (repo, start, n) = (cx.repo.clone(), start.clone(), keys.len());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    for _ in 0..n {
+                        repo.purge_expired(purge_at, 1).await?;
+                        tokio::task::yield_now().await;
+                    }
+                    Ok::<_, Error>(())
+                })
+            };
+            let recreate = {
+                let (repo, keys, owners) = (cx.repo.clone(), keys.clone(), owners.clone());
+                let now = cx.now();
+                tokio::spawn(async move {
+                    start.wait().await;
+                    join_all(keys.iter().zip(&owners).map(|(key, owner)| {
+                        repo.reserve(ReserveRequest::new(key, *owner, now, LEASE, TTL))
+                    }))
+                    .await
+                })
+            };
+            let p = purge.await.map_err(|e| failure(e.to_string()))?;
+            let r = recreate.await.map_err(|e| failure(e.to_string()))?;
+            (p, r)
+        }
+    };
     purged?;
-    for (key, answer) in keys.iter().zip(recreated) {
-        let (answer, owner) = answer?;
-        ensure_eq!(answer, Reservation::Acquired { attempt: 1 }, "{key}");
+    for ((key, answer), owner) in keys.iter().zip(recreated).zip(owners) {
+        ensure_eq!(
+            answer?,
+            Reservation::Acquired { attempt: 1 },
+            "{order:?}: {key}"
+        );
         let r = cx.repo.get(key, purge_at).await?;
         ensure!(
             r.is_some_and(|r| r.owner == owner),
-            "the record re-created at {key} during a purge is gone"
+            "{order:?}: the record re-created at {key} during a purge is gone"
         );
     }
     Ok(())
+}
+
+/// `n` purges of at most one record each, a scheduler trip between them.
+async fn purge_each(cx: &Ctx, purge_at: Timestamp, n: usize) -> Result<(), Error> {
+    for _ in 0..n {
+        cx.repo.purge_expired(purge_at, 1).await?;
+        tokio::task::yield_now().await;
+    }
+    Ok(())
+}
+
+/// One `reserve` of each key by its owner, all joined.
+async fn recreate_all(
+    cx: &Ctx,
+    keys: &[RecordKey],
+    owners: &[OwnerToken],
+) -> Vec<Result<Reservation, Error>> {
+    join_all(
+        keys.iter()
+            .zip(owners)
+            .map(|(key, owner)| cx.repo.reserve(cx.req(key, *owner))),
+    )
+    .await
 }
 
 // ---------------------------------------------------------------- keys
@@ -1353,6 +1473,30 @@ pub async fn check_namespaces_isolate(repo: SharedRepository) -> CheckResult {
         cx.repo.get(&b, cx.now()).await?.is_some(),
         "deleting a removed b"
     );
+    prefix_namespaces_isolate(&cx).await
+}
+
+/// Namespaces one of which is a prefix of the other (`ns` and `ns2`, `a:`
+/// and `a:b`): the same id in the longer one is not found through the
+/// shorter one, nor the other way round (a lookup by `LIKE 'ns%'` or
+/// `SCAN MATCH ns*`).
+async fn prefix_namespaces_isolate(cx: &Ctx) -> CheckResult {
+    for (short, long) in [("p", "p2"), ("q:", "q:b"), ("r", "r:")] {
+        let short = cx.key_in(&format!("{}-{short}", cx.ns), "same");
+        let long = cx.key_in(&format!("{}-{long}", cx.ns), "same");
+        for (held, absent) in [(&long, &short), (&short, &long)] {
+            let owner = cx.acquire(held).await?;
+            cx.repo
+                .complete(held, owner, Some(b"held"), cx.now() + TTL, cx.now())
+                .await?;
+            let got = cx.repo.get(absent, cx.now()).await?;
+            ensure!(
+                got.is_none(),
+                "get of {absent} returned {held}'s record: {got:?}"
+            );
+            ensure!(cx.repo.delete(held).await?, "delete {held}");
+        }
+    }
     Ok(())
 }
 

@@ -167,7 +167,10 @@ pub async fn check_fail_edges(repo: SharedRepository) -> CheckResult {
 
 /// An expired record that is still physically stored is re-created by exactly
 /// one of many racing reservers, as a new record (attempt 1, nothing of the
-/// old one kept).
+/// old one kept). The racers are forced to meet, not left to the scheduler:
+/// joined in one task (they interleave at every await point, so a read, a
+/// yield, then an unconditional write is hit every time), then spawned on
+/// separate threads and released together by a barrier, then joined again.
 pub async fn check_concurrent_recreate_of_expired(repo: SharedRepository) -> CheckResult {
     let cx = Arc::new(Ctx::new(repo));
     for round in 0..3 {
@@ -183,19 +186,26 @@ pub async fn check_concurrent_recreate_of_expired(repo: SharedRepository) -> Che
             .complete(&key, old, Some(b"old"), cx.now() + LEASE, cx.now())
             .await?;
         cx.advance(LEASE);
-        let racers = (0..16).map(|_| {
-            let (cx, key) = (cx.clone(), key.clone());
-            tokio::spawn(async move {
-                let owner = OwnerToken::random();
-                cx.repo
-                    .reserve(cx.req(&key, owner))
-                    .await
-                    .map(|r| (owner, r))
-            })
-        });
+        let answers = if round == 1 {
+            let start = Arc::new(tokio::sync::Barrier::new(RECREATORS));
+            let racers = (0..RECREATORS).map(|_| {
+                let (cx, key, start) = (cx.clone(), key.clone(), start.clone());
+                tokio::spawn(async move {
+                    start.wait().await;
+                    recreate(&cx, &key).await
+                })
+            });
+            let mut answers = Vec::with_capacity(RECREATORS);
+            for joined in join_all(racers).await {
+                answers.push(joined.map_err(|e| failure(e.to_string()))?);
+            }
+            answers
+        } else {
+            join_all((0..RECREATORS).map(|_| recreate(&cx, &key))).await
+        };
         let mut winners = Vec::new();
-        for joined in join_all(racers).await {
-            let (owner, answer) = joined.map_err(|e| failure(e.to_string()))??;
+        for answer in answers {
+            let (owner, answer) = answer?;
             match answer {
                 Reservation::Acquired { attempt } => winners.push((owner, attempt)),
                 Reservation::Existing(r) => {
@@ -218,6 +228,21 @@ pub async fn check_concurrent_recreate_of_expired(repo: SharedRepository) -> Che
         );
     }
     Ok(())
+}
+
+/// Racers of each [`check_concurrent_recreate_of_expired`] round.
+const RECREATORS: usize = 16;
+
+/// A reservation of `key` by a new owner, with that owner.
+async fn recreate(
+    cx: &Ctx,
+    key: &RecordKey,
+) -> Result<(OwnerToken, Reservation), idempotency_core::Error> {
+    let owner = OwnerToken::random();
+    cx.repo
+        .reserve(cx.req(key, owner))
+        .await
+        .map(|r| (owner, r))
 }
 
 /// Tokens that differ from `owner` in one bit: the lowest, the highest, and

@@ -49,7 +49,7 @@
 //!
 //! # What it catches
 //!
-//! `CATALOGUE.md` beside this crate lists 141 plausible single-flaw backends
+//! `CATALOGUE.md` beside this crate lists 152 plausible single-flaw backends
 //! (non-atomic reserve or takeover, check-then-write fencing, off-by-one lease
 //! and expiry boundaries, collations and truncated keys or namespaces,
 //! takeovers that forget a field, extension that does not move expiry, batch
@@ -63,7 +63,9 @@
 //! catch rate over 20 runs: every flaw, every run. Race checks run some
 //! rounds joined in one task — the racers interleave at every await point, so a
 //! read-then-write gap as small as one scheduler yield is hit deterministically
-//! — and some on separate threads behind a barrier.
+//! — in both orders (each side polled first: a store whose own `reserve` is a
+//! read then a compare-and-swap exposes a racer's flaw only in one of them),
+//! and some on separate threads behind a barrier.
 //!
 //! # The errors clause
 //!

@@ -48,7 +48,9 @@ fn pairs(keys: &[&RecordKey]) -> Vec<(String, String)> {
 
 /// Records in every status, a lease that ended exactly the clock skew ago
 /// (stuck), one that ended within the skew (not stuck: a consumer whose clock
-/// is behind may still hold it), one expired exactly now, one in a namespace
+/// is behind may still hold it), completed and failed records whose old
+/// lease ended long ago (not stuck: only `Processing` records are), ids and
+/// namespaces holding `:` (listed whole), one expired exactly now, one in a namespace
 /// under the check's and one outside it: `admin().list` under the check's
 /// namespace lists exactly the live records there and below (each as `get`
 /// reads it), filtered by status, by stuck lease (`lease_until <= now -
@@ -86,15 +88,18 @@ pub async fn check_admin_lists_and_counts(repo: SharedRepository) -> CheckResult
     let ending = t - SKEW + Duration::from_millis(1);
     let (ending, _) = put(cx.key("ending"), ending, t + TTL).await?;
     let (gone, _) = put(cx.key("gone"), t - Duration::from_secs(5), t).await?;
-    let (done, owner) = put(cx.key("done"), t + LEASE, t + TTL).await?;
+    // Finished records whose old lease ended long ago: not stuck (only a
+    // `Processing` record is). Ids holding `:` are listed whole.
+    let ended = t - Duration::from_secs(5);
+    let (done, owner) = put(cx.key("done:1"), ended, t + TTL).await?;
     cx.repo
         .complete(&done, owner, Some(b"r"), t + TTL, written)
         .await?;
-    let (failed, owner) = put(cx.key("failed"), t + LEASE, t + TTL).await?;
+    let (failed, owner) = put(cx.key("failed:a:b"), ended, t + TTL).await?;
     cx.repo
         .fail(&failed, owner, Some(b"e"), true, t + TTL, written)
         .await?;
-    let (child, owner) = put(cx.key_in(&child_ns, "child"), t + LEASE, t + TTL).await?;
+    let (child, owner) = put(cx.key_in(&child_ns, "child:"), ended, t + TTL).await?;
     cx.repo
         .complete(&child, owner, None, t + TTL, written)
         .await?;
