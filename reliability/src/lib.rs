@@ -16,13 +16,18 @@
 //! per backend in the test suite.
 
 mod figures;
+pub mod linearizable;
+mod recorder;
 mod run;
 mod scenario;
+mod store_model;
 mod target;
 
 pub use figures::Figures;
+pub use recorder::{History, Linearizability, Recorder};
 pub use run::{run, Plan};
 pub use scenario::{Bound, Scenario};
+pub use store_model::{Answer, Call, StoreModel};
 pub use target::{Backend, Target};
 
 /// The scenarios that apply to `backend`: the in-memory store and SQLite have
