@@ -11,6 +11,15 @@
 //! that every key was answered, nothing panicked, every error was of the right
 //! class, and no call took longer than the contract's per-phase bound.
 //!
+//! Every store call of a run goes through a [`Recorder`], which logs its
+//! arguments (the caller's instants included) and its answer on one logical
+//! clock; after the run, each key's history is checked for linearizability
+//! ([`linearizable`], a Wing–Gong–Lowe search) against the memory store's
+//! sequential rules ([`StoreModel`]). Calls that never answered, or answered
+//! an ambiguous error, are pending: applied at any point after their call,
+//! or never. A non-linearizable history fails the run and is written under
+//! `$CARGO_TARGET_DIR/linearizability/`.
+//!
 //! `cargo run -p idempotency-reliability -- --minutes 10` soaks every backend
 //! and writes `RELIABILITY.md`; `tests/scenarios.rs` runs every scenario once
 //! per backend in the test suite.
