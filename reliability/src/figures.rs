@@ -414,4 +414,39 @@ mod tests {
         let one = Figures::collect(Backend::Memory, Scenario::Baseline, plan, &input);
         assert_eq!(one.over_bound, vec![0, 1]);
     }
+
+    #[test]
+    fn a_non_linearizable_history_fails_the_run_and_is_written_out() {
+        let dir = std::env::temp_dir().join(format!("linear-{:x}", rand::random::<u64>()));
+        let bad = Linearizability {
+            operations: 3,
+            keys: 1,
+            violations: vec!["non-linearizable history of evt-1".to_owned()],
+            ..Linearizability::default()
+        };
+        let f = figures(&[(0, 1), (1, 1), (2, 1)], &[0, 1, 2], &[])
+            .with_linearizability(bad.clone(), &dir);
+        let e = f.verdict().unwrap_err();
+        assert!(
+            e.contains("1 of 1 keys' store histories not linearizable"),
+            "{e}"
+        );
+        let file = f.violations_file.clone().unwrap();
+        assert!(std::fs::read_to_string(&file).unwrap().contains("evt-1"));
+        assert!(f.linearizability_row().contains("| NO |"));
+        // A store that forgets on restart: reported, not held against the run.
+        let mut forgetful = f.clone();
+        forgetful.scenario = Scenario::ServerRestartForgetful;
+        forgetful.verdict().unwrap();
+        assert!(forgetful.linearizability_row().contains("expected"));
+        // Out of budget: reported unknown, never yes.
+        let unknown = Linearizability {
+            unknown: vec!["evt-2".to_owned()],
+            ..Linearizability::default()
+        };
+        let u =
+            figures(&[(0, 1), (1, 1), (2, 1)], &[0, 1, 2], &[]).with_linearizability(unknown, &dir);
+        assert!(u.linearizability_row().contains("| unknown |"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

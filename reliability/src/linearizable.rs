@@ -9,6 +9,13 @@
 //! it may have taken effect at any point after its call, or never; the
 //! search may place it anywhere after its call, with any answer, or leave
 //! it out.
+//!
+//! Written here rather than taken from a crate: `lincheck` explores its own
+//! executions under loom (it checks no recorded history), `todc-utils`'s WGL
+//! checker has no pending operations and no budget, and `stateright`'s
+//! `LinearizabilityTester` (a good checker) brings a model checker and actor
+//! runtime with it, and no bound on its search: a run must report "unknown"
+//! rather than spin.
 
 use std::collections::HashMap;
 
