@@ -254,8 +254,8 @@ impl Figures {
             );
         };
         let verdict = match (l.verdict(), self.scenario.store_keeps_records()) {
-            ("NO", false) => "no (expected: the store forgot its records)".to_owned(),
-            (v, _) => v.to_owned(),
+            (v, false) if v == "NO" => "no (expected: the store forgot its records)".to_owned(),
+            (v, _) => v,
         };
         format!(
             "| {} | {} | {} | {} | {} | {} ms |",

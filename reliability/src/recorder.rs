@@ -98,9 +98,17 @@ impl History {
         for (key, ops) in &keys {
             result.operations += ops.len();
             result.keys += 1;
-            match check(&StoreModel, None, ops, BUDGET_PER_KEY) {
+            let strict = StoreModel::default();
+            let resent = StoreModel {
+                resent_writes: true,
+            };
+            match check(&strict, None, ops, BUDGET_PER_KEY) {
                 Verdict::Linearizable => {}
-                Verdict::NotLinearizable => result.violations.push(render(key, ops)),
+                Verdict::NotLinearizable => match check(&resent, None, ops, BUDGET_PER_KEY) {
+                    Verdict::Linearizable => result.resent.push(render(key, ops)),
+                    Verdict::NotLinearizable => result.violations.push(render(key, ops)),
+                    Verdict::Unknown => result.unknown.push(format!("{key:?}")),
+                },
                 Verdict::Unknown => result.unknown.push(format!("{key:?}")),
             }
         }
@@ -120,17 +128,26 @@ pub struct Linearizability {
     pub violations: Vec<String>,
     /// Keys whose search ran out of budget.
     pub unknown: Vec<String>,
+    /// Keys linearizable only when an applied owner-checked write may
+    /// answer `LeaseLost` (a store client re-sent it; see
+    /// [`StoreModel::resent_writes`]), rendered: reported, not a failure.
+    pub resent: Vec<String>,
     /// How long the check took.
     pub took: Duration,
 }
 
 impl Linearizability {
-    /// `yes`, `NO` or `unknown` (some key out of budget, none violated).
-    pub fn verdict(&self) -> &'static str {
+    /// `yes`, `NO`, `unknown` (some key out of budget, none violated), or
+    /// `yes, N keys with a re-sent write answered LeaseLost`.
+    pub fn verdict(&self) -> String {
         match (self.violations.is_empty(), self.unknown.is_empty()) {
-            (false, _) => "NO",
-            (true, false) => "unknown",
-            (true, true) => "yes",
+            (false, _) => "NO".to_owned(),
+            (true, false) => "unknown".to_owned(),
+            (true, true) if self.resent.is_empty() => "yes".to_owned(),
+            (true, true) => format!(
+                "yes, {} key(s) with a re-sent write answered LeaseLost",
+                self.resent.len()
+            ),
         }
     }
 
@@ -140,6 +157,7 @@ impl Linearizability {
         self.keys += other.keys;
         self.violations.extend(other.violations.iter().cloned());
         self.unknown.extend(other.unknown.iter().cloned());
+        self.resent.extend(other.resent.iter().cloned());
         self.took += other.took;
     }
 }

@@ -85,7 +85,15 @@ pub enum Answer {
 /// The contract of one key; its state is the record physically stored (live
 /// or expired).
 #[derive(Debug, Clone, Copy, Default)]
-pub struct StoreModel;
+pub struct StoreModel {
+    /// Whether an owner-checked write the owner held may answer `LeaseLost`
+    /// having been applied: a store client that re-sent the write within
+    /// one call (its first attempt applied, its reply lost) finds the
+    /// condition false. The engine checks every `LeaseLost` against the
+    /// record read back (contract §4 step 3); strictly, the store's answer
+    /// is not the sequential one.
+    pub resent_writes: bool,
+}
 
 type State = Option<Record>;
 
@@ -112,7 +120,7 @@ impl Model for StoreModel {
                 retryable,
                 expires_at,
                 now,
-            } => owned(state, *owner, *now, answer, |r| {
+            } => owned(self, state, (*owner, *now), answer, |r| {
                 r.status = *status;
                 if *status == Status::Completed {
                     r.result.clone_from(value);
@@ -129,13 +137,13 @@ impl Model for StoreModel {
                 lease_until,
                 expires_at,
                 now,
-            } => owned(state, *owner, *now, answer, |r| {
+            } => owned(self, state, (*owner, *now), answer, |r| {
                 r.lease_until = r.lease_until.max(*lease_until);
                 r.expires_at = r.expires_at.max(*expires_at);
                 r.updated_at = *now;
                 true
             }),
-            Call::Release { owner, now } => owned(state, *owner, *now, answer, |_| false),
+            Call::Release { owner, now } => owned(self, state, (*owner, *now), answer, |_| false),
             Call::Get { now } => {
                 let live = state.clone().filter(|r| !r.is_expired(*now));
                 expect(Answer::Got(live), state.clone())
@@ -183,9 +191,9 @@ fn reserve(existing: Option<&Record>, request: &OwnedReserveRequest) -> (State, 
 /// on the live `Processing` record `owner` holds and `Done`, else `LeaseLost`
 /// and no change.
 fn owned(
+    model: &StoreModel,
     state: &State,
-    owner: OwnerToken,
-    now: Timestamp,
+    (owner, now): (OwnerToken, Timestamp),
     answer: Option<&Answer>,
     apply: impl FnOnce(&mut Record) -> bool,
 ) -> Vec<State> {
@@ -200,6 +208,7 @@ fn owned(
         _ => (Answer::LeaseLost, state.clone()),
     };
     match answer {
+        Some(Answer::LeaseLost) if held && model.resent_writes => vec![next],
         Some(a) if *a != spec => vec![],
         _ => vec![next],
     }
@@ -255,7 +264,7 @@ mod tests {
     }
 
     fn verdict(h: &[Operation<Call, Answer>]) -> Verdict {
-        check(&StoreModel, None, h, 100_000)
+        check(&StoreModel::default(), None, h, 100_000)
     }
 
     #[test]
@@ -305,6 +314,22 @@ mod tests {
             op(4, Some(5), complete(a, 1_001), Answer::LeaseLost),
         ];
         assert_eq!(verdict(&refused), Verdict::Linearizable);
+    }
+
+    #[test]
+    fn a_resent_write_answered_lease_lost_passes_only_the_relaxed_model() {
+        let a = OwnerToken::random();
+        let first = reserve_call(a, 0, 10_000);
+        let h = [
+            op(0, Some(1), first, acquired(1)),
+            op(2, Some(3), complete(a, 2), Answer::LeaseLost),
+            op(4, Some(5), complete(a, 4), Answer::LeaseLost),
+        ];
+        assert_eq!(verdict(&h), Verdict::NotLinearizable);
+        let relaxed = StoreModel {
+            resent_writes: true,
+        };
+        assert_eq!(check(&relaxed, None, &h, 100_000), Verdict::Linearizable);
     }
 
     #[test]
