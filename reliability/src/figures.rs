@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 use std::time::Duration;
 
+use crate::recorder::Linearizability;
 use crate::run::{FiguresInput, Plan};
 use crate::scenario::{Bound, Scenario};
 use crate::target::Backend;
@@ -45,6 +46,11 @@ pub struct Figures {
     pub took: Duration,
     /// The history of the first failing key, when there is one.
     pub failing_history: Option<String>,
+    /// The check of every store call's history against the sequential
+    /// contract (`None` until [`Figures::with_linearizability`]).
+    pub linearizability: Option<Linearizability>,
+    /// Where the non-linearizable histories were written, if any.
+    pub violations_file: Option<String>,
 }
 
 impl Figures {
@@ -99,6 +105,8 @@ impl Figures {
             wrong_class: input.wrong_class.to_vec(),
             took: input.took,
             failing_history: failing,
+            linearizability: None,
+            violations_file: None,
         }
     }
 
@@ -121,6 +129,14 @@ impl Figures {
         self.took += other.took;
         if self.failing_history.is_none() {
             self.failing_history = other.failing_history;
+        }
+        match (&mut self.linearizability, &other.linearizability) {
+            (Some(mine), Some(theirs)) => mine.absorb(theirs),
+            (None, Some(theirs)) => self.linearizability = Some(theirs.clone()),
+            _ => {}
+        }
+        if self.violations_file.is_none() {
+            self.violations_file = other.violations_file;
         }
     }
 
@@ -172,6 +188,20 @@ impl Figures {
                 self.call_bound()
             ));
         }
+        let held = self.scenario.store_keeps_records();
+        if let Some(l) = self
+            .linearizability
+            .as_ref()
+            .filter(|l| held && !l.violations.is_empty())
+        {
+            broken.push(format!(
+                "{} of {} keys' store histories not linearizable (written to {}):\n{}",
+                l.violations.len(),
+                l.keys,
+                self.violations_file.as_deref().unwrap_or("(not written)"),
+                l.violations[0]
+            ));
+        }
         if broken.is_empty() {
             return Ok(());
         }
@@ -186,6 +216,56 @@ impl Figures {
             let _ = write!(message, "\n{history}");
         }
         Err(message)
+    }
+
+    /// Records `check`, writing its violations (if any) under `dir`.
+    pub fn with_linearizability(mut self, check: Linearizability, dir: &std::path::Path) -> Self {
+        if !check.violations.is_empty() {
+            let name = format!(
+                "{}-{}-{}.txt",
+                self.backend.to_string().replace(' ', "-"),
+                self.scenario.to_string().replace([' ', ',', '(', ')'], "-"),
+                self.seed
+            );
+            let path = dir.join(name);
+            let written = std::fs::create_dir_all(dir)
+                .and_then(|()| std::fs::write(&path, check.violations.join("\n")));
+            self.violations_file = Some(match written {
+                Ok(()) => path.display().to_string(),
+                Err(e) => format!("(not written to {}: {e})", path.display()),
+            });
+        }
+        self.linearizability = Some(check);
+        self
+    }
+
+    /// The linearizability table's header.
+    pub fn linearizability_header() -> &'static str {
+        "| backend | scenario | store calls checked | keys | linearizable | check time |\n|---|---|---|---|---|---|"
+    }
+
+    /// The linearizability table's row (`unknown`: a key's search ran out of
+    /// its budget, reported as such, never as a pass).
+    pub fn linearizability_row(&self) -> String {
+        let Some(l) = &self.linearizability else {
+            return format!(
+                "| {} | {} | – | – | not checked | – |",
+                self.backend, self.scenario
+            );
+        };
+        let verdict = match (l.verdict(), self.scenario.store_keeps_records()) {
+            (v, false) if v == "NO" => "no (expected: the store forgot its records)".to_owned(),
+            (v, _) => v,
+        };
+        format!(
+            "| {} | {} | {} | {} | {} | {} ms |",
+            self.backend,
+            self.scenario,
+            l.operations,
+            l.keys,
+            verdict,
+            l.took.as_millis()
+        )
     }
 
     /// The report's header.
@@ -333,5 +413,40 @@ mod tests {
         );
         let one = Figures::collect(Backend::Memory, Scenario::Baseline, plan, &input);
         assert_eq!(one.over_bound, vec![0, 1]);
+    }
+
+    #[test]
+    fn a_non_linearizable_history_fails_the_run_and_is_written_out() {
+        let dir = std::env::temp_dir().join(format!("linear-{:x}", rand::random::<u64>()));
+        let bad = Linearizability {
+            operations: 3,
+            keys: 1,
+            violations: vec!["non-linearizable history of evt-1".to_owned()],
+            ..Linearizability::default()
+        };
+        let f = figures(&[(0, 1), (1, 1), (2, 1)], &[0, 1, 2], &[])
+            .with_linearizability(bad.clone(), &dir);
+        let e = f.verdict().unwrap_err();
+        assert!(
+            e.contains("1 of 1 keys' store histories not linearizable"),
+            "{e}"
+        );
+        let file = f.violations_file.clone().unwrap();
+        assert!(std::fs::read_to_string(&file).unwrap().contains("evt-1"));
+        assert!(f.linearizability_row().contains("| NO |"));
+        // A store that forgets on restart: reported, not held against the run.
+        let mut forgetful = f.clone();
+        forgetful.scenario = Scenario::ServerRestartForgetful;
+        forgetful.verdict().unwrap();
+        assert!(forgetful.linearizability_row().contains("expected"));
+        // Out of budget: reported unknown, never yes.
+        let unknown = Linearizability {
+            unknown: vec!["evt-2".to_owned()],
+            ..Linearizability::default()
+        };
+        let u =
+            figures(&[(0, 1), (1, 1), (2, 1)], &[0, 1, 2], &[]).with_linearizability(unknown, &dir);
+        assert!(u.linearizability_row().contains("| unknown |"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

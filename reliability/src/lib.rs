@@ -11,18 +11,32 @@
 //! that every key was answered, nothing panicked, every error was of the right
 //! class, and no call took longer than the contract's per-phase bound.
 //!
+//! Every store call of a run goes through a [`Recorder`], which logs its
+//! arguments (the caller's instants included) and its answer on one logical
+//! clock; after the run, each key's history is checked for linearizability
+//! ([`linearizable`], a Wing–Gong–Lowe search) against the memory store's
+//! sequential rules ([`StoreModel`]). Calls that never answered, or answered
+//! an ambiguous error, are pending: applied at any point after their call,
+//! or never. A non-linearizable history fails the run and is written under
+//! `$CARGO_TARGET_DIR/linearizability/`.
+//!
 //! `cargo run -p idempotency-reliability -- --minutes 10` soaks every backend
 //! and writes `RELIABILITY.md`; `tests/scenarios.rs` runs every scenario once
 //! per backend in the test suite.
 
 mod figures;
+pub mod linearizable;
+mod recorder;
 mod run;
 mod scenario;
+mod store_model;
 mod target;
 
 pub use figures::Figures;
+pub use recorder::{History, Linearizability, Recorder};
 pub use run::{run, Plan};
 pub use scenario::{Bound, Scenario};
+pub use store_model::{Answer, Call, StoreModel};
 pub use target::{Backend, Target};
 
 /// The scenarios that apply to `backend`: the in-memory store and SQLite have

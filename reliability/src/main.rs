@@ -61,10 +61,16 @@ async fn main() -> Result<(), String> {
         .chain(totals.values().map(Figures::row))
         .collect::<Vec<_>>()
         .join("\n");
+    let linear = std::iter::once(Figures::linearizability_header().to_owned())
+        .chain(totals.values().map(Figures::linearizability_row))
+        .collect::<Vec<_>>()
+        .join("\n");
     let failures: Vec<String> = totals.values().filter_map(|f| f.verdict().err()).collect();
     let section = format!(
         "Soak of {} minute(s) per backend, seeds from {first_seed}, on a machine with {} cores \
-         (`keys` and `executions` summed over the runs):\n\n{table}\n",
+         (`keys` and `executions` summed over the runs):\n\n{table}\n\n\
+         Linearizability of every key's history of store calls (summed over the runs):\n\n\
+         {linear}\n",
         args.minutes,
         std::thread::available_parallelism().map_or(0, usize::from)
     );

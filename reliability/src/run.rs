@@ -168,8 +168,9 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
     }
     let redelivery = redeliver_unanswered(&target, scenario, &prefix, plan, &shared).await?;
     let lost_replies = target.proxy.as_ref().map_or(0, |p| p.lost_replies());
+    let checked = target.history.check();
     let j = journal(&shared);
-    Ok(Figures::collect(
+    let figures = Figures::collect(
         backend,
         scenario,
         plan,
@@ -188,7 +189,16 @@ pub async fn run(backend: Backend, scenario: Scenario, plan: Plan) -> Result<Fig
             lost_replies,
             took: started.elapsed(),
         },
-    ))
+    );
+    Ok(figures.with_linearizability(checked, &violations_dir()))
+}
+
+/// Where non-linearizable histories are written: `linearizability/` under
+/// the build's target directory (`CARGO_TARGET_DIR`, else `target`).
+fn violations_dir() -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map_or_else(|| std::path::PathBuf::from("target"), Into::into)
+        .join("linearizability")
 }
 
 /// What a run hands to [`Figures::collect`].

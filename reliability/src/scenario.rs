@@ -130,6 +130,15 @@ impl Scenario {
         }
     }
 
+    /// Whether the store keeps every record it acknowledged through the
+    /// fault: not a Redis without persistence that restarts (it forgets
+    /// them), whose history of store calls cannot be linearizable (a record
+    /// read after the restart is gone): its check is reported, not held
+    /// against the run.
+    pub fn store_keeps_records(self) -> bool {
+        self != Scenario::ServerRestartForgetful
+    }
+
     /// Whether the fault acts on the server itself (needs a container of the
     /// run's own).
     pub fn needs_own_server(self) -> bool {

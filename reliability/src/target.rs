@@ -5,6 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::recorder::{History, Recorder};
 use crate::scenario::Scenario;
 use idempotency_conformance::containers::{
     self, Dedicated, DynamoDbServer, FaultProxy, MariaDbServer, PostgresServer, RedisServer,
@@ -60,6 +61,8 @@ pub struct Target {
     /// The run's own server, when the scenario acts on it.
     pub server: Option<OwnServer>,
     repos: Vec<SharedRepository>,
+    /// Every store call of the run, for the linearizability check.
+    pub history: History,
 }
 
 /// A server in a container of the run's own.
@@ -172,11 +175,13 @@ impl Target {
         scenario: Scenario,
     ) -> Result<Target, String> {
         if backend == Backend::Memory {
-            let shared: SharedRepository = Arc::new(MemoryRepository::new());
+            let history = History::default();
+            let shared = Recorder::wrap(Arc::new(MemoryRepository::new()), history.clone());
             return Ok(Target {
                 proxy: None,
                 server: None,
                 repos: vec![shared; processes],
+                history,
             });
         }
         if backend == Backend::RedisCluster {
@@ -195,16 +200,13 @@ impl Target {
             .await
             .map_err(|e| format!("{backend}: {e}"))?;
         let proxied = proxy_url(backend, &direct, proxy.url());
-        Ok(Target {
-            repos: connect_each(
-                |i| process_url(backend, &proxied, i + scenario as usize),
-                processes,
-                &format!("{backend} through the proxy"),
-            )
-            .await?,
-            proxy: Some(proxy),
-            server,
-        })
+        let repos = connect_each(
+            |i| process_url(backend, &proxied, i + scenario as usize),
+            processes,
+            &format!("{backend} through the proxy"),
+        )
+        .await?;
+        Ok(Target::recorded(repos, Some(proxy), server))
     }
 
     /// `processes` repositories on the harness's Redis Cluster, each with its
@@ -222,11 +224,8 @@ impl Target {
             "redis+cluster://{}?response_timeout=500ms&connect_timeout=500ms",
             hosts.join(",")
         );
-        Ok(Target {
-            repos: connect_each(|_| url.clone(), processes, "redis cluster").await?,
-            proxy: None,
-            server: None,
-        })
+        let repos = connect_each(|_| url.clone(), processes, "redis cluster").await?;
+        Ok(Target::recorded(repos, None, None))
     }
 
     /// `processes` repositories on one new SQLite file, each with its own
@@ -237,11 +236,27 @@ impl Target {
             containers::unique_namespace("idempotency-reliability")
         ));
         let url = format!("sqlite://{}?busy_timeout=2s", file.display());
-        Ok(Target {
-            repos: connect_each(|_| url.clone(), processes, "sqlite").await?,
-            proxy: None,
-            server: None,
-        })
+        let repos = connect_each(|_| url.clone(), processes, "sqlite").await?;
+        Ok(Target::recorded(repos, None, None))
+    }
+
+    /// A target over `repos`, each wrapped in a [`Recorder`] of one shared
+    /// history.
+    fn recorded(
+        repos: Vec<SharedRepository>,
+        proxy: Option<FaultProxy>,
+        server: Option<OwnServer>,
+    ) -> Target {
+        let history = History::default();
+        Target {
+            repos: repos
+                .into_iter()
+                .map(|r| Recorder::wrap(r, history.clone()))
+                .collect(),
+            proxy,
+            server,
+            history,
+        }
     }
 
     /// The manager of process `index`, with its clock `offset` ahead.

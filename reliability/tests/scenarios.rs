@@ -1,6 +1,7 @@
 //! Every scenario once per backend: each key's effects within the contract's
 //! bound, every key answered, no panic, errors of the right class, no call
-//! past its bound. A failure prints the seed and the failing key's history.
+//! past its bound, every key's history of store calls linearizable against
+//! the memory store's sequential rules. A failure prints the seed and the failing key's history.
 
 use idempotency_reliability::{run, scenarios_for, Backend, Figures, Plan, Scenario};
 
@@ -36,6 +37,7 @@ async fn scenarios(backend: Backend, scenarios: &[Scenario], plan: fn(u64) -> Pl
         .unwrap_or_else(rand::random::<u64>);
     println!("{}", Figures::header());
     let mut failures = Vec::new();
+    let mut checks = Vec::new();
     for &scenario in scenarios {
         let figures = run(backend, scenario, plan(seed))
             .await
@@ -44,6 +46,12 @@ async fn scenarios(backend: Backend, scenarios: &[Scenario], plan: fn(u64) -> Pl
         if let Err(e) = figures.verdict() {
             failures.push(e);
         }
+        checks.push(figures.linearizability_row());
+    }
+    // Every store call's history against the sequential contract.
+    println!("\n{}", Figures::linearizability_header());
+    for row in &checks {
+        println!("{row}");
     }
     if failures.is_empty() {
         return;
