@@ -1,11 +1,14 @@
 //! The sequential contract of one key, as a [`Model`] for the checker: the
 //! memory store's rules. `reserve` goes through the core's own decision
 //! functions (`decision::reserve_transition`, `decision::reserved_record`),
-//! which `MemoryRepository::reserve` applies; the owner-checked writes
-//! follow `MemoryRepository`'s `with_owned` (a live `Processing` record the
-//! owner holds, else `LeaseLost`).
+//! which `MemoryRepository::reserve` applies; the owner-checked writes go
+//! through the ones its `with_owned` applies (`decision::holds`,
+//! `decision::finish_record`, `decision::extend_record`: a live
+//! `Processing` record the owner holds, else `LeaseLost`).
 
-use idempotency_core::decision::{reserve_transition, reserved_record, ReserveTransition};
+use idempotency_core::decision::{
+    extend_record, finish_record, holds, reserve_transition, reserved_record, ReserveTransition,
+};
 use idempotency_core::{OwnedReserveRequest, OwnerToken, Record, Reservation, Status, Timestamp};
 
 use crate::linearizable::Model;
@@ -121,15 +124,7 @@ impl Model for StoreModel {
                 expires_at,
                 now,
             } => owned(self, state, (*owner, *now), answer, |r| {
-                r.status = *status;
-                if *status == Status::Completed {
-                    r.result.clone_from(value);
-                } else {
-                    r.error.clone_from(value);
-                }
-                r.retryable = *retryable;
-                r.expires_at = *expires_at;
-                r.updated_at = *now;
+                finish_record(r, *status, value.as_deref(), *retryable, *expires_at, *now);
                 true
             }),
             Call::Extend {
@@ -138,9 +133,7 @@ impl Model for StoreModel {
                 expires_at,
                 now,
             } => owned(self, state, (*owner, *now), answer, |r| {
-                r.lease_until = r.lease_until.max(*lease_until);
-                r.expires_at = r.expires_at.max(*expires_at);
-                r.updated_at = *now;
+                extend_record(r, *lease_until, *expires_at, *now);
                 true
             }),
             Call::Release { owner, now } => owned(self, state, (*owner, *now), answer, |_| false),
@@ -197,9 +190,7 @@ fn owned(
     answer: Option<&Answer>,
     apply: impl FnOnce(&mut Record) -> bool,
 ) -> Vec<State> {
-    let held = state
-        .as_ref()
-        .is_some_and(|r| !r.is_expired(now) && r.status == Status::Processing && r.owner == owner);
+    let held = state.as_ref().is_some_and(|r| holds(r, owner, now));
     let (spec, next) = match (held, state.clone()) {
         (true, Some(mut r)) => {
             let keep = apply(&mut r);

@@ -537,11 +537,13 @@ async fn run_supervised(
         limit,
     };
     let (unacked, drains) = finish(queue, &ledger, times, goal, Crew { running, stop }).await;
+    let took = started.elapsed();
     (
         ledger,
         unacked,
-        started.elapsed(),
+        took,
         format!("{note}drains: {drains}"),
+        drains,
     )
 }
 
