@@ -1398,6 +1398,9 @@ impl Repository for Fixture {
             .take(limit)
             .collect();
         if self.is(Flaw::PurgeDeletesAfterRoundTrip) {
+            // The flaw itself: a network round trip between the listing and
+            // the deletes, real time as the suite's racers (it runs against
+            // real servers) are.
             tokio::time::sleep(2 * MS).await;
         }
         if self.is(Flaw::PurgeDeletesByKey)

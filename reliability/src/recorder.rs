@@ -44,6 +44,20 @@ impl History {
         self.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    /// Records `call` on `key`, runs it, records its answer.
+    async fn around<T>(
+        &self,
+        key: &RecordKey,
+        call: Call,
+        op: impl std::future::Future<Output = Result<T, Error>>,
+        ok: impl FnOnce(&T) -> Answer,
+    ) -> Result<T, Error> {
+        let id = self.invoke(key, call);
+        let r = op.await;
+        self.respond(id, &r, ok);
+        r
+    }
+
     fn invoke(&self, key: &RecordKey, call: Call) -> usize {
         let mut log = self.log();
         log.clock += 1;
@@ -223,13 +237,12 @@ impl Repository for Recorder {
     }
 
     async fn reserve(&self, request: ReserveRequest<'_>) -> Result<Reservation, Error> {
-        let id = self.history.invoke(
+        let (key, call) = (
             request.key,
             Call::Reserve(OwnedReserveRequest::from(&request)),
         );
-        let r = self.inner.reserve(request).await;
-        self.history.respond(id, &r, reserved);
-        r
+        let op = self.inner.reserve(request);
+        self.history.around(key, call, op, reserved).await
     }
 
     async fn complete(
@@ -247,13 +260,8 @@ impl Repository for Recorder {
             result,
             (false, expires_at, now),
         );
-        let id = self.history.invoke(&k, call);
-        let r = self
-            .inner
-            .complete(key, owner, result, expires_at, now)
-            .await;
-        self.history.respond(id, &r, unit);
-        r
+        let op = self.inner.complete(key, owner, result, expires_at, now);
+        self.history.around(&k, call, op, unit).await
     }
 
     async fn fail(
@@ -272,13 +280,10 @@ impl Repository for Recorder {
             error,
             (retryable, expires_at, now),
         );
-        let id = self.history.invoke(&k, call);
-        let r = self
+        let op = self
             .inner
-            .fail(key, owner, error, retryable, expires_at, now)
-            .await;
-        self.history.respond(id, &r, unit);
-        r
+            .fail(key, owner, error, retryable, expires_at, now);
+        self.history.around(&k, call, op, unit).await
     }
 
     async fn release(
@@ -287,10 +292,10 @@ impl Repository for Recorder {
         owner: OwnerToken,
         now: Timestamp,
     ) -> Result<(), Error> {
-        let id = self.history.invoke(key, Call::Release { owner, now });
-        let r = self.inner.release(key, owner, now).await;
-        self.history.respond(id, &r, unit);
-        r
+        let op = self.inner.release(key, owner, now);
+        self.history
+            .around(key, Call::Release { owner, now }, op, unit)
+            .await
     }
 
     async fn extend(
@@ -307,27 +312,20 @@ impl Repository for Recorder {
             expires_at,
             now,
         };
-        let id = self.history.invoke(key, call);
-        let r = self
-            .inner
-            .extend(key, owner, lease_until, expires_at, now)
-            .await;
-        self.history.respond(id, &r, unit);
-        r
+        let op = self.inner.extend(key, owner, lease_until, expires_at, now);
+        self.history.around(key, call, op, unit).await
     }
 
     async fn get(&self, key: &RecordKey, now: Timestamp) -> Result<Option<Record>, Error> {
-        let id = self.history.invoke(key, Call::Get { now });
-        let r = self.inner.get(key, now).await;
-        self.history.respond(id, &r, |v| Answer::Got(v.clone()));
-        r
+        let op = self.inner.get(key, now);
+        let got = |v: &Option<Record>| Answer::Got(v.clone());
+        self.history.around(key, Call::Get { now }, op, got).await
     }
 
     async fn delete(&self, key: &RecordKey) -> Result<bool, Error> {
-        let id = self.history.invoke(key, Call::Delete);
-        let r = self.inner.delete(key).await;
-        self.history.respond(id, &r, |v| Answer::Deleted(*v));
-        r
+        let op = self.inner.delete(key);
+        let deleted = |v: &bool| Answer::Deleted(*v);
+        self.history.around(key, Call::Delete, op, deleted).await
     }
 
     /// Not recorded: it acts on keys it does not name (the runs never call
